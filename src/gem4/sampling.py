@@ -1,0 +1,461 @@
+"""Sampling: logits -> token ids, with one documented order of operations.
+
+Order (one pass per decode step over float32 logits ``[B, V]``; every row carries its own
+parameters, so one batch may mix greedy, seeded and filtered requests):
+
+    1. logit_bias           logit[t] += bias[t]                                   (OpenAI)
+    2. repetition_penalty   seen t: logit/p if logit > 0 else logit*p             (HF, llama.cpp)
+    3. presence/frequency   logit[t] -= presence*[count_t > 0] + frequency*count_t (OpenAI)
+       -- logprobs are taken here: log_softmax of the adjusted logits --
+    4. top_k                keep the k largest (0 or -1 = off, k > V keeps all)
+    5. top_p                keep the smallest prefix whose probability reaches p
+    6. min_p                keep t with prob_t >= min_p * max prob
+    7. temperature          logits / T, then draw; T == 0 takes the argmax instead
+
+Bias comes first so that the penalties see the biased logit (vLLM v1 does the same); the
+filters 4-6 each renormalise what the previous one kept, and all of them run at T = 1, so
+the temperature changes how the survivors are weighted, never which tokens survive (the
+DESIGN.md decision; gpt-fast and llama.cpp's default chain put temperature earlier).
+
+Which history each penalty sees:
+    repetition_penalty  prompt + generated tokens (vLLM, llama.cpp's last-n window, HF);
+                        a token counts once however often it was seen.
+    presence/frequency  generated tokens only, as OpenAI defines them.
+
+Logprobs: the chosen token's logprob and the top-N list come from the log-softmax of the
+logits after step 3 (bias and penalties) and before truncation and temperature, so they
+describe the distribution the request's penalties define and do not depend on its
+top_k/top_p/min_p/temperature (vLLM's default instead reports the raw model logprobs).
+
+Ties: greedy argmax, top_k and top_p break ties towards the lowest token id (stable sort),
+and so does the order of the top_logprobs list.
+
+Drawing: one uniform number per stochastic row from that row's CPU ``torch.Generator``
+(``None`` means torch's global generator), then inverse-CDF on the row's probabilities. The
+only Python loop is over the B rows to draw from their own generators, since torch has no
+batched op over a list of generators; nothing loops over the vocabulary. Greedy rows draw
+nothing. The engine holds one generator per sequence (``Sampler.make_generator``) for the
+request's lifetime, so the same seed gives the same tokens across runs and processes
+whatever else is in the batch.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+MAX_TOP_LOGPROBS = 20
+_NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------------
+# Request parameters
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks of the sampler and of the engine's stop logic.
+
+    List-like fields are stored as tuples and ``logit_bias`` as a tuple of ``(token_id, bias)``
+    pairs sorted by id, so the object stays frozen and hashable; a dict is accepted.
+    ``stop`` accepts a single string.
+    """
+
+    temperature: float = 1.0  # 0 = greedy argmax
+    top_k: int = 0  # 0 or -1 = off
+    top_p: float = 1.0  # 1.0 = off
+    min_p: float = 0.0  # 0.0 = off
+    repetition_penalty: float = 1.0  # 1.0 = off; prompt + generated
+    presence_penalty: float = 0.0  # generated only
+    frequency_penalty: float = 0.0  # generated only
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: str | Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0  # 0..20, needs logprobs=True
+
+    def __post_init__(self) -> None:
+        def fail(name: str, why: str) -> None:
+            raise ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+
+        if not _is_real(self.temperature) or self.temperature < 0:
+            fail("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "must be an int >= -1 (0 or -1 = off)")
+        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", "must be in (0, 1] (1 = off)")
+        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", "must be in [0, 1] (0 = off)")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            fail("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_real(getattr(self, name)):
+                fail(name, "must be a finite number (0 = off)")
+        if self.seed is not None and not _is_int(self.seed):
+            fail("seed", "must be an int or None")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "must be an int >= 1 or None")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", "must be a bool")
+        if not isinstance(self.logprobs, bool):
+            fail("logprobs", "must be a bool")
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            fail("top_logprobs", f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs > 0 and not self.logprobs:
+            fail("top_logprobs", "needs logprobs=True")
+
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            stop = tuple(stop)
+        except TypeError:
+            fail("stop", "must be a string or a sequence of strings")
+        if not all(isinstance(s, str) and s for s in stop):
+            fail("stop", "every stop string must be a non-empty str")
+        object.__setattr__(self, "stop", stop)
+
+        try:
+            stop_ids = tuple(self.stop_token_ids)
+        except TypeError:
+            fail("stop_token_ids", "must be a sequence of ints")
+        if not all(_is_int(t) and t >= 0 for t in stop_ids):
+            fail("stop_token_ids", "token ids must be ints >= 0")
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        try:
+            pairs = tuple((t, b) for t, b in bias)
+        except (TypeError, ValueError):
+            fail("logit_bias", "must map token id -> bias")
+        if not all(_is_int(t) and t >= 0 for t, _ in pairs):
+            fail("logit_bias", "token ids must be ints >= 0")
+        if not all(_is_real(b) for _, b in pairs):
+            fail("logit_bias", "biases must be finite numbers")
+        if len({t for t, _ in pairs}) != len(pairs):
+            fail("logit_bias", "token ids must be unique")
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    """One step's result for a batch. ``logprobs`` / ``top_logprobs`` are None unless some row
+    asked for them; then every row gets its chosen logprob and its own top-N list (empty for
+    rows with top_logprobs=0)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure batched functions. logits: [B, V] float32; per-row parameters: [B] tensors.
+# Each returns a new tensor; "off" values leave a row unchanged.
+# ---------------------------------------------------------------------------------------------
+
+
+def token_counts(ids: Sequence[Sequence[int]], vocab_size: int, device=None) -> torch.Tensor:
+    """counts[b, t] = how often token t occurs in ids[b]; [B, V] float32."""
+    counts = torch.zeros(len(ids), vocab_size, dtype=torch.float32, device=device)
+    lengths = torch.tensor([len(row) for row in ids], dtype=torch.long)
+    if int(lengths.sum()) == 0:
+        return counts
+    flat = torch.tensor(list(itertools.chain.from_iterable(ids)), dtype=torch.long)
+    if int(flat.min()) < 0 or int(flat.max()) >= vocab_size:
+        raise ValueError(f"token history holds ids outside [0, {vocab_size})")
+    rows = torch.repeat_interleave(torch.arange(len(ids)), lengths)  # [N]
+    ones = torch.ones(flat.numel(), dtype=torch.float32, device=device)
+    return counts.index_put_((rows.to(device), flat.to(device)), ones, accumulate=True)
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """logits[rows[i], token_ids[i]] += bias[i]; the bias is sparse, [N] each."""
+    return logits.index_put((rows, token_ids), bias, accumulate=True)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """Seen tokens: positive logits divided by the penalty, negative ones multiplied.
+    seen: [B, V] bool; penalty: [B] (1 = off)."""
+    p = penalty[:, None]  # [B, 1]
+    penalised = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_presence_frequency_penalty(
+    logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
+) -> torch.Tensor:
+    """logit -= presence * [count > 0] + frequency * count.
+    counts: [B, V]; presence, frequency: [B] (0 = off)."""
+    return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    seen: torch.Tensor | None,
+    counts: torch.Tensor | None,
+    repetition: torch.Tensor | None,
+    presence: torch.Tensor | None,
+    frequency: torch.Tensor | None,
+) -> torch.Tensor:
+    """Repetition penalty (over ``seen``: prompt + generated), then presence/frequency
+    (over ``counts``: generated). A None pair skips that penalty for the whole batch."""
+    if seen is not None and repetition is not None:
+        logits = apply_repetition_penalty(logits, seen, repetition)
+    if counts is not None and presence is not None and frequency is not None:
+        logits = apply_presence_frequency_penalty(logits, counts, presence, frequency)
+    return logits
+
+
+def _scatter_sorted(mask_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    # mask_sorted[b, r] belongs to token order[b, r]; returns the mask in vocabulary order.
+    return torch.empty_like(mask_sorted).scatter_(-1, order, mask_sorted)
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep exactly the k largest logits per row (ties to the lowest id); k: [B] int,
+    k <= 0 = off, k >= V keeps everything."""
+    vocab = logits.shape[-1]
+    k = torch.where(k <= 0, vocab, k).clamp(max=vocab)  # [B]
+    order = logits.argsort(dim=-1, descending=True, stable=True)  # [B, V]
+    ranks = torch.arange(vocab, device=logits.device)  # [V]
+    drop = _scatter_sorted(ranks[None, :] >= k[:, None], order)  # [B, V]
+    return logits.masked_fill(drop, _NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Nucleus: keep the smallest prefix of tokens (by descending probability, ties to the
+    lowest id) whose total probability reaches p; the top token is always kept. p: [B], 1 = off.
+    A token is dropped when the probability mass ranked strictly before it is already >= p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    probs = sorted_logits.softmax(dim=-1)  # [B, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
+    drop_sorted = (mass_before >= p[:, None]) & (p < 1)[:, None]
+    drop_sorted[:, 0] = False
+    return logits.masked_fill(_scatter_sorted(drop_sorted, order), _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens whose probability is at least p times the top token's; p: [B], 0 = off.
+    In log space: prob_t >= p * prob_max  <=>  logit_t >= max_logit + log(p)."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(p)[:, None]  # [B, 1]
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """logits / T per row; rows with T == 0 (greedy) are left as they are."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # [B]
+    return logits / t[:, None]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Argmax per row, ties to the lowest id (torch.argmax returns the first maximum). [B]."""
+    return logits.argmax(dim=-1)
+
+
+def _draw_uniforms(
+    rows: Sequence[int], generators: Sequence[torch.Generator | None], batch: int
+) -> torch.Tensor:
+    """One U[0, 1) float64 per listed row from that row's CPU generator, [B] (0 elsewhere).
+    Loops over rows: torch has no batched draw over a list of generators."""
+    u = torch.zeros(batch, dtype=torch.float64)
+    shared = [b for b in rows if generators[b] is None]
+    if shared:
+        u[shared] = torch.rand(len(shared), dtype=torch.float64)  # torch's global generator
+    for b in rows:
+        if generators[b] is not None:
+            u[b] = torch.rand((), dtype=torch.float64, generator=generators[b])
+    return u
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token b is t where cdf[t-1] <= u*total < cdf[t]; zero-probability tokens never win.
+    probs: [B, V]; u: [B] float64 in [0, 1)."""
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    target = u[:, None] * cdf[:, -1:]  # [B, 1]
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [B]
+    # guard the u*total == total rounding case: never step past the last token with mass
+    vocab_ids = torch.arange(probs.shape[-1], device=probs.device)
+    last = torch.where(probs > 0, vocab_ids, 0).amax(dim=-1)  # [B]
+    return torch.minimum(ids, last)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> torch.Tensor:
+    """Draw one token per row from softmax(logits / T); T == 0 rows take the argmax and draw
+    nothing. generators: one CPU torch.Generator or None (global) per row. Returns [B] int64."""
+    batch = logits.shape[0]
+    ids = greedy(logits)  # [B]
+    rows = [b for b, t in enumerate(temperature.tolist()) if t > 0]
+    if not rows:
+        return ids
+    generators = generators if generators is not None else [None] * batch
+    if len(generators) != batch:
+        raise ValueError(f"sample: {len(generators)} generators for {batch} rows")
+    probs = apply_temperature(logits, temperature).softmax(dim=-1)  # [B, V]
+    u = _draw_uniforms(rows, generators, batch).to(logits.device)
+    drawn = _inverse_cdf(probs, u)  # [B]
+    return torch.where(temperature > 0, drawn, ids)
+
+
+def gather_logprobs(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprobs: [B, V] log-softmax; token_ids: [B]. Returns the chosen logprobs [B] and the top
+    n (ids [B, n], logprobs [B, n]) in descending order, ties to the lowest id."""
+    chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)  # [B]
+    if n == 0:
+        return chosen, token_ids.new_empty(len(token_ids), 0), logprobs[:, :0]
+    top_values, top_ids = logprobs.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    return chosen, top_ids[:, :n], top_values[:, :n]
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole pipeline over a batch of tensors
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingTensors:
+    """A batch's parameters as tensors. A stage whose tensor is None is off for every row."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor | None = None  # [B] int64
+    top_p: torch.Tensor | None = None  # [B] float32
+    min_p: torch.Tensor | None = None  # [B] float32
+    repetition: torch.Tensor | None = None  # [B] float32
+    seen: torch.Tensor | None = None  # [B, V] bool, prompt + generated
+    presence: torch.Tensor | None = None  # [B] float32
+    frequency: torch.Tensor | None = None  # [B] float32
+    counts: torch.Tensor | None = None  # [B, V] float32, generated
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values [N]
+
+
+def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Steps 1-3: logit_bias, repetition penalty, presence/frequency. logits: [B, V] -> [B, V]."""
+    logits = logits.float()
+    if t.bias is not None:
+        logits = apply_logit_bias(logits, *t.bias)
+    return apply_penalties(logits, t.seen, t.counts, t.repetition, t.presence, t.frequency)
+
+
+def filter_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Steps 4-6: top-k, top-p, min-p; dropped tokens become -inf. [B, V] -> [B, V]."""
+    if t.top_k is not None:
+        logits = apply_top_k(logits, t.top_k)
+    if t.top_p is not None:
+        logits = apply_top_p(logits, t.top_p)
+    if t.min_p is not None:
+        logits = apply_min_p(logits, t.min_p)
+    return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Convenience: SamplingParams + histories -> tensors -> SampleOutput
+# ---------------------------------------------------------------------------------------------
+
+
+class Sampler:
+    """Builds the batch tensors from each row's SamplingParams and token histories and runs
+    the pipeline. Stateless: the caller (the engine) owns one generator per sequence."""
+
+    @staticmethod
+    def make_generator(params: SamplingParams) -> torch.Generator | None:
+        """A fresh CPU generator for a seeded request (None: use torch's global generator).
+        Keep it for the request's lifetime and pass it back on every step."""
+        if params.seed is None:
+            return None
+        return torch.Generator().manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+
+    @staticmethod
+    def tensors(
+        params: Sequence[SamplingParams],
+        generated: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int]] | None,
+        vocab_size: int,
+        device=None,
+    ) -> SamplingTensors:
+        def column(values, dtype=torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)  # [B]
+
+        t = SamplingTensors(temperature=column([p.temperature for p in params]))
+        if any(p.top_k > 0 for p in params):
+            t.top_k = column([p.top_k for p in params], torch.long)
+        if any(p.top_p < 1 for p in params):
+            t.top_p = column([p.top_p for p in params])
+        if any(p.min_p > 0 for p in params):
+            t.min_p = column([p.min_p for p in params])
+        if any(p.repetition_penalty != 1 for p in params):
+            prompts = prompts if prompts is not None else [()] * len(params)
+            history = [list(p) + list(g) for p, g in zip(prompts, generated)]
+            t.repetition = column([p.repetition_penalty for p in params])
+            t.seen = token_counts(history, vocab_size, device) > 0
+        if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
+            t.presence = column([p.presence_penalty for p in params])
+            t.frequency = column([p.frequency_penalty for p in params])
+            t.counts = token_counts(generated, vocab_size, device)
+        pairs = [(b, tok, bias) for b, p in enumerate(params) for tok, bias in p.logit_bias]
+        if pairs:
+            rows, ids, values = zip(*pairs)
+            if max(ids) >= vocab_size:
+                raise ValueError(
+                    f"SamplingParams.logit_bias: token id {max(ids)} >= vocab size {vocab_size}"
+                )
+            t.bias = (column(rows, torch.long), column(ids, torch.long), column(values))
+        return t
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generated: Sequence[Sequence[int]],
+        prompts: Sequence[Sequence[int]] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SampleOutput:
+        """logits: [B, V] for the next token of each row; generated / prompts: each row's token
+        ids so far. generators: the engine's per-sequence generators; None builds fresh ones
+        from the seeds, which only suits a single step."""
+        batch, vocab = logits.shape
+        for name, rows in (("params", params), ("generated", generated), ("prompts", prompts),
+                           ("generators", generators)):
+            if rows is not None and len(rows) != batch:
+                raise ValueError(f"Sampler.sample: {len(rows)} {name} for {batch} logits rows")
+        if generators is None:
+            generators = [self.make_generator(p) for p in params]
+
+        t = self.tensors(params, generated, prompts, vocab, logits.device)
+        adjusted = adjust_logits(logits, t)  # [B, V]
+        token_ids = sample(filter_logits(adjusted, t), t.temperature, generators)  # [B]
+
+        if not any(p.logprobs for p in params):
+            return SampleOutput(token_ids.tolist())
+        n = max(p.top_logprobs for p in params)
+        chosen, top_ids, top_values = gather_logprobs(adjusted.log_softmax(dim=-1), token_ids, n)
+        top = [
+            list(zip(ids[: p.top_logprobs], values[: p.top_logprobs]))
+            for p, ids, values in zip(params, top_ids.tolist(), top_values.tolist())
+        ]
+        return SampleOutput(token_ids.tolist(), chosen.tolist(), top)
