@@ -1,0 +1,218 @@
+"""ModelConfig / LayerSpec: the one description of a Gemma 4 text model that every room reads.
+
+Built only by `weights/` from what a checkpoint says (GGUF metadata or config.json, checked against
+its tensors); nothing here has a default that could stand in for a missing fact. `build_config`
+derives what both formats share: the KV-sharing donor of each layer (GEMMA4.md §2.6, the general
+HF rule) and the per-layer MLP width.
+
+Variants (GEMMA4.md §1.3):
+    E2B/E4B   per-layer embeddings (ple_dim > 0), KV sharing, double-wide MLP on shared layers (E2B)
+    12B/31B   dense, k_eq_v on full layers
+    26B-A4B   dense MLP + routed experts on every layer (moe), k_eq_v
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
+
+class ConfigError(ValueError):
+    """A checkpoint's description of the model is missing, inconsistent or unsupported."""
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int        # E
+    top_k: int              # K experts per token
+    intermediate_size: int  # Im, width of one expert
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    index: int
+    layer_type: str           # SLIDING | FULL
+    n_heads: int              # query heads
+    n_kv_heads: int
+    head_dim: int             # same for q, k and v
+    k_eq_v: bool              # 12B/31B/26B full layers: V is the raw K projection (GEMMA4.md §2.5)
+    kv_source: int            # layer whose K/V this layer attends to; == index when it computes its own
+    intermediate_size: int    # dense MLP width (doubled on E2B's shared layers)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == SLIDING
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_source == self.index
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    layers: tuple[LayerSpec, ...]
+    sliding_window: int
+    rms_norm_eps: float
+    final_logit_softcap: float | None  # None: no softcap
+    ple_dim: int                       # P, per-layer embedding width; 0: no PLE
+    ple_vocab_size: int                # rows of the PLE table (0 without PLE)
+    moe: MoEConfig | None
+    rope_inv_freq: tuple[tuple[str, tuple[float, ...]], ...]  # ((layer_type, inv_freq[head_dim/2]), ...)
+    tie_word_embeddings: bool          # LM head is embed_tokens (no separate lm_head tensor)
+    max_position_embeddings: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def first_shared_layer(self) -> int:
+        """Index of the first KV-shared layer (num_layers when none)."""
+        return next((s.index for s in self.layers if not s.owns_kv), self.num_layers)
+
+    def inv_freq(self, layer_type: str) -> tuple[float, ...]:
+        return dict(self.rope_inv_freq)[layer_type]
+
+    @property
+    def variant(self) -> str:
+        if self.moe is not None:
+            return "moe (26B-A4B-like)"
+        if self.ple_dim:
+            return "ple+kv-sharing (E2B/E4B-like)"
+        if any(s.k_eq_v for s in self.layers):
+            return "dense k_eq_v (12B/31B-like)"
+        return "dense"
+
+
+# ---- RoPE: every parameterisation becomes one inv_freq vector of length head_dim/2 (GEMMA4.md §2.7) ----
+
+def rope_default(theta: float, head_dim: int) -> tuple[float, ...]:
+    """f_i = theta^(-2i/d), i < d/2; float32 arithmetic as the reference computes it."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    return tuple((1.0 / (theta ** exponent)).tolist())
+
+
+def rope_proportional(theta: float, head_dim: int, partial_rotary_factor: float, factor: float = 1.0) -> tuple[float, ...]:
+    """Full layers: the first int(p*d/2) pairs rotate with f_i = theta^(-2i/d) (denominator the FULL d), the rest not."""
+    n_rot = int(partial_rotary_factor * head_dim // 2)
+    exponent = torch.arange(0, 2 * n_rot, 2, dtype=torch.float32) / head_dim
+    rotated = 1.0 / (theta ** exponent)
+    inv_freq = torch.cat([rotated, torch.zeros(head_dim // 2 - n_rot)]) / factor
+    return tuple(inv_freq.tolist())
+
+
+def rope_with_factors(theta: float, n_rot: int, freq_factors: Sequence[float] | None) -> tuple[float, ...]:
+    """llama.cpp form: f_i = theta^(-2i/n_rot) / factor_i (factors of 1e30 switch a pair off)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot))
+    if freq_factors is not None:
+        factors = torch.as_tensor(list(freq_factors), dtype=torch.float32)
+        if factors.numel() != inv_freq.numel():
+            raise ConfigError(f"rope_freqs has {factors.numel()} entries, expected {inv_freq.numel()} (n_rot/2)")
+        inv_freq = inv_freq / factors
+    return tuple(inv_freq.tolist())
+
+
+# ---- derivation shared by both formats ----
+
+def kv_sources(layer_types: Sequence[str], num_kv_shared_layers: int) -> list[int]:
+    """Per layer, the index of the layer whose K/V it attends to (GEMMA4.md §2.6, general HF rule).
+
+    Layers >= first = L - shared reuse the K/V of the LAST layer below `first` of their own type.
+    """
+    n = len(layer_types)
+    if not 0 <= num_kv_shared_layers < n:
+        raise ConfigError(f"num_kv_shared_layers={num_kv_shared_layers} must be in [0, {n})")
+    first = n - num_kv_shared_layers
+    donors = {t: i for i, t in enumerate(layer_types[:first])}  # last index of each type wins
+    sources = []
+    for i, t in enumerate(layer_types):
+        if i < first:
+            sources.append(i)
+        elif t in donors:
+            sources.append(donors[t])
+        else:
+            raise ConfigError(f"layer {i} ({t}) shares KV but no earlier non-shared layer has type {t}")
+    return sources
+
+
+def build_config(
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    layer_types: Sequence[str],
+    n_heads: Sequence[int],
+    n_kv_heads: Sequence[int],
+    head_dims: Sequence[int],
+    k_eq_v: Sequence[bool],
+    intermediate_sizes: Sequence[int],
+    num_kv_shared_layers: int,
+    sliding_window: int,
+    rms_norm_eps: float,
+    final_logit_softcap: float | None,
+    ple_dim: int,
+    ple_vocab_size: int,
+    moe: MoEConfig | None,
+    rope_inv_freq: dict[str, tuple[float, ...]],
+    tie_word_embeddings: bool,
+    max_position_embeddings: int,
+) -> ModelConfig:
+    """Validate the per-layer facts a checkpoint gave and assemble the frozen config."""
+    n = len(layer_types)
+    for name, seq in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("head_dims", head_dims),
+                      ("k_eq_v", k_eq_v), ("intermediate_sizes", intermediate_sizes)):
+        if len(seq) != n:
+            raise ConfigError(f"{name} has {len(seq)} entries for {n} layers")
+    for key, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("sliding_window", sliding_window),
+                       ("max_position_embeddings", max_position_embeddings)):
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    if not n:
+        raise ConfigError("the model has no layers")
+    if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and rms_norm_eps > 0):
+        raise ConfigError(f"rms_norm_eps must be a positive float, got {rms_norm_eps!r}")
+    if final_logit_softcap is not None and not final_logit_softcap > 0:
+        raise ConfigError(f"final_logit_softcapping must be positive or absent, got {final_logit_softcap!r}")
+    if ple_dim < 0 or (ple_dim > 0) != (ple_vocab_size > 0):
+        raise ConfigError(f"per-layer embedding dim {ple_dim} and table rows {ple_vocab_size} disagree")
+
+    sources = kv_sources(layer_types, num_kv_shared_layers)
+    specs = []
+    for i, t in enumerate(layer_types):
+        if t not in LAYER_TYPES:
+            raise ConfigError(f"layer {i}: unknown layer type {t!r} (expected one of {LAYER_TYPES})")
+        d, nh, nkv = head_dims[i], n_heads[i], n_kv_heads[i]
+        if d <= 0 or d % 2 or nh <= 0 or nkv <= 0 or nh % nkv:
+            raise ConfigError(f"layer {i}: head_dim={d}, heads={nh}, kv_heads={nkv} is not a valid GQA geometry")
+        if k_eq_v[i] and t != FULL:
+            raise ConfigError(f"layer {i}: k_eq_v is only defined for full-attention layers")
+        if intermediate_sizes[i] <= 0:
+            raise ConfigError(f"layer {i}: intermediate size {intermediate_sizes[i]} must be positive")
+        src = sources[i]
+        if src != i and (head_dims[src], n_kv_heads[src]) != (d, nkv):
+            raise ConfigError(f"layer {i} reuses the K/V of layer {src} but their KV geometry differs")
+        specs.append(LayerSpec(index=i, layer_type=t, n_heads=nh, n_kv_heads=nkv, head_dim=d,
+                               k_eq_v=bool(k_eq_v[i]) and src == i, kv_source=src,
+                               intermediate_size=intermediate_sizes[i]))
+    for t in set(layer_types):
+        if t not in rope_inv_freq:
+            raise ConfigError(f"no RoPE parameters for layer type {t!r}")
+        dims = {s.head_dim for s in specs if s.layer_type == t}
+        if len(dims) != 1 or len(rope_inv_freq[t]) * 2 != dims.pop():
+            raise ConfigError(f"RoPE for {t} has {len(rope_inv_freq[t])} frequencies; layers of that type need head_dim/2")
+    if moe is not None and (moe.num_experts <= 0 or not 0 < moe.top_k <= moe.num_experts or moe.intermediate_size <= 0):
+        raise ConfigError(f"invalid MoE geometry {moe}")
+    return ModelConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, layers=tuple(specs), sliding_window=sliding_window,
+        rms_norm_eps=float(rms_norm_eps), final_logit_softcap=final_logit_softcap, ple_dim=ple_dim,
+        ple_vocab_size=ple_vocab_size, moe=moe,
+        rope_inv_freq=tuple((t, tuple(rope_inv_freq[t])) for t in LAYER_TYPES if t in rope_inv_freq),
+        tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
+    )

@@ -1,0 +1,1 @@
+"""The Gemma 4 forward (the only room that knows the math)."""

@@ -1,0 +1,219 @@
+"""The Gemma 4 text decoder (GEMMA4.md §2), one explicit layer loop for every variant.
+
+Parameter names are the canonical tensor names every loader maps to (HF names without the
+`model.` prefix, e.g. `layers.3.self_attn.q_proj.weight`); the module tree is the one owner of
+which tensors a config needs and their shapes.
+
+One sequence at a time: activations are [T, H] for the T new tokens of a step.
+
+Precision: the residual stream, norms, RoPE, softmax and router run in float32 in every mode. The
+weight dtype (float32, or bfloat16 in "bfloat16" mode) is what matmul inputs are rounded to (products
+accumulate in float32) and what the KV cache stores -- the llama.cpp arrangement, which keeps bf16
+drift vs the float32 path small (NMSE ~1e-4 on the test fixtures) where bf16 residuals would not.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gem4.config import ModelConfig, LayerSpec
+from gem4.kv_cache import KVCache, Step
+from gem4.model.layers import (
+    QuantLinear, RMSNorm, RowTable, apply_rope, attention, embed_scale, experts_forward, gelu_tanh,
+    rms_norm, rope_cos_sin, softcap,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        H, d = config.hidden_size, spec.head_dim
+        self.spec = spec
+        self.eps = config.rms_norm_eps
+        self.q_proj = QuantLinear(H, spec.n_heads * d)
+        self.q_norm = RMSNorm(d, self.eps)
+        self.o_proj = QuantLinear(spec.n_heads * d, H)
+        if spec.owns_kv:                       # E2B/E4B: KV-shared layers have no k/v weights
+            self.k_proj = QuantLinear(H, spec.n_kv_heads * d)
+            self.k_norm = RMSNorm(d, self.eps)
+            if not spec.k_eq_v:                # 12B/31B/26B full layers: V is the raw K projection
+                self.v_proj = QuantLinear(H, spec.n_kv_heads * d)
+
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step, cache: KVCache) -> torch.Tensor:
+        spec, T = self.spec, h.shape[0]
+        cos, sin = rope
+        q = self.q_proj(h).view(T, spec.n_heads, spec.head_dim)                 # [T, nh, d]
+        q = apply_rope(self.q_norm(q), cos, sin)
+        if spec.owns_kv:
+            k_raw = self.k_proj(h).view(T, spec.n_kv_heads, spec.head_dim)     # [T, nkv, d]
+            v_raw = k_raw if spec.k_eq_v else self.v_proj(h).view(T, spec.n_kv_heads, spec.head_dim)
+            k = apply_rope(self.k_norm(k_raw), cos, sin)
+            v = rms_norm(v_raw, None, self.eps)                                   # v_norm: no weight, no rope
+            keys, values = cache.write(spec.index, k, v)                          # [S, nkv, d]
+        else:
+            keys, values = cache.read(spec.kv_source)                             # donor wrote this step already
+        out = attention(q, keys, values, step.masks[spec.layer_type])             # [T, nh*d]
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = QuantLinear(hidden, inner)
+        self.up_proj = QuantLinear(hidden, inner)
+        self.down_proj = QuantLinear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """26B-A4B router (GEMMA4.md §2.9): reads the un-normed residual."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, E = config.hidden_size, config.moe.num_experts
+        self.top_k = config.moe.top_k
+        self.eps = config.rms_norm_eps
+        self.proj = QuantLinear(H, E)
+        self.scale = nn.Parameter(torch.empty(H), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.empty(E), requires_grad=False)
+        self.root_size = H ** -0.5
+
+    def forward(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """r [T, H] -> expert ids [T, K], weights [T, K] (float32)."""
+        t = rms_norm(r, None, self.eps) * self.scale * self.root_size             # [T, H]
+        probs = torch.softmax(self.proj(t), dim=-1)                               # [T, E], over all experts first
+        weights, idx = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)                          # renormalise the top-K
+        return idx, weights * self.per_expert_scale[idx]
+
+
+class Experts(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        moe, H = config.moe, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, H), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, H, moe.intermediate_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return experts_forward(x, self.gate_up_proj, self.down_proj, idx, weights)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, spec: LayerSpec):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.spec = spec
+        self.self_attn = Attention(config, spec)
+        self.mlp = MLP(H, spec.intermediate_size)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.layer_scalar = nn.Parameter(torch.empty(1), requires_grad=False)
+        if config.moe is not None:             # 26B-A4B: dense branch + routed experts
+            self.router = Router(config)
+            self.experts = Experts(config)
+            self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
+        if config.ple_dim:                     # E2B/E4B: per-layer embedding input
+            self.per_layer_input_gate = QuantLinear(H, config.ple_dim)
+            self.per_layer_projection = QuantLinear(config.ple_dim, H)
+            self.post_per_layer_input_norm = RMSNorm(H, eps)
+
+    def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: Step, cache: KVCache) -> torch.Tensor:
+        # attention block
+        attn = self.self_attn(self.input_layernorm(x), rope, step, cache)
+        x = x + self.post_attention_layernorm(attn)
+        # feed-forward block
+        r = x
+        m = self.mlp(self.pre_feedforward_layernorm(r))
+        if hasattr(self, "experts"):           # 26B-A4B
+            idx, weights = self.router(r)
+            routed = self.experts(self.pre_feedforward_layernorm_2(r), idx, weights)
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
+        x = r + self.post_feedforward_layernorm(m)
+        if ple is not None:                    # E2B/E4B: ple [T, P] is this layer's slice
+            gated = gelu_tanh(self.per_layer_input_gate(x)) * ple
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return x * self.layer_scalar
+
+
+class Model(nn.Module):
+    """Gemma 4 text model. `Model.logits(ids)` is the public full-sequence entry point."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        H, P = config.hidden_size, config.ple_dim
+        self.config = config
+        self.dtype = dtype                     # weight / KV-cache dtype; activations are float32
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_scale = embed_scale(H)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = QuantLinear(H, config.vocab_size)
+        self.embed_tokens_per_layer: RowTable | None = None       # E2B/E4B: bound by the loader ([V_ple, L*P])
+        if P:
+            self.per_layer_model_projection = QuantLinear(H, config.num_layers * P)
+            self.per_layer_projection_norm = RMSNorm(P, config.rms_norm_eps)
+        for layer_type, inv_freq in config.rope_inv_freq:
+            self.register_buffer(f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32), persistent=False)
+
+    # ---- the forward ----
+
+    def per_layer_inputs(self, ids: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """E2B/E4B (GEMMA4.md §2.3): ids [T], scaled embedding x0 [T, H] -> [T, L, P]."""
+        L, P, H = self.config.num_layers, self.config.ple_dim, self.config.hidden_size
+        tok = self.embed_tokens_per_layer.lookup(ids, torch.float32) * math.sqrt(P)   # [T, L*P]
+        proj = self.per_layer_model_projection(x0) * H ** -0.5                   # [T, L*P]
+        proj = self.per_layer_projection_norm(proj.view(-1, L, P))                # [T, L, P]
+        return (proj + tok.view(-1, L, P)) * 2 ** -0.5
+
+    def hidden_states(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """ids [T] (the next T tokens of the sequence) -> final-normed hidden states [T, H] (or [1, H])."""
+        step = full_step = cache.begin(ids.numel())
+        x = self.embed_tokens(ids).float() * self.embed_scale                      # [T, H]
+        ple = self.per_layer_inputs(ids, x) if self.config.ple_dim else None       # [T, L, P]
+        ropes = {t: rope_cos_sin(step.positions, getattr(self, f"inv_freq_{t}"))
+                 for t, _ in self.config.rope_inv_freq}
+        first_shared = self.config.first_shared_layer
+        for layer in self.layers:
+            i = layer.spec.index
+            if last_only and i == first_shared and x.shape[0] > 1:
+                # E2B/E4B: KV-shared layers write no cache, so only the rows whose logits are needed
+                # must go on (GEMMA4.md §2.6). Their queries keep their own positions and masks.
+                x, ple = x[-1:], None if ple is None else ple[-1:]
+                step = Step(step.positions[-1:], {t: m[-1:] for t, m in step.masks.items()})
+                ropes = {t: (c[-1:], s[-1:]) for t, (c, s) in ropes.items()}
+            x = layer(x, None if ple is None else ple[:, i], ropes[layer.spec.layer_type], step, cache)
+        cache.commit(full_step)
+        x = self.norm(x)
+        return x[-1:] if last_only else x
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden [T, H] -> softcapped logits [T, V] float32 (tied head: the unscaled embedding)."""
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return softcap(torch.nn.functional.linear(h.to(weight.dtype), weight).float(), self.config.final_logit_softcap)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """One step: ids [T] -> logits [T, V] (or [1, V] with last_only), float32."""
+        return self.head(self.hidden_states(ids, cache, last_only))
+
+    def new_cache(self, max_chunk: int) -> KVCache:
+        return KVCache(self.config, max_chunk=max_chunk, dtype=self.dtype, device=self.embed_tokens.weight.device)
+
+    def logits(self, token_ids) -> torch.Tensor:
+        """Full-sequence logits [len(ids), vocab] float32 with a fresh cache."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.embed_tokens.weight.device).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("token_ids is empty")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
+        return self.forward(ids, self.new_cache(max_chunk=ids.numel()))

@@ -1,0 +1,144 @@
+"""Building blocks of the Gemma 4 forward (GEMMA4.md §2): norms, RoPE, linear layers, attention, experts.
+
+Everything here computes; nothing here knows a file format. Weights arrive already in their
+compute dtype (or, for lookup tables, in a row-addressable stored form) from `weights/loader.py`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gem4.weights.quants import GGMLType, dequantize, tensor_nbytes
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x * (mean(x^2) + eps)^-1/2 [* weight], in float32, cast back (GEMMA4.md §2.1: weight used as is)."""
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T], inv_freq [d/2] -> cos, sin [T, 1, d] float32 (NeoX layout: pair (i, i + d/2))."""
+    angles = positions.float()[:, None] * inv_freq[None, :]       # [T, d/2]
+    emb = torch.cat([angles, angles], dim=-1)[:, None, :]         # [T, 1, d]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]: out[i] = x[i] cos - x[i+d/2] sin; out[i+d/2] = x[i+d/2] cos + x[i] sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T with W [out, in]. The one linear layer of the model.
+
+    Reference path: W is a dense tensor in the weight dtype (GGML block formats are dequantized once
+    at load). The input is rounded to W's dtype, the product accumulates in float32 (oneDNN) and the
+    result comes back in the activation dtype. Packed kernels for quantized weights slot in here.
+    """
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+
+
+class RowTable:
+    """A lookup table read a few rows at a time (the E2B/E4B per-layer embedding, [V, L*P]).
+
+    Kept in its stored form (a float tensor, or the raw bytes of a GGML block format) so that only
+    the rows of the current tokens are converted: the table is never materialised in full.
+    """
+
+    def __init__(self, shape: tuple[int, int], dense: torch.Tensor | None = None,
+                 raw: torch.Tensor | None = None, ggml_type: GGMLType | None = None):
+        self.shape = shape
+        self.dense = dense                                        # [V, D] float (any float dtype)
+        self.raw = raw                                            # [V, row_bytes] uint8 (GGML blocks)
+        self.ggml_type = ggml_type
+        if (dense is None) == (raw is None):
+            raise ValueError("RowTable needs exactly one of dense or raw")
+        if raw is not None:
+            row_bytes = tensor_nbytes(ggml_type, shape[1])
+            self.raw = raw.reshape(shape[0], row_bytes)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """ids [T] -> rows [T, D] in `dtype`."""
+        if self.dense is not None:
+            return self.dense[ids].to(dtype)
+        rows = self.raw[ids]                                      # [T, row_bytes]
+        return dequantize(rows.contiguous(), self.ggml_type, (ids.numel(), self.shape[1])).to(dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, d], k/v [S, nkv, d], mask [T, S] bool -> [T, nh*d]. Scale 1.0 (GEMMA4.md §2.5), GQA h -> h // (nh/nkv)."""
+    out = F.scaled_dot_product_attention(
+        q.to(k.dtype).transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),   # [heads, T|S, d], cache dtype
+        attn_mask=mask, scale=1.0, enable_gqa=True,
+    )                                                               # [nh, T, d]
+    return out.transpose(0, 1).reshape(q.shape[0], -1).to(q.dtype)
+
+
+def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                    expert_idx: torch.Tensor, expert_w: torch.Tensor) -> torch.Tensor:
+    """Routed experts (26B-A4B), batched by expert.
+
+    x [T, H]; gate_up [E, 2*Im, H] (rows [0, Im) gate, [Im, 2Im) up); down [E, H, Im];
+    expert_idx, expert_w [T, K]. Returns sum_k w[t,k] * down[e] @ (gelu(g) * u)  -> [T, H].
+    (token, slot) pairs are grouped by expert, so the loop runs over the experts in use, never over tokens.
+    """
+    T, K = expert_idx.shape
+    im = down.shape[-1]
+    flat_expert = expert_idx.reshape(-1)                          # [T*K]
+    order = torch.argsort(flat_expert, stable=True)
+    token_of = order // K                                         # [T*K] token of each sorted pair
+    weight_of = expert_w.reshape(-1)[order]                       # [T*K]
+    counts = torch.bincount(flat_expert, minlength=gate_up.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tokens = token_of[start:start + n]
+        gu = F.linear(x[tokens].to(gate_up.dtype), gate_up[e]).to(x.dtype)       # [n, 2*Im]
+        h = gelu_tanh(gu[:, :im]) * gu[:, im:]
+        y = F.linear(h.to(down.dtype), down[e]).to(x.dtype) * weight_of[start:start + n, None].to(x.dtype)  # [n, H]
+        out.index_add_(0, tokens, y)
+        start += n
+    return out
+
+
+def embed_scale(hidden_size: int) -> float:
+    """sqrt(H) in float32 (llama.cpp's choice; HF rounds it to the weight dtype, see STYLE.md)."""
+    return float(np.float32(math.sqrt(hidden_size)))

@@ -1,0 +1,54 @@
+"""What every checkpoint reader hands the loader: a ModelConfig and canonical tensors, not yet materialised.
+
+Canonical names are the model's parameter names (HF names without the `model.` prefix). A reader
+lists each tensor with its shape and stored type, and a way to read it: `dense()` gives a float
+tensor (a zero-copy view where the stored dtype allows, else dequantized to float32); `raw()` gives
+the GGML block bytes for formats that are kept packed (lookup tables, later fast kernels).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from gem4.config import ModelConfig
+from gem4.weights.quants import GGMLType
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be used: names the file and the tensor or field at fault."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str                    # canonical name
+    shape: tuple[int, ...]       # PyTorch order
+    stored: str                  # stored type as the file names it: "F32", "BF16", "Q4_0", ...
+    nbytes: int
+    dense: Callable[[], torch.Tensor]
+    raw: Callable[[], tuple[torch.Tensor, GGMLType]] | None = None   # GGML block formats only
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    format: str                                   # "gguf" | "safetensors"
+    config: ModelConfig
+    tensors: dict[str, TensorEntry]               # canonical name -> entry
+    ignored: list[str] = field(default_factory=list)   # file tensors deliberately not loaded (vestigial, towers)
+    metadata: dict[str, object] = field(default_factory=dict)  # format-level facts for tools (inspect, convert)
+    close: Callable[[], None] = lambda: None
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """A `.gguf` file or an HF directory (config.json + *.safetensors)."""
+    p = Path(path)
+    if p.is_dir():
+        from gem4.weights.hf import open_hf
+        return open_hf(p)
+    if p.is_file():
+        from gem4.weights.gguf_model import open_gguf
+        return open_gguf(p)
+    raise CheckpointError(f"{p}: no such file or directory (expected a .gguf file or an HF checkpoint directory)")

@@ -1,0 +1,398 @@
+"""Gemma 4 on top of the GGUF container: llama.cpp's tensor names and metadata keys, both ways.
+
+`gguf.py` is the format (strict, model-agnostic); this module is the Gemma 4 vocabulary spoken in it
+(GEMMA4.md §3-§4): reading a file into canonical tensors + ModelConfig, and writing one for
+`gem4 convert`.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gem4.config import FULL, SLIDING, ConfigError, ModelConfig, MoEConfig, build_config, rope_default, rope_with_factors
+from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
+from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
+from gem4.weights.quants import GGMLType, dequantize, ggml_dtype_view, quantize, tensor_nbytes
+
+ARCH = "gemma4"
+
+# llama.cpp name -> canonical name (GEMMA4.md §3.2)
+GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "per_layer_projection_norm.weight",
+}
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "layer_output_scale.weight": "layer_scalar",
+    "ffn_gate_inp.weight": "router.proj.weight",            # 26B-A4B
+    "ffn_gate_inp.scale": "router.scale",
+    "ffn_down_exps.scale": "router.per_expert_scale",       # renamed by the converter (GEMMA4.md §3.2)
+    "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "ffn_down_exps.weight": "experts.down_proj",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "inp_gate.weight": "per_layer_input_gate.weight",        # E2B/E4B
+    "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
+}
+CANONICAL_TO_GGUF = {v: k for k, v in GLOBAL_NAMES.items()}
+LAYER_CANONICAL_TO_GGUF = {v: k for k, v in LAYER_NAMES.items()}
+VESTIGIAL_KV = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")     # on KV-shared layers (GEMMA4.md §3.4)
+NOT_YET = {"attn_qkv.weight": "fused QKV (--fuse-qkv)", "ffn_gate_exps.weight": "split expert gate/up tensors",
+           "ffn_up_exps.weight": "split expert gate/up tensors"}
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+ROPE_OFF = 1e30                                            # llama.cpp's "do not rotate this pair" factor
+
+
+def to_gguf_name(canonical: str) -> str:
+    if canonical in CANONICAL_TO_GGUF:
+        return CANONICAL_TO_GGUF[canonical]
+    _, index, suffix = canonical.split(".", 2)
+    return f"blk.{index}.{LAYER_CANONICAL_TO_GGUF[suffix]}"
+
+
+def to_canonical(name: str) -> str | None:
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
+        return f"layers.{int(parts[1])}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+# ---- reading ----
+
+class _Meta:
+    """Typed access to `gemma4.*` keys with errors that name the file and key."""
+
+    def __init__(self, reader: GGUFReader):
+        self.r = reader
+
+    def get(self, key: str, default=None, required: bool = False):
+        full = key if key.startswith(("general.", "tokenizer.")) else f"{ARCH}.{key}"
+        if full not in self.r.metadata:
+            if required:
+                raise CheckpointError(f"{self.r.path}: missing required metadata key {full!r}")
+            return default
+        return self.r.metadata[full]
+
+    def integer(self, key: str, default=None, required: bool = False) -> int | None:
+        v = self.get(key, default, required)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise CheckpointError(f"{self.r.path}: metadata {key!r} must be an integer, got {v!r}")
+        return int(v)
+
+    def number(self, key: str, default=None, required: bool = False) -> float | None:
+        v = self.get(key, default, required)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.number)):
+            raise CheckpointError(f"{self.r.path}: metadata {key!r} must be a number, got {v!r}")
+        return float(v)
+
+    def per_layer(self, key: str, n: int, default=None, required: bool = False) -> list[int]:
+        """A u32 scalar broadcast to every layer, or an array of exactly n integers."""
+        v = self.get(key, default, required)
+        if isinstance(v, np.ndarray) and v.dtype.kind in "iu":
+            if v.shape != (n,):
+                raise CheckpointError(f"{self.r.path}: metadata {key!r} has {v.size} entries for {n} layers")
+            return [int(x) for x in v]
+        return [self.integer(key, default, required)] * n
+
+
+def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> ModelConfig:
+    """GGUF metadata (+ tensor shapes for what the metadata leaves to them) -> ModelConfig (GEMMA4.md §4.2)."""
+    m, where = _Meta(reader), reader.path
+    arch = m.get("general.architecture", required=True)
+    if arch != ARCH:
+        raise CheckpointError(f"{where}: general.architecture is {arch!r}; gem4 reads {ARCH!r} text models")
+    L = m.integer("block_count", required=True)
+    H = m.integer("embedding_length", required=True)
+    if not L or L <= 0 or H <= 0:
+        raise CheckpointError(f"{where}: block_count={L} and embedding_length={H} must be positive")
+    pattern = m.get("attention.sliding_window_pattern", required=True)
+    if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (L,)):
+        raise CheckpointError(f"{where}: {ARCH}.attention.sliding_window_pattern must be a bool array of {L} entries")
+    layer_types = [SLIDING if s else FULL for s in pattern]
+    n_heads = m.per_layer("attention.head_count", L, required=True)
+    n_kv = m.per_layer("attention.head_count_kv", L, default=None) if m.get("attention.head_count_kv") is not None else n_heads
+    d_full = m.integer("attention.key_length", required=True)
+    d_swa = m.integer("attention.key_length_swa", required=True)
+    for k, d in (("attention.value_length", d_full), ("attention.value_length_swa", d_swa)):
+        if m.integer(k, d) != d:
+            raise CheckpointError(f"{where}: {ARCH}.{k}={m.integer(k)} differs from the key length {d}")
+    head_dims = [d_swa if t == SLIDING else d_full for t in layer_types]
+    n_ff = m.per_layer("feed_forward_length", L, required=True)
+    shared = m.integer("attention.shared_kv_layers", 0)
+    first = L - shared
+
+    # RoPE: sliding = default over n_rot_swa; full = n_rot with per-pair factors from rope_freqs.weight
+    n_rot = m.integer("rope.dimension_count", d_full)
+    n_rot_swa = m.integer("rope.dimension_count_swa", n_rot)
+    if (n_rot, n_rot_swa) != (d_full, d_swa):
+        raise CheckpointError(f"{where}: rope dimension counts ({n_rot}, swa {n_rot_swa}) must equal the head dims "
+                              f"({d_full}, {d_swa}); partial rotation is expressed with rope_freqs")
+    rope = {SLIDING: rope_with_factors(m.number("rope.freq_base_swa", 10000.0), d_swa, None),
+            FULL: rope_with_factors(m.number("rope.freq_base", 10000.0), d_full, rope_freqs)}
+
+    ple_dim = m.integer("embedding_length_per_layer_input", required=True)
+    ple_shape = shapes.get("embed_tokens_per_layer.weight")
+    if ple_dim and ple_shape is None:
+        raise CheckpointError(f"{where}: embedding_length_per_layer_input={ple_dim} but per_layer_token_embd.weight is missing")
+    if not ple_dim and ple_shape is not None:
+        raise CheckpointError(f"{where}: per_layer_token_embd.weight present but embedding_length_per_layer_input is 0")
+
+    moe_layers = [i for i in range(L) if f"layers.{i}.router.proj.weight" in shapes]
+    moe = None
+    if moe_layers:
+        if len(moe_layers) != L:
+            raise CheckpointError(f"{where}: expert router (ffn_gate_inp.weight) present on layers {moe_layers} only")
+        moe = MoEConfig(num_experts=m.integer("expert_count", required=True),
+                        top_k=m.integer("expert_used_count", required=True),
+                        intermediate_size=m.integer("expert_feed_forward_length", required=True))
+
+    # k_eq_v: a full layer that computes K/V but has no V projection
+    k_eq_v = [t == FULL and i < first and f"layers.{i}.self_attn.v_proj.weight" not in shapes
+              for i, t in enumerate(layer_types)]
+    if "embed_tokens.weight" not in shapes:
+        raise CheckpointError(f"{where}: missing required tensor 'token_embd.weight'")
+    softcap = m.number("final_logit_softcapping", None)
+    try:
+        return build_config(
+            vocab_size=shapes["embed_tokens.weight"][0], hidden_size=H, layer_types=layer_types, n_heads=n_heads,
+            n_kv_heads=n_kv, head_dims=head_dims, k_eq_v=k_eq_v, intermediate_sizes=n_ff,
+            num_kv_shared_layers=shared, sliding_window=m.integer("attention.sliding_window", required=True),
+            rms_norm_eps=m.number("attention.layer_norm_rms_epsilon", required=True),
+            final_logit_softcap=softcap, ple_dim=ple_dim, ple_vocab_size=ple_shape[0] if ple_shape else 0,
+            moe=moe, rope_inv_freq=rope, tie_word_embeddings="lm_head.weight" not in shapes,
+            max_position_embeddings=m.integer("context_length", required=True),
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def _entry(reader: GGUFReader, gguf_name: str, canonical: str) -> TensorEntry:
+    info = reader.tensors[gguf_name]
+
+    def raw_bytes() -> torch.Tensor:
+        with warnings.catch_warnings():             # the mmap is read-only; nothing writes through these views
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(reader.tensor_data(gguf_name))
+
+    def dense() -> torch.Tensor:
+        view = ggml_dtype_view(raw_bytes(), info.ggml_type, info.shape)
+        return view if view is not None else dequantize(raw_bytes(), info.ggml_type, info.shape)
+
+    is_block = info.ggml_type not in FLOAT_TYPES
+    return TensorEntry(name=canonical, shape=info.shape, stored=info.ggml_type.name, nbytes=info.nbytes, dense=dense,
+                       raw=(lambda: (raw_bytes(), info.ggml_type)) if is_block else None)
+
+
+def open_gguf(path: Path) -> Checkpoint:
+    try:
+        reader = GGUFReader(path)
+    except GGUFError as e:
+        raise CheckpointError(str(e)) from None
+    canonical: dict[str, str] = {}
+    rope_freqs = None
+    for name, info in reader.tensors.items():
+        if name == "rope_freqs.weight":
+            if info.ggml_type != GGMLType.F32 or len(info.shape) != 1:
+                raise CheckpointError(f"{path}: tensor 'rope_freqs.weight' must be a 1-D F32 vector")
+            rope_freqs = reader.tensor_data(name).view(np.float32).copy()
+            continue
+        suffix = name.split(".", 2)[-1]
+        if suffix in NOT_YET:
+            raise CheckpointError(f"{path}: tensor {name!r}: {NOT_YET[suffix]} is not supported yet")
+        c = to_canonical(name)
+        if c is None:
+            raise CheckpointError(f"{path}: unknown tensor {name!r} for architecture {ARCH!r}")
+        canonical[c] = name
+    shapes = {c: reader.tensors[n].shape for c, n in canonical.items()}
+    config = config_from_gguf(reader, shapes, rope_freqs)
+
+    ignored = []
+    for spec in config.layers:                      # vestigial K/V of KV-shared layers are not loaded
+        if not spec.owns_kv:
+            for suffix in VESTIGIAL_KV:
+                c = to_canonical(f"blk.{spec.index}.{suffix}")
+                if c in canonical:
+                    ignored.append(canonical.pop(c))
+    tensors = {c: _entry(reader, n, c) for c, n in canonical.items()}
+    return Checkpoint(path=path, format="gguf", config=config, tensors=tensors, ignored=ignored,
+                      metadata=dict(reader.metadata), close=reader.close)
+
+
+# ---- writing (gem4 convert) ----
+
+OUT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
+FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q8_0: 7, GGMLType.BF16: 32}  # llama_ftype
+_VT = GGUFValueType
+# tokenizer.ggml.token_type values
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+
+
+def tensor_type(canonical: str, shape: tuple[int, ...], out_type: GGMLType) -> GGMLType:
+    """llama.cpp's policy: vectors and the 26B-A4B router stay F32; rows that are not whole blocks fall back to F16."""
+    if len(shape) == 1 or canonical.endswith(("router.proj.weight", "layer_scalar")):
+        return GGMLType.F32
+    if shape[-1] % 32 and out_type in (GGMLType.Q8_0, GGMLType.Q4_0):
+        return GGMLType.F16
+    return out_type
+
+
+def rope_metadata(config: ModelConfig, theta: dict[str, float]) -> tuple[np.ndarray | None, dict[str, float]]:
+    """Express the config's inv_freq vectors in llama.cpp terms: base per type + rope_freqs factors (full layers).
+
+    Refuses a RoPE that GGUF cannot carry (sliding layers have no factor vector).
+    """
+    full_d = next((s.head_dim for s in config.layers if s.layer_type == FULL), None)
+    swa_d = next((s.head_dim for s in config.layers if s.layer_type == SLIDING), None)
+    if swa_d is not None:
+        want = np.asarray(config.inv_freq(SLIDING))
+        if not np.allclose(np.asarray(rope_default(theta[SLIDING], swa_d)), want, rtol=1e-6, atol=0):
+            raise CheckpointError("sliding-layer RoPE is not the default form; GGUF cannot express it")
+    factors = None
+    if full_d is not None:
+        inv_freq = np.asarray(config.inv_freq(FULL), dtype=np.float64)
+        base = np.asarray(rope_default(theta[FULL], full_d), dtype=np.float64)
+        factors = np.where(inv_freq > 0, base / np.where(inv_freq > 0, inv_freq, 1.0), ROPE_OFF).astype(np.float32)
+    return factors, theta
+
+
+def _tokenizer_keys(directory: Path, writer: GGUFWriter) -> bool:
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) -> tokenizer.ggml.* keys. False if absent."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return False
+    tok = json.loads(path.read_text())
+    model = tok.get("model", {})
+    if model.get("type") != "BPE":
+        raise CheckpointError(f"{path}: tokenizer model {model.get('type')!r} is not BPE")
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["content"]: t for t in tok.get("added_tokens", [])}
+    for content, t in added.items():
+        vocab.setdefault(content, t["id"])
+    n = max(vocab.values()) + 1
+    tokens = [""] * n
+    for piece, i in vocab.items():
+        tokens[i] = piece
+    if any(t == "" for t in tokens):
+        raise CheckpointError(f"{path}: token ids are not contiguous")
+    types = []
+    for piece in tokens:
+        if piece in added:
+            types.append(CONTROL if added[piece].get("special") else USER_DEFINED)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            types.append(BYTE)
+        else:
+            types.append(NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    writer.add("tokenizer.ggml.model", "gemma4")
+    writer.add("tokenizer.ggml.tokens", tokens, _VT.ARRAY, _VT.STRING)
+    writer.add("tokenizer.ggml.scores", np.full(n, -1000.0, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
+    writer.add("tokenizer.ggml.token_type", np.asarray(types, dtype=np.int32), _VT.ARRAY, _VT.INT32)
+    writer.add("tokenizer.ggml.merges", merges, _VT.ARRAY, _VT.STRING)
+    cfg_path = directory / "tokenizer_config.json"
+    tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    for key, default in (("bos", "<bos>"), ("eos", "<eos>"), ("unk", "<unk>"), ("pad", "<pad>")):
+        name = tcfg.get(f"{key}_token", default)
+        name = name.get("content") if isinstance(name, dict) else name
+        if name in vocab:
+            writer.add(f"tokenizer.ggml.{key}_token_id", vocab[name], _VT.UINT32)
+    writer.add("tokenizer.ggml.add_bos_token", bool(tcfg.get("add_bos_token", True)))
+    writer.add("tokenizer.ggml.add_space_prefix", False)
+    template = directory / "chat_template.jinja"
+    if template.is_file():
+        writer.add("tokenizer.chat_template", template.read_text())
+    elif isinstance(tcfg.get("chat_template"), str):
+        writer.add("tokenizer.chat_template", tcfg["chat_template"])
+    return True
+
+
+def write_gguf(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
+    """Write `ckpt` (an HF checkpoint) as a llama.cpp-compatible Gemma 4 GGUF. Returns tensor counts by type."""
+    if out_type not in OUT_TYPES:
+        raise ValueError(f"--type must be one of {sorted(OUT_TYPES)}, got {out_type!r}")
+    if ckpt.format != "safetensors":
+        raise CheckpointError(f"{ckpt.path}: convert reads HF checkpoint directories")
+    qtype = OUT_TYPES[out_type]
+    config = ckpt.config
+    rope_params = ckpt.metadata["config.json"].get("text_config", ckpt.metadata["config.json"])["rope_parameters"]
+    factors, theta = rope_metadata(config, {t: float(p["rope_theta"]) for t, p in rope_params.items()})
+
+    w = GGUFWriter(out)
+    L = config.num_layers
+    specs = config.layers
+    w.add("general.architecture", ARCH)
+    w.add("general.name", name or ckpt.path.name)
+    w.add("general.file_type", FILE_TYPE[qtype], _VT.UINT32)
+    w.add("general.quantization_version", 2, _VT.UINT32)
+
+    def scalar_or_array(key: str, values: list[int]) -> None:
+        if len(set(values)) == 1:
+            w.add(f"{ARCH}.{key}", values[0], _VT.UINT32)
+        else:
+            w.add(f"{ARCH}.{key}", np.asarray(values, dtype=np.int32), _VT.ARRAY, _VT.INT32)
+
+    d_full = next((s.head_dim for s in specs if s.layer_type == FULL), specs[0].head_dim)
+    d_swa = next((s.head_dim for s in specs if s.layer_type == SLIDING), specs[0].head_dim)
+    w.add(f"{ARCH}.context_length", config.max_position_embeddings, _VT.UINT32)
+    w.add(f"{ARCH}.embedding_length", config.hidden_size, _VT.UINT32)
+    w.add(f"{ARCH}.block_count", L, _VT.UINT32)
+    scalar_or_array("feed_forward_length", [s.intermediate_size for s in specs])
+    scalar_or_array("attention.head_count", [s.n_heads for s in specs])
+    scalar_or_array("attention.head_count_kv", [s.n_kv_heads for s in specs])
+    for key, value in (("attention.key_length", d_full), ("attention.value_length", d_full),
+                       ("attention.key_length_swa", d_swa), ("attention.value_length_swa", d_swa),
+                       ("rope.dimension_count", d_full), ("rope.dimension_count_swa", d_swa)):
+        w.add(f"{ARCH}.{key}", value, _VT.UINT32)
+    w.add(f"{ARCH}.rope.freq_base", theta.get(FULL, 10000.0), _VT.FLOAT32)
+    w.add(f"{ARCH}.rope.freq_base_swa", theta.get(SLIDING, 10000.0), _VT.FLOAT32)
+    w.add(f"{ARCH}.attention.layer_norm_rms_epsilon", config.rms_norm_eps, _VT.FLOAT32)
+    w.add(f"{ARCH}.attention.sliding_window", config.sliding_window, _VT.UINT32)
+    w.add(f"{ARCH}.attention.sliding_window_pattern", np.asarray([s.is_sliding for s in specs]), _VT.ARRAY, _VT.BOOL)
+    w.add(f"{ARCH}.attention.shared_kv_layers", L - config.first_shared_layer, _VT.UINT32)
+    w.add(f"{ARCH}.embedding_length_per_layer_input", config.ple_dim, _VT.UINT32)
+    if config.final_logit_softcap is not None:
+        w.add(f"{ARCH}.final_logit_softcapping", config.final_logit_softcap, _VT.FLOAT32)
+    if config.moe is not None:
+        w.add(f"{ARCH}.expert_count", config.moe.num_experts, _VT.UINT32)
+        w.add(f"{ARCH}.expert_used_count", config.moe.top_k, _VT.UINT32)
+        w.add(f"{ARCH}.expert_feed_forward_length", config.moe.intermediate_size, _VT.UINT32)
+    _tokenizer_keys(ckpt.path, w)
+
+    counts: dict[str, int] = {}
+    if factors is not None:
+        w.add_tensor("rope_freqs.weight", factors, (factors.size,), GGMLType.F32)
+        counts["F32"] = 1
+    for canonical, entry in ckpt.tensors.items():
+        t = tensor_type(canonical, entry.shape, qtype)
+        data = quantize(entry.dense().float().contiguous(), t).numpy()
+        w.add_tensor(to_gguf_name(canonical), data, entry.shape, t)
+        counts[t.name] = counts.get(t.name, 0) + 1
+    w.write()
+    return counts

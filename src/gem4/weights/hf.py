@@ -1,0 +1,206 @@
+"""HF checkpoints: a directory with config.json and *.safetensors (single file or sharded with an index).
+
+Layouts (GEMMA4.md §3.1):
+    Gemma4ForCausalLM                 text weights under `model.`
+    Gemma4ForConditionalGeneration    text weights under `model.language_model.`; towers ignored
+Config forms (GEMMA4.md §1.2): top-level `global_head_dim` / `num_global_key_value_heads` (hub
+configs) or `per_layer_config` (what transformers 5.23 re-saves). Per-layer embeddings are decided by
+the tensors present; a config that says otherwise is refused (transformers silently defaults
+`hidden_size_per_layer_input` to 256 when the key is absent).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from gem4.config import FULL, ConfigError, ModelConfig, MoEConfig, build_config, rope_default, rope_proportional
+from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
+
+TEXT_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
+TEXT_PREFIXES = ("model.language_model.", "model.")
+STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+VESTIGIAL_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight", "self_attn.v_norm.weight")
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({directory / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"{index}: shard {f.name} is missing")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files")
+    return files
+
+
+def _text_config(directory: Path) -> dict:
+    path = directory / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: no config.json") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    text = cfg.get("text_config", cfg)
+    model_type = text.get("model_type", cfg.get("model_type"))
+    if model_type not in TEXT_MODEL_TYPES:
+        raise CheckpointError(f"{path}: model_type {model_type!r} is not a Gemma 4 text model {TEXT_MODEL_TYPES}")
+    return text
+
+
+def _require(cfg: dict, key: str, where: Path):
+    if cfg.get(key) is None:
+        raise CheckpointError(f"{where}: config.json lacks {key!r}")
+    return cfg[key]
+
+
+def _rope(params: dict, head_dim: int, layer_type: str, where: Path) -> tuple[float, ...]:
+    rope_type = params.get("rope_type", "default")
+    theta = float(_require(params, "rope_theta", where))
+    if rope_type == "default":
+        return rope_default(theta, head_dim)
+    if rope_type == "proportional":
+        return rope_proportional(theta, head_dim, float(params.get("partial_rotary_factor", 1.0)),
+                                 float(params.get("factor", 1.0)))
+    raise CheckpointError(f"{where}: rope_parameters[{layer_type!r}] has unsupported rope_type {rope_type!r}")
+
+
+def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -> ModelConfig:
+    """config.json text section + canonical tensor shapes -> ModelConfig."""
+    L = int(_require(cfg, "num_hidden_layers", where))
+    layer_types = _require(cfg, "layer_types", where)       # never defaulted (STYLE.md)
+    if len(layer_types) != L:
+        raise CheckpointError(f"{where}: layer_types has {len(layer_types)} entries for {L} layers")
+    nh = int(_require(cfg, "num_attention_heads", where))
+    k_eq_v_flag = bool(cfg.get("attention_k_eq_v", False))
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+
+    # per-layer head geometry: per_layer_config (re-saved form) or global_* keys (hub form)
+    head_dims, kv_heads = [], []
+    per_layer = cfg.get("per_layer_config")
+    for i, t in enumerate(layer_types):
+        d, nkv = int(_require(cfg, "head_dim", where)), int(_require(cfg, "num_key_value_heads", where))
+        if per_layer is not None:
+            override = per_layer.get(str(i), {})
+            d, nkv = int(override.get("head_dim", d)), int(override.get("num_key_value_heads", nkv))
+        elif t == FULL:
+            d = int(_require(cfg, "global_head_dim", where))
+            if k_eq_v_flag and cfg.get("num_global_key_value_heads") is not None:
+                nkv = int(cfg["num_global_key_value_heads"])
+        head_dims.append(d)
+        kv_heads.append(nkv)
+
+    first = L - shared
+    inter = int(_require(cfg, "intermediate_size", where))
+    double = bool(cfg.get("use_double_wide_mlp", False))
+    intermediate = [inter * (2 if double and i >= first else 1) for i in range(L)]
+
+    # PLE: decided by the tensors, checked against the config
+    ple_shape = shapes.get("embed_tokens_per_layer.weight")
+    cfg_ple = cfg.get("hidden_size_per_layer_input", "absent")
+    if ple_shape is not None:
+        ple_vocab, width = ple_shape
+        if width % L:
+            raise CheckpointError(f"{where}: embed_tokens_per_layer.weight width {width} is not a multiple of {L} layers")
+        ple_dim = width // L
+        if cfg_ple != "absent" and cfg_ple != ple_dim:
+            raise CheckpointError(f"{where}: config hidden_size_per_layer_input={cfg_ple!r} contradicts "
+                                  f"embed_tokens_per_layer.weight {tuple(ple_shape)} (per-layer dim {ple_dim})")
+    else:
+        ple_vocab, ple_dim = 0, 0
+        if cfg_ple not in ("absent", None, 0):
+            raise CheckpointError(f"{where}: config hidden_size_per_layer_input={cfg_ple} but the checkpoint has "
+                                  f"no embed_tokens_per_layer.weight")
+
+    moe = None
+    if cfg.get("enable_moe_block"):
+        moe = MoEConfig(num_experts=int(_require(cfg, "num_experts", where)),
+                        top_k=int(_require(cfg, "top_k_experts", where)),
+                        intermediate_size=int(_require(cfg, "moe_intermediate_size", where)))
+
+    rope_params = _require(cfg, "rope_parameters", where)
+    rope = {}
+    for t in set(layer_types):
+        if t not in rope_params:
+            raise CheckpointError(f"{where}: rope_parameters has no entry for {t!r}")
+        rope[t] = _rope(rope_params[t], head_dims[layer_types.index(t)], t, where)
+
+    softcap = cfg.get("final_logit_softcapping")
+    try:
+        return build_config(
+            vocab_size=int(_require(cfg, "vocab_size", where)), hidden_size=int(_require(cfg, "hidden_size", where)),
+            layer_types=layer_types, n_heads=[nh] * L, n_kv_heads=kv_heads, head_dims=head_dims,
+            k_eq_v=[k_eq_v_flag and t == FULL for t in layer_types], intermediate_sizes=intermediate,
+            num_kv_shared_layers=shared, sliding_window=int(_require(cfg, "sliding_window", where)),
+            rms_norm_eps=float(_require(cfg, "rms_norm_eps", where)),
+            final_logit_softcap=None if softcap is None else float(softcap),
+            ple_dim=ple_dim, ple_vocab_size=ple_vocab, moe=moe, rope_inv_freq=rope,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            max_position_embeddings=int(_require(cfg, "max_position_embeddings", where)),
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+
+
+def open_hf(directory: Path) -> Checkpoint:
+    cfg = _text_config(directory)
+    files = _safetensors_files(directory)
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    located: dict[str, tuple[object, str]] = {}          # file name -> (handle, file path)
+    for handle, f in zip(handles, files):
+        for name in handle.keys():
+            if name in located:
+                raise CheckpointError(f"{f}: tensor {name!r} also appears in {located[name][1]}")
+            located[name] = (handle, str(f))
+
+    prefix = next((p for p in TEXT_PREFIXES if any(n.startswith(p + "embed_tokens.") for n in located)), None)
+    if prefix is None:
+        raise CheckpointError(f"{directory}: no text embedding (model.embed_tokens.weight or "
+                              f"model.language_model.embed_tokens.weight)")
+    canonical: dict[str, str] = {}
+    ignored = []
+    for name in located:
+        if name.startswith(prefix):
+            canonical[name[len(prefix):]] = name
+        elif name == "lm_head.weight":
+            canonical["lm_head.weight"] = name
+        else:
+            ignored.append(name)                          # vision/audio towers and their projections
+
+    shapes = {c: tuple(located[n][0].get_slice(n).get_shape()) for c, n in canonical.items()}
+    config = config_from_hf(cfg, shapes, directory / "config.json")
+    if config.tie_word_embeddings and "lm_head.weight" in canonical:
+        ignored.append(canonical.pop("lm_head.weight"))   # tied: the head is embed_tokens
+
+    # vestigial K/V weights of KV-shared layers (GEMMA4.md §3.4) are not loaded
+    for spec in config.layers:
+        if not spec.owns_kv:
+            for suffix in VESTIGIAL_KV:
+                c = f"layers.{spec.index}.{suffix}"
+                if c in canonical:
+                    ignored.append(canonical.pop(c))
+
+    tensors = {}
+    for c, name in canonical.items():
+        handle, f = located[name]
+        stored = handle.get_slice(name).get_dtype()
+        if stored not in STORED_DTYPES:
+            raise CheckpointError(f"{f}: tensor {name!r} has unsupported dtype {stored} (F32, F16 and BF16 are read)")
+        shape = shapes[c]
+        nbytes = STORED_DTYPES[stored].itemsize
+        for n in shape:
+            nbytes *= n
+        tensors[c] = TensorEntry(name=c, shape=shape, stored=stored, nbytes=nbytes,
+                                 dense=lambda h=handle, n=name: h.get_tensor(n))
+    return Checkpoint(path=directory, format="safetensors", config=config, tensors=tensors, ignored=ignored,
+                      metadata={"config.json": cfg, "prefix": prefix})
