@@ -114,3 +114,16 @@ class KVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for store in (self._k, self._v) for t in store.values())
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Cache bytes one token adds, per layer type, counting only layers that own KV (K and V both stored).
+
+    Sliding layers stop growing after `window + max_chunk` tokens (the ring).
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    out = {SLIDING: 0, FULL: 0}
+    for spec in config.layers:
+        if spec.owns_kv:
+            out[spec.layer_type] += 2 * spec.n_kv_heads * spec.head_dim * size
+    return out

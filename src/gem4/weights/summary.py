@@ -1,0 +1,68 @@
+"""`gem4 inspect`: what a checkpoint is, from its config and tensor table (nothing is materialised)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gem4.kv_cache import kv_bytes_per_token
+from gem4.weights.checkpoint import Checkpoint
+
+
+def summarize(ckpt: Checkpoint) -> dict:
+    config = ckpt.config
+    by_type: dict[str, dict[str, int]] = {}
+    for entry in ckpt.tensors.values():
+        row = by_type.setdefault(entry.stored, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += entry.nbytes
+    layers = [{
+        "index": s.index, "type": s.layer_type, "heads": s.n_heads, "kv_heads": s.n_kv_heads, "head_dim": s.head_dim,
+        "k_eq_v": s.k_eq_v, "kv_source": s.kv_source, "mlp": s.intermediate_size,
+    } for s in config.layers]
+    return {
+        "path": str(ckpt.path),
+        "format": ckpt.format,
+        "variant": config.variant,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_layers,
+        "sliding_window": config.sliding_window,
+        "context_length": config.max_position_embeddings,
+        "final_logit_softcap": config.final_logit_softcap,
+        "ple_dim": config.ple_dim,
+        "moe": None if config.moe is None else vars(config.moe),
+        "tied_head": config.tie_word_embeddings,
+        "first_shared_layer": config.first_shared_layer,
+        "parameters": sum(math.prod(e.shape) for e in ckpt.tensors.values()),
+        "tensors": len(ckpt.tensors),
+        "tensor_types": by_type,
+        "ignored_tensors": len(ckpt.ignored),
+        "kv_bytes_per_token_bf16": kv_bytes_per_token(config, torch.bfloat16),
+        "layers": layers,
+    }
+
+
+def format_summary(s: dict) -> str:
+    lines = [
+        f"{s['path']} ({s['format']})",
+        f"variant        {s['variant']}",
+        f"shape          hidden {s['hidden_size']}, {s['num_layers']} layers, vocab {s['vocab_size']}, "
+        f"sliding window {s['sliding_window']}, context {s['context_length']}",
+        f"parameters     {s['parameters']:,}",
+        f"head           {'tied to the embedding' if s['tied_head'] else 'separate'}, softcap {s['final_logit_softcap']}",
+    ]
+    if s["ple_dim"]:
+        lines.append(f"per-layer emb  {s['ple_dim']} per layer; KV shared from layer {s['first_shared_layer']}")
+    if s["moe"]:
+        m = s["moe"]
+        lines.append(f"experts        {m['num_experts']} x {m['intermediate_size']}, top-{m['top_k']}")
+    kv = s["kv_bytes_per_token_bf16"]
+    lines.append(f"KV per token   full {kv['full_attention']} B, sliding {kv['sliding_attention']} B (bf16; sliding capped at the window)")
+    lines.append("tensors        " + ", ".join(f"{t}: {r['tensors']} ({r['bytes'] / 2**20:.1f} MiB)"
+                                                for t, r in sorted(s["tensor_types"].items())))
+    lines.append("layers         idx type     heads kv  dim  k_eq_v kv_from mlp")
+    for l in s["layers"]:
+        lines.append(f"               {l['index']:>3} {'full' if l['type'] == 'full_attention' else 'slide':<8} "
+                     f"{l['heads']:>5} {l['kv_heads']:>2} {l['head_dim']:>4} {str(l['k_eq_v']):<6} {l['kv_source']:>7} {l['mlp']}")
+    return "\n".join(lines)
