@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from text_fixtures import vocab_gguf
 from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType as VT, GGUFWriter, TensorInfo
 from gem4.weights.quants import GGMLType, tensor_nbytes
 
 gguf = pytest.importorskip("gguf")  # test-only oracle
 
-VOCAB = Path("/work/shared/assets/gemma4-vocab/ggml-vocab-gemma-4.gguf")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -321,10 +321,9 @@ def test_writer_type_inference_and_errors(tmp_path):
 # The real vocab GGUF
 # --------------------------------------------------------------------------------------------------
 
-@pytest.mark.skipif(not VOCAB.exists(), reason="vocab GGUF asset not present")
 def test_real_vocab_gguf():
     t0 = time.perf_counter()
-    r = GGUFReader(VOCAB)
+    r = GGUFReader(vocab_gguf())
     elapsed = time.perf_counter() - t0
     with r:
         m = r.metadata
