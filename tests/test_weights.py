@@ -305,3 +305,24 @@ def test_inspect_text_and_errors(variants, capsys, tmp_path):
     assert "moe (26B-A4B-like)" in text and "experts        8 x 32, top-2" in text
     assert cli_main(["inspect", str(tmp_path / "missing.gguf")]) == 2
     assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_convert_carries_the_tokenizer_and_chat_template(variants, tmp_path):
+    from text_fixtures import templates, tiny_tokenizer_dir
+
+    from gem4.tokenizer import Tokenizer
+
+    d = copy_hf(variants["dense_plain"].hf_causal, tmp_path / "with_tok")
+    for f in tiny_tokenizer_dir().iterdir():
+        shutil.copy(f, d / f.name)
+    out = tmp_path / "tok.gguf"
+    assert cli_main(["convert", str(d), str(out), "--type", "f32"]) == 0
+    from_gguf, from_hf = Tokenizer.from_file(out), Tokenizer.from_file(d)
+    assert from_gguf.chat_template == from_hf.chat_template == templates()["C"]
+    assert from_gguf.vocab_size == from_hf.vocab_size == 512
+    corpus = ["Hello world!", "<|turn>user\nhi<turn|>\n", '<|tool_call>call:f{a:<|"|>x<|"|>}<tool_call|>', "  a\n\n b ü"]
+    for text in corpus:
+        for special in (False, True):
+            assert from_gguf.encode(text, parse_special=special) == from_hf.encode(text, parse_special=special)
+    assert [from_gguf.token_type(i) for i in range(512)] == [from_hf.token_type(i) for i in range(512)]
+    assert torch.equal(logits(out, variants["dense_plain"].ids), logits(d, variants["dense_plain"].ids))
