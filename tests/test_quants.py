@@ -121,7 +121,7 @@ def test_dequant_every_special_scale(name):
 @pytest.mark.parametrize("name", BLOCK_TYPES)
 def test_dequant_infinite_scales(name):
     """±Inf scale fields (Inf*0 -> NaN, Inf-Inf -> NaN) agree bitwise too."""
-    bs, ts = BLOCK_INFO[GGMLType[name]].block_size, BLOCK_INFO[GGMLType[name]].type_size
+    bs = BLOCK_INFO[GGMLType[name]].block_size
     rng = np.random.default_rng(7)
     raw = random_blocks(name, 16, seed=7)
     raw[0] = 0                                                   # all q == 0 / zero sub-scales: Inf*0

@@ -16,7 +16,7 @@ import torch
 from gem4.config import FULL, SLIDING, ConfigError, ModelConfig, MoEConfig, build_config, rope_default, rope_with_factors
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
-from gem4.weights.quants import GGMLType, dequantize, ggml_dtype_view, quantize, tensor_nbytes
+from gem4.weights.quants import GGMLType, dequantize, ggml_dtype_view, quantize
 
 ARCH = "gemma4"
 
