@@ -33,7 +33,7 @@ value begins, and a number or literal is emitted when it ends. So a call that is
 
 Malformed output never raises:
 - a bad tool-call header (`<|tool_call>` not followed by `call:NAME{`) is emitted as plain content
-  (without the `<|tool_call>` token);
+  (without the `<|tool_call>` token); a header cut off by the end of generation is dropped;
 - bad arguments after the call was announced close the call (`complete=False`) and the rest of the
   text becomes content;
 - stray structural tokens outside their place (`<channel|>` in content, `<|"|>` in text, `<bos>`,
@@ -163,6 +163,7 @@ class Malformed(Exception):
     def __init__(self, message: str, position: int = 0):
         super().__init__(message)
         self.position = position  # index in the text being fed where it went wrong
+        self.held = ""  # text read before that point but not converted (a bad literal or key)
 
 
 class Expect(enum.Flag):
@@ -236,6 +237,7 @@ class ArgumentDecoder:
                 self._char(text[i])
             except Malformed as e:
                 e.position = i
+                e.held = self._held_text()
                 raise
             i += 1
         return n
@@ -255,7 +257,9 @@ class ArgumentDecoder:
             self.stack[-1].phase = "colon"
             return
         if s is not None:
-            raise Malformed(f"string delimiter inside a {s.replace('_', ' ')}")
+            e = Malformed(f"string delimiter inside a {s.replace('_', ' ')}")
+            e.held = self._held_text()
+            raise e
         if not self.stack:
             raise Malformed("arguments must be an object")
         f = self.stack[-1]
@@ -315,6 +319,13 @@ class ArgumentDecoder:
         return after_value
 
     # -- internals
+    def _held_text(self) -> str:
+        if self.scalar == "literal":
+            return "".join(self._literal)
+        if self.scalar in ("bare_key", "quoted_key"):
+            return "".join(self._key)
+        return ""
+
     def _char(self, c: str) -> None:
         s = self.scalar
         if s == "quoted_key":
@@ -702,6 +713,7 @@ class Gemma4Parser:
                 except Malformed as e:
                     self._emit_args()
                     self._abort_call(str(e))
+                    self._emit_content(e.held)
                     return
                 self._emit_args()
             else:
@@ -717,9 +729,10 @@ class Gemma4Parser:
         """The output ends (stop token, or finish() without one) in the current mode."""
         mode = self.mode
         if mode == Mode.CALL_HEADER:
-            if not stopped:
+            if stopped:
+                self._header_fallback("tool call header ended by a stop token")
+            else:  # cut off: a half-written call header is not content
                 self.truncated = True
-            self._header_fallback("tool call header cut off" if not stopped else "tool call header ended by a stop token")
         elif mode == Mode.CALL_ARGS:
             if not stopped:
                 self.truncated = True
@@ -773,7 +786,7 @@ class Gemma4Parser:
                 except Malformed as e:
                     self._emit_args()
                     self._abort_call(str(e))
-                    text = text[e.position :]
+                    text = e.held + text[e.position :]
                     continue
                 self._emit_args()
                 text = text[used:]
