@@ -277,6 +277,27 @@ def test_tiny_tokenizer_round_trip(s):
     assert "".join(pieces) + tail == s
 
 
+def test_hf_token_types_follow_the_llama_cpp_converter(tmp_path):
+    tokens, types, merges = tiny_vocab()
+    d = write_hf_dir(tmp_path / "t", tokens, types, merges)
+    tj = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    # HF files flag more added tokens as special than llama.cpp treats as CONTROL
+    for at in tj["added_tokens"]:
+        at["special"] = True
+    tj["added_tokens"].append({"id": 6, "content": "<unused0>", "single_word": False, "lstrip": False,
+                               "rstrip": False, "normalized": False, "special": True})
+    (d / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
+    t = Tokenizer.from_file(d)
+    assert t.types.tolist() == types  # the names in tokenizer_config.json decide, as in the GGUF
+    assert t.encode("<unused0>", add_bos=False, parse_special=True) != [6]
+    assert t.encode("<|turn>", add_bos=False, parse_special=True) == [105]
+    # with no names in tokenizer_config.json the added tokens' flags decide
+    (d / "tokenizer_config.json").write_text("{}", encoding="utf-8")
+    t = Tokenizer.from_file(d / "tokenizer.json")
+    assert t.token_type(6) == TokenType.CONTROL and t.token_type(52) == TokenType.USER_DEFINED
+    assert t.special.bos == 2 and t.chat_template is None
+
+
 def test_gguf_written_by_our_writer(tmp_path):
     from gem4.weights.gguf import GGUFValueType, GGUFWriter
 

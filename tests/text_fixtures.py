@@ -98,8 +98,11 @@ def write_hf_dir(directory: Path, tokens, types, merges, chat_template: str | No
     """An HF tokenizer directory: tokenizer.json (+ tokenizer_config.json, optional template)."""
     directory.mkdir(parents=True, exist_ok=True)
     build_hf_tokenizer(tokens, types, merges).save(str(directory / "tokenizer.json"))
+    # like a real Gemma 4 tokenizer_config.json: every CONTROL token is named
+    named = {"<bos>", "<eos>", "<pad>", "<unk>", "<mask>"}
     config = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
-              "add_bos_token": True}
+              "mask_token": "<mask>", "add_bos_token": True,
+              "extra_special_tokens": [t for t, ty in zip(tokens, types) if ty == 3 and t not in named]}
     if chat_template is not None and not template_file:
         config["chat_template"] = chat_template
     (directory / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")

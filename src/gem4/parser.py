@@ -514,8 +514,8 @@ class Gemma4Parser:
         tool_names: Collection[str] | None = None,
     ):
         sp = tokenizer.special
-        self._pieces = tokenizer._piece_table()
-        self._types = tokenizer.types
+        self._pieces = tokenizer.piece_table()
+        self._structural = tokenizer.structural_ids
         self._sp = sp
         self._stops = frozenset(i for i in (sp.eos, sp.turn_end, sp.tool_response_start) if i is not None)
         self._call_prefix = call_id_prefix if call_id_prefix is not None else f"call_{secrets.token_hex(8)}_"
@@ -589,7 +589,7 @@ class Gemma4Parser:
     def __deepcopy__(self, memo):
         new = object.__new__(Gemma4Parser)
         for k, v in self.__dict__.items():
-            if k in ("_pieces", "_types", "_sp", "_stops", "_tool_names"):
+            if k in ("_pieces", "_structural", "_sp", "_stops", "_tool_names"):
                 setattr(new, k, v)  # immutable / shared tables
             elif k == "_utf8":
                 d = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -664,8 +664,7 @@ class Gemma4Parser:
         if not 0 <= tid < len(self._pieces):
             self._error(f"token id {tid} outside the vocabulary")
             return
-        ty = self._types[tid]
-        if ty == 3 or ty == 4:  # CONTROL / USER_DEFINED: structure, never text
+        if tid in self._structural:  # CONTROL / USER_DEFINED: structure, never text
             held = self._utf8.decode(b"", final=True)  # a byte sequence cut by a token
             if held:
                 self._text(held)

@@ -207,6 +207,7 @@ class Tokenizer:
         self._tk_special = front_end(False)  # parse_special=True
         self._tk_plain = front_end(True)  # parse_special=False
         self._pieces: list[bytes] | None = None  # built on first decode
+        self._structural: frozenset[int] | None = None
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -281,10 +282,14 @@ class Tokenizer:
         taken from tokenizer.json; the tokenizer is rebuilt the GEMMA4.md §6.3 way so that it
         tokenizes like llama.cpp whatever pre-tokenizer the file declares.
 
-        Token types: `<0xXX>` -> BYTE; the seven visible tokens -> USER_DEFINED (as llama.cpp's
-        converter does); other added tokens -> CONTROL if marked `special`, else USER_DEFINED;
-        everything else NORMAL. Special ids, `add_bos_token` and the chat template come from
-        tokenizer_config.json / chat_template.jinja when present.
+        Token types follow llama.cpp's converter (`LlamaHfVocab` + the Gemma 4 override):
+        `<0xXX>` -> BYTE; the seven visible tokens -> USER_DEFINED; the special tokens that
+        tokenizer_config.json names (`*_token` keys, `additional_special_tokens`,
+        `extra_special_tokens`) -> CONTROL; everything else NORMAL (so `<unused0>` stays NORMAL
+        even if tokenizer.json flags it special). Without names in tokenizer_config.json, the
+        added tokens' own `special` flags decide CONTROL (special) or USER_DEFINED (not).
+        Special ids, `add_bos_token` and the chat template come from tokenizer_config.json /
+        chat_template.jinja when present.
         """
         p = pathlib.Path(path)
         directory = p if p.is_dir() else p.parent
@@ -300,6 +305,13 @@ class Tokenizer:
         if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
             raise TokenizerError(f"{tj_path}: expected a BPE model with a vocab, got {model.get('type')!r}")
 
+        config: dict = {}
+        cfg_path = directory / "tokenizer_config.json"
+        if cfg_path.exists():
+            with open(cfg_path, encoding="utf-8") as f:
+                config = json.load(f)
+        named = _named_special_tokens(config)
+
         id_to_token: dict[int, str] = {}
         for t, i in model["vocab"].items():
             id_to_token[int(i)] = t
@@ -308,30 +320,22 @@ class Tokenizer:
             t, i = at["content"], int(at["id"])
             if id_to_token.setdefault(i, t) != t:
                 raise TokenizerError(f"{tj_path}: id {i} is both {id_to_token[i]!r} and added token {t!r}")
-            if t in VISIBLE_TOKENS or not at.get("special", False):
-                added_type[t] = TokenType.USER_DEFINED
-            else:
-                added_type[t] = TokenType.CONTROL
+            if not named:  # no names to go by: the added tokens' own flags
+                added_type[t] = TokenType.CONTROL if at.get("special", False) else TokenType.USER_DEFINED
+        for t in named:
+            added_type[t] = TokenType.CONTROL
+        for t in VISIBLE_TOKENS:
+            added_type[t] = TokenType.USER_DEFINED
         n = len(id_to_token)
         if sorted(id_to_token) != list(range(n)):
             raise TokenizerError(f"{tj_path}: token ids are not 0..{n - 1}")
         tokens = [id_to_token[i] for i in range(n)]
         types = np.empty(n, dtype=np.int32)
         for i, t in enumerate(tokens):
-            if t in added_type:
-                types[i] = added_type[t]
-            elif _BYTE_TOKEN.fullmatch(t):
+            if _BYTE_TOKEN.fullmatch(t):
                 types[i] = TokenType.BYTE
-            elif t in VISIBLE_TOKENS:
-                types[i] = TokenType.USER_DEFINED
             else:
-                types[i] = TokenType.NORMAL
-
-        config: dict = {}
-        cfg_path = directory / "tokenizer_config.json"
-        if cfg_path.exists():
-            with open(cfg_path, encoding="utf-8") as f:
-                config = json.load(f)
+                types[i] = added_type.get(t, TokenType.NORMAL)
 
         tj_vocab = {t: i for i, t in enumerate(tokens)}
 
@@ -402,6 +406,14 @@ class Tokenizer:
         return int(self.types[token_id]) in (TokenType.CONTROL, TokenType.USER_DEFINED)
 
     @property
+    def structural_ids(self) -> frozenset[int]:
+        """Ids of all CONTROL and USER_DEFINED tokens (24 in Gemma 4)."""
+        if self._structural is None:
+            mask = (self.types == TokenType.CONTROL) | (self.types == TokenType.USER_DEFINED)
+            self._structural = frozenset(int(i) for i in np.flatnonzero(mask))
+        return self._structural
+
+    @property
     def bos_id(self) -> int | None:
         return self.special.bos
 
@@ -456,7 +468,8 @@ class Tokenizer:
         bos = (self.add_bos if add_bos is None else add_bos) and self.special.bos is not None
         return [([self.special.bos] if bos else []) + e.ids for e in tk.encode_batch(list(texts), add_special_tokens=False)]
 
-    def _piece_table(self) -> list[bytes]:
+    def piece_table(self) -> list[bytes]:
+        """`piece_bytes` for every id, as one shared list (read-only by convention)."""
         if self._pieces is None:
             pieces = []
             for t, ty in zip(self.tokens, self.types.tolist()):
@@ -472,14 +485,14 @@ class Tokenizer:
 
     def piece_bytes(self, token_id: int) -> bytes:
         """The bytes a token contributes to decoded text (llama.cpp `token_to_piece`, special=true)."""
-        return self._piece_table()[token_id]
+        return self.piece_table()[token_id]
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Text of `ids`: the pieces' bytes concatenated and read as UTF-8 (invalid -> U+FFFD).
 
         skip_special drops CONTROL tokens (`<bos>`, `<turn|>`, ...); USER_DEFINED tokens are text.
         """
-        table = self._piece_table()
+        table = self.piece_table()
         ids = [int(i) for i in ids]
         n = len(table)
         for i in ids:
@@ -498,6 +511,30 @@ class Tokenizer:
         return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size})"
 
 
+def _named_special_tokens(config: dict) -> set[str]:
+    """The special tokens a tokenizer_config.json names (transformers' `all_special_tokens`)."""
+    names: set[str] = set()
+
+    def add(v) -> None:
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str) and v:
+            names.add(v)
+
+    for key, value in config.items():
+        if key.endswith("_token") and key != "chat_template":
+            add(value)
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        value = config.get(key)
+        if isinstance(value, dict):
+            for v in value.values():
+                add(v)
+        elif isinstance(value, list):
+            for v in value:
+                add(v)
+    return names
+
+
 class Detokenizer:
     """Streams `Tokenizer.decode`: `feed(id)` returns the text that is now complete.
 
@@ -507,7 +544,7 @@ class Detokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False):
-        self._table = tokenizer._piece_table()
+        self._table = tokenizer.piece_table()
         self._types = tokenizer.types
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
