@@ -308,6 +308,15 @@ def test_tokens_outside_the_vocabulary_are_flagged():
     assert result.content == "Hello world" and result.malformed
 
 
+def test_feed_after_finish_is_an_error():
+    p = Gemma4Parser(real_tokenizer())
+    p.feed([9259])
+    p.finish()
+    assert p.finish() == []  # idempotent
+    with pytest.raises(RuntimeError):
+        p.feed([1902])
+
+
 # ---- where the parser starts ------------------------------------------------------------------------
 
 

@@ -549,6 +549,8 @@ class Gemma4Parser:
 
     def feed(self, ids: Iterable[int]) -> list[Event]:
         """Process generated ids; returns the events they make certain (adjacent deltas merged)."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
         for i in ids:
             self._step(int(i))
         return self._drain()
