@@ -118,7 +118,7 @@ GOLDEN = [
      dict(calls=[("f", {"my key": 1, "j": 2})])),
     ("python_literals", "<|tool_call>call:f{a:None,b:True,c:False}<tool_call|><turn|>",
      dict(calls=[("f", {"a": None, "b": True, "c": False})])),
-    ("text_around_calls", f"Let me check.<|tool_call>call:f{{x:1}}<tool_call|>Done<turn|>",
+    ("text_around_calls", "Let me check.<|tool_call>call:f{x:1}<tool_call|>Done<turn|>",
      dict(content="Let me check.Done", calls=[("f", {"x": 1})], stop=106)),
     ("missing_end_marker", "<|tool_call>call:f{a:1}<|tool_response>",
      dict(calls=[("f", {"a": 1})], stop=50, malformed=False)),

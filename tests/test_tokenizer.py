@@ -19,7 +19,6 @@ from text_fixtures import (  # noqa: E402
     templates,
     tiny_tokenizer,
     tiny_vocab,
-    vocab_gguf,
     vocab_metadata,
     write_hf_dir,
 )
