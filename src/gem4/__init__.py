@@ -3,6 +3,7 @@
 Public API (names other work builds on):
     gem4.load(path, dtype="float32"|"bfloat16", device="cpu") -> Model
     gem4.Tokenizer
+    gem4.Engine(model, tokenizer=None, ...), gem4.SamplingParams
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ _LAZY = {
     "load": ("gem4.weights.loader", "load"),
     "Model": ("gem4.model.gemma4", "Model"),
     "Tokenizer": ("gem4.tokenizer", "Tokenizer"),
+    "Engine": ("gem4.engine", "Engine"),
+    "SamplingParams": ("gem4.sampling", "SamplingParams"),
 }
 
 

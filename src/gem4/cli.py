@@ -1,10 +1,29 @@
-"""`gem4` command line: parses arguments into calls; the work lives in the rooms it calls."""
+"""`gem4` command line: parses arguments into calls; the work lives in the rooms it calls.
+
+    gem4 run MODEL -p PROMPT [-n N] [sampling] [--chat [--system TEXT] [--think]]   stream a completion
+    gem4 run --demo -p PROMPT                 the same on a tiny random-weight checkpoint (no download)
+    gem4 chat MODEL | --demo                  interactive multi-turn chat (/think, /reset, /exit)
+    gem4 inspect MODEL | gem4 convert HF_DIR OUT.gguf
+
+Generated text goes to stdout as it is produced; loading progress, notices and the stats line go to
+stderr. With --chat / in `chat`, thinking is shown apart from the answer: between `[thinking]` and
+`[/thinking]` lines (dimmed on a terminal).
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect / convert
+# ---------------------------------------------------------------------------------------------
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -25,10 +44,270 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# run / chat: shared setup
+# ---------------------------------------------------------------------------------------------
+
+
+def _open(args: argparse.Namespace):
+    """-> (Engine, Tokenizer) for MODEL or --demo, with a load progress bar on stderr."""
+    import gem4
+    from gem4.tokenizer import TokenizerError
+
+    if args.demo == (args.model is not None):
+        raise ValueError("give a MODEL (a .gguf file or an HF directory) or --demo, not both" if args.demo
+                         else "MODEL is required (a .gguf file or an HF directory), or use --demo")
+    path = args.model
+    if args.demo:
+        from gem4.demo import NOTICE, ensure_demo
+
+        log(NOTICE)
+        path = str(ensure_demo(log))
+    try:
+        tokenizer = gem4.Tokenizer.from_file(args.tokenizer or path)
+    except TokenizerError as e:
+        raise ValueError(f"{e}\n(no usable tokenizer: pass --tokenizer PATH, a GGUF file, an HF directory "
+                         f"or a tokenizer.json)") from None
+    model = gem4.load(path, dtype=args.dtype, progress=True)
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
+                         f"{model.config.vocab_size}: they do not belong together")
+    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk), tokenizer
+
+
+def _params(args: argparse.Namespace, max_tokens: int | None):
+    from gem4.sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=max_tokens,
+                          stop=tuple(args.stop or ()))
+
+
+def _stats_line(event) -> str:
+    s = event.stats
+    return (f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s | generated: {s.completion_tokens} "
+            f"tokens, {s.generation_tps:.1f} tok/s | TTFT: {s.ttft_s * 1000:.0f} ms | finish: {event.finish_reason}")
+
+
+class ChatPrinter:
+    """Writes parser events to a text stream: reasoning between [thinking] lines (dim on a terminal),
+    content as is, tool calls as `[tool call] name {json}`."""
+
+    DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, out):
+        self.out = out
+        self.tty = out.isatty()
+        self.in_thought = False
+        self.at_line_start = True
+
+    def _write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.at_line_start = text.endswith("\n")
+            self.out.flush()
+
+    def _newline(self) -> None:
+        if not self.at_line_start:
+            self._write("\n")
+
+    def _end_thought(self) -> None:
+        if self.in_thought:
+            self._write(self.RESET if self.tty else "")
+            self._newline()
+            self._write("[/thinking]\n")
+            self.in_thought = False
+
+    def events(self, events) -> None:
+        from gem4.parser import ContentDelta, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
+
+        for ev in events:
+            if isinstance(ev, ReasoningDelta):
+                if not self.in_thought:
+                    self._newline()
+                    self._write("[thinking]\n" + (self.DIM if self.tty else ""))
+                    self.in_thought = True
+                self._write(ev.text)
+                continue
+            self._end_thought()
+            if isinstance(ev, ContentDelta):
+                self._write(ev.text)
+            elif isinstance(ev, ToolCallStart):
+                self._newline()
+                self._write(f"[tool call] {ev.name} ")
+            elif isinstance(ev, ToolCallArgsDelta):
+                self._write(ev.text)
+            elif isinstance(ev, ToolCallEnd):
+                self._write("\n")
+
+    def close(self) -> None:
+        self._end_thought()
+        self._newline()
+
+
+def _stream_chat(engine, tokenizer, prompt_ids: list[int], params, out):
+    """Generate from a rendered chat prompt, printing parsed output. -> (ParseResult, final event)."""
+    from gem4.parser import Gemma4Parser
+
+    parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids)
+    printer = ChatPrinter(out)
+    last = None
+    try:
+        for last in engine.generate(prompt_ids, params):
+            if last.token_id is not None:
+                printer.events(parser.feed([last.token_id]))
+    finally:
+        printer.events(parser.finish())
+        printer.close()
+    return parser.result, last
+
+
+def _reconfigure_stdout() -> None:
+    try:
+        sys.stdout.reconfigure(errors="replace")   # random demo text may hold anything
+    except (AttributeError, ValueError):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gem4.chat import encode_prompt
+
+    _reconfigure_stdout()
+    engine, tokenizer = _open(args)
+    params = _params(args, args.max_tokens)
+    if args.chat or args.system is not None:
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        messages.append({"role": "user", "content": args.prompt})
+        ids = encode_prompt(tokenizer, messages, enable_thinking=args.think)
+        _, last = _stream_chat(engine, tokenizer, ids, params, sys.stdout)
+    else:
+        last = None
+        wrote = ""
+        for last in engine.generate(args.prompt, params):
+            if last.text:
+                sys.stdout.write(last.text)
+                sys.stdout.flush()
+                wrote = last.text
+        if not wrote.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+    log(_stats_line(last))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+# ---------------------------------------------------------------------------------------------
+
+CHAT_HELP = "commands: /think toggles thinking, /reset clears the history, /exit quits (also Ctrl-D)"
+
+
+def assistant_message(result) -> dict:
+    """The assistant turn to keep in the history: parsed content, reasoning and tool calls."""
+    message: dict = {"role": "assistant", "content": result.content}
+    if result.reasoning_content:
+        message["reasoning_content"] = result.reasoning_content
+    if result.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in result.tool_calls]
+    return message
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from gem4.chat import encode_prompt
+
+    _reconfigure_stdout()
+    engine, tokenizer = _open(args)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    history: list[dict] = list(system)
+    thinking = args.think
+    log(CHAT_HELP + f" (thinking {'on' if thinking else 'off'})")
+    while True:
+        sys.stderr.write("> ")
+        sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:                                   # end of input
+            sys.stderr.write("\n")
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            history = list(system)
+            log("(history cleared)")
+            continue
+        if text == "/think":
+            thinking = not thinking
+            log(f"(thinking {'on' if thinking else 'off'})")
+            continue
+        if text.startswith("/"):
+            log(f"unknown command {text.split()[0]!r}; " + CHAT_HELP)
+            continue
+        turn = history + [{"role": "user", "content": text}]
+        ids = encode_prompt(tokenizer, turn, enable_thinking=thinking)
+        room = engine.max_model_len - len(ids)
+        if room < 1:
+            log(f"(the conversation has {len(ids)} tokens and fills the context of {engine.max_model_len}: /reset)")
+            continue
+        try:
+            result, last = _stream_chat(engine, tokenizer, ids, _params(args, min(args.max_tokens, room)),
+                                        sys.stdout)
+        except KeyboardInterrupt:                      # generate() aborted the request on the way out
+            log("(interrupted)")
+            continue
+        history = turn + [assistant_message(result)]
+        log(_stats_line(last))
+
+
+# ---------------------------------------------------------------------------------------------
+# argument parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _generation_options() -> argparse.ArgumentParser:
+    g = argparse.ArgumentParser(add_help=False)
+    g.add_argument("model", nargs="?", help="a .gguf file or an HF checkpoint directory")
+    g.add_argument("--demo", action="store_true",
+                   help="use a tiny random-weight demo checkpoint (built once into $GEM4_CACHE or ~/.cache/gem4)")
+    g.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
+    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weight / compute dtype")
+    g.add_argument("--threads", type=int, default=argparse.SUPPRESS, help="torch intra-op threads")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=64, help="0 = off")
+    g.add_argument("--top-p", type=float, default=0.95, help="1 = off")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="1 = off")
+    g.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--system", default=None, help="system prompt (implies --chat for run)")
+    g.add_argument("--think", action="store_true", help="enable thinking in the chat template")
+    g.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward pass")
+    return g
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gem4", description="Gemma 4 inference engine")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     sub = parser.add_subparsers(dest="command", required=True)
+    gen = _generation_options()
+
+    p = sub.add_parser("run", parents=[gen], help="generate a completion for one prompt, streamed to stdout")
+    p.add_argument("-p", "--prompt", required=True)
+    p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate at most")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template; parse the answer")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", parents=[gen], help="interactive multi-turn chat on stdin/stdout")
+    p.add_argument("-n", "--max-tokens", type=int, default=1024, help="tokens per reply at most")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("inspect", help="describe a checkpoint (.gguf file or HF directory)")
     p.add_argument("model")
@@ -56,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ValueError) as e:
         print(f"gem4: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

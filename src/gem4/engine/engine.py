@@ -1,0 +1,295 @@
+"""The engine: requests in, streams of events out.
+
+Thread model (what runs where):
+
+- **Caller threads** (a CLI, HTTP handlers, tests) call `submit`, `generate` and `abort`. `submit`
+  tokenizes and validates the request in the caller's thread (errors are raised there, at once),
+  then hands a `Sequence` to the engine through an inbox and returns a `Stream`: a per-request
+  queue of `GenerationEvent`s that the caller reads at its own pace. `abort` only records the
+  request id. Both take one short lock and never touch the model.
+- **The engine thread** is the only thread that touches the model, the KV caches, the sampler
+  generators, the scheduler and the sequences. It is started by `submit` when there is work and
+  exits when there is none left, so at most one exists at a time and an idle engine holds no
+  thread. Each iteration: take the inbox and the abort requests (under the lock), then one step
+  outside it: `schedule` (policy, no tensors) -> `runner.run` (tensors) -> `postprocess` (stop
+  logic, text) -> put each request's events on its queue.
+- **Cancellation** is a flag checked between steps: an aborted request gets its final "abort" event
+  before the next step starts, so it stops within one step of `abort()` returning. A consumer that
+  stops iterating `generate()` early aborts its request the same way.
+
+An exception inside a step ends every request in flight: their streams raise `EngineError`.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence as Seq
+from dataclasses import dataclass
+
+from gem4.engine.runner import ModelRunner
+from gem4.engine.scheduler import Scheduler
+from gem4.engine.sequence import ABORT, RequestStats, Sequence, next_request_id
+from gem4.sampling import SamplingParams
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving this request (the cause is chained)."""
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    """One step of one request. The last event of a stream has `finish_reason` set and `stats`."""
+
+    request_id: str
+    token_id: int | None            # the token sampled this step; None on an abort event
+    text: str                       # new text that is now certain (may be '')
+    finish_reason: str | None       # None while running; then "stop" | "length" | "abort"
+    stop_reason: int | str | None   # the end token id or stop string that ended the request
+    prompt_tokens: int
+    completion_tokens: int          # tokens generated so far, this one included
+    logprob: float | None = None                          # when params.logprobs
+    top_logprobs: list[tuple[int, float]] | None = None   # when params.top_logprobs > 0
+    stats: RequestStats | None = None                     # on the last event only
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+_ERROR = object()   # queue marker: the engine failed; the exception follows
+
+
+class Stream:
+    """The events of one request, in order; iteration ends after the final event."""
+
+    def __init__(self, engine: "Engine", request_id: str, prompt_ids: list[int]):
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self._engine = engine
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> GenerationEvent:
+        """The next event (blocks; raises queue.Empty after `timeout` seconds)."""
+        item = self._queue.get(timeout=timeout)
+        if item is _ERROR:
+            self.finished = True
+            cause = self._queue.get()
+            raise EngineError(f"{self.request_id}: generation failed: {cause}") from cause
+        if item.finished:
+            self.finished = True
+        return item
+
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        while not self.finished:
+            yield self.get()
+
+    def abort(self) -> None:
+        self._engine.abort(self.request_id)
+
+    def _put(self, item) -> None:
+        self._queue.put(item)
+
+
+class Engine:
+    """Generation over one model: chunked prefill, cached decode, sampling, stop logic, streaming.
+
+    model: a `gem4.load(...)` Model. tokenizer: a `gem4.Tokenizer`, needed for text prompts, text
+    deltas and stop strings (without it prompts are token ids and events carry ids only).
+    prefill_chunk: most prompt tokens per forward pass (also each KV cache's step size).
+    max_model_len: cap on prompt + generated tokens (default and upper bound: the model's
+    max_position_embeddings).
+    end_token_ids: the ids that end generation (unless params.ignore_eos); default: the tokenizer's
+    eos, end-of-turn and the chat template's stop ids (`chat.stop_token_ids`), none without one.
+    max_num_seqs: requests admitted at once (1 = strictly one after the other).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        prefill_chunk: int = 256,
+        max_model_len: int | None = None,
+        end_token_ids: Seq[int] | None = None,
+        max_num_seqs: int = 1,
+    ):
+        context = model.config.max_position_embeddings
+        if max_model_len is not None and not 1 <= max_model_len <= context:
+            raise ValueError(f"max_model_len must be in [1, {context}] (the model's context length), "
+                             f"got {max_model_len}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = max_model_len or context
+        if end_token_ids is None:
+            from gem4.chat import stop_token_ids
+            end_token_ids = stop_token_ids(tokenizer) if tokenizer is not None else ()
+        self.end_token_ids = frozenset(int(i) for i in end_token_ids)
+        self.prefill_chunk = prefill_chunk
+        self._scheduler = Scheduler(prefill_chunk, max_num_seqs)
+        self._runner = ModelRunner(model, prefill_chunk)
+        # shared with caller threads, guarded by _lock
+        self._lock = threading.Lock()
+        self._inbox: list[Sequence] = []
+        self._aborts: set[str] = set()
+        self._streams: dict[str, Stream] = {}
+        self._thread: threading.Thread | None = None
+        self.steps = 0                                  # engine steps run (forward passes)
+
+    # ---- caller threads ----
+
+    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+               request_id: str | None = None) -> Stream:
+        """Queue a request; returns its event stream. Raises ValueError for a request that cannot run."""
+        params = params if params is not None else SamplingParams()
+        prompt_ids = self._prompt_ids(prompt)
+        max_tokens = self._max_tokens(len(prompt_ids), params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (Engine(model, tokenizer))")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}")
+        request_id = request_id if request_id is not None else next_request_id()
+        detok = self.tokenizer.detokenizer(skip_special=True) if self.tokenizer is not None else None
+        seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens, end_ids=self.end_token_ids,
+                       detokenizer=detok, arrival_time=time.perf_counter())
+        stream = Stream(self, request_id, prompt_ids)
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            self._streams[request_id] = stream
+            self._inbox.append(seq)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="gem4-engine", daemon=True)
+                self._thread.start()
+        return stream
+
+    def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                 request_id: str | None = None) -> Iterator[GenerationEvent]:
+        """Submit and iterate the events; closing the iterator early aborts the request."""
+        stream = self.submit(prompt, params, request_id=request_id)
+        try:
+            yield from stream
+        finally:
+            if not stream.finished:
+                self.abort(stream.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the engine to stop a request; its stream ends with an "abort" event within one step.
+        Returns False if the request is not in flight (unknown or already finished)."""
+        with self._lock:
+            if request_id not in self._streams:
+                return False
+            self._aborts.add(request_id)
+            return True
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._thread is None
+
+    # ---- validation (caller thread) ----
+
+    def _prompt_ids(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer (Engine(model, tokenizer)); or pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def _max_tokens(self, n_prompt: int, params: SamplingParams) -> int:
+        room = self.max_model_len - n_prompt
+        if room < 1:
+            raise ValueError(f"the prompt has {n_prompt} tokens; the context length is {self.max_model_len}, "
+                             f"which leaves no room to generate")
+        if params.max_tokens is None:
+            return room                                  # generate until the context is full
+        if params.max_tokens > room:
+            raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{n_prompt + params.max_tokens} exceeds the context length {self.max_model_len}")
+        return params.max_tokens
+
+    # ---- the engine thread ----
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                for seq in self._inbox:
+                    self._scheduler.add(seq)
+                self._inbox.clear()
+                aborts, self._aborts = self._aborts, set()
+                if not aborts and not self._scheduler.has_work():
+                    self._thread = None
+                    return
+            for request_id in aborts:
+                self._abort(request_id)
+            try:
+                self._step()
+            except BaseException as e:   # noqa: BLE001 - handed to every consumer, then the thread ends
+                self._fail(e)
+                return
+
+    def _step(self) -> None:
+        batch = self._scheduler.schedule()
+        if not batch.chunks:
+            return
+        now = time.perf_counter()
+        for chunk in batch.chunks:
+            if chunk.seq.scheduled_time is None:
+                chunk.seq.scheduled_time = now
+        samples = self._runner.run(batch)
+        self.steps += 1
+        outputs = self._scheduler.postprocess(batch, [None if s is None else s.token_id for s in samples],
+                                              time.perf_counter())
+        by_seq = {id(c.seq): s for c, s in zip(batch.chunks, samples)}
+        for seq, out in outputs:
+            sample = by_seq[id(seq)]
+            finished = out.finish_reason is not None
+            self._publish(seq, GenerationEvent(
+                request_id=seq.request_id, token_id=out.token_id, text=out.text,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids),
+                logprob=sample.logprob, top_logprobs=sample.top_logprobs,
+                stats=seq.stats() if finished else None,
+            ), finished)
+
+    def _abort(self, request_id: str) -> None:
+        seq = self._scheduler.remove(request_id)
+        if seq is None:                                   # finished meanwhile
+            return
+        text = seq.abort(time.perf_counter())
+        self._publish(seq, GenerationEvent(
+            request_id=request_id, token_id=None, text=text, finish_reason=ABORT, stop_reason=None,
+            prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids), stats=seq.stats(),
+        ), True)
+
+    def _publish(self, seq: Sequence, event: GenerationEvent, finished: bool) -> None:
+        if finished:
+            self._runner.release(seq.request_id)
+        with self._lock:
+            stream = self._streams.pop(seq.request_id) if finished else self._streams[seq.request_id]
+        stream._put(event)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            seqs = list(self._scheduler.running) + list(self._scheduler.waiting) + self._inbox
+            self._scheduler.running.clear()
+            self._scheduler.waiting.clear()
+            self._inbox.clear()
+            self._aborts.clear()
+            streams = [self._streams.pop(s.request_id) for s in seqs if s.request_id in self._streams]
+            self._thread = None
+        for seq in seqs:
+            self._runner.release(seq.request_id)
+        for stream in streams:
+            stream._put(_ERROR)
+            stream._put(error)

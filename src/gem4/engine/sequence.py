@@ -1,0 +1,212 @@
+"""Request state: one `Sequence` per request, plain Python (no tensors).
+
+A Sequence is built and validated in the caller's thread (`Engine.submit`); from then on only the
+engine thread touches it. It knows its token ids, how many of them are in the KV cache
+(`num_computed`), and turns each sampled token into the text the client may see:
+
+    token id -> end id?  -> finish "stop"   (the end token's text is never emitted)
+             -> incremental detokenizer (complete UTF-8 only, CONTROL tokens dropped)
+             -> stop strings: text that could still become a stop string is held back;
+                a completed stop string finishes "stop" and neither it nor what follows is emitted
+             -> max_tokens reached -> finish "length" (held text is released)
+
+so the concatenated text deltas of a request equal `tokenizer.decode(output, skip_special=True)`
+cut before the first stop string (and without a final end token).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Collection, Sequence as Seq
+from dataclasses import dataclass
+
+from gem4.sampling import SamplingParams
+
+STOP, LENGTH, ABORT = "stop", "length", "abort"   # finish reasons (OpenAI's names)
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # submitted, not yet admitted by the scheduler
+    RUNNING = "running"      # admitted: prefill chunks, then one decode step at a time
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Counts and timings of one request (seconds, `time.perf_counter` clock)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float           # submit -> first scheduled
+    ttft_s: float            # submit -> first generated token (time to first token)
+    prefill_s: float         # first scheduled -> first generated token (the prompt's forward passes)
+    decode_s: float          # first generated token -> finish
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        """Tokens after the first one per second of decoding (the first comes from the prefill)."""
+        return (self.completion_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """What one sampled token produced for the client."""
+
+    token_id: int
+    text: str                       # text that became certain ('' while held back)
+    finish_reason: str | None       # None while running
+    stop_reason: int | str | None   # the end token id or stop string that finished the request
+
+
+class StopStrings:
+    """Streams text, holding back any tail that could still grow into a stop string.
+
+    feed(text) -> (text safe to emit, stop string matched or None). After a match the rest of the
+    stream is discarded; `flush()` releases the held tail when the stream ends otherwise.
+    """
+
+    def __init__(self, stops: Collection[str]):
+        self.stops = tuple(stops)
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        buf = self._held + text
+        if not self.stops:
+            self._held = ""
+            return buf, None
+        # earliest match wins (a match can only start inside the held tail or the new text)
+        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
+        if hits:
+            i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
+            self._held = ""
+            return buf[:i], s
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
+                    if buf.endswith(s[:k])), default=0)
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], None
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+_request_counter = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"req-{next(_request_counter)}"
+
+
+class Sequence:
+    """One request: prompt, generated tokens, cache progress, stop logic, timings."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_ids: Seq[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        end_ids: Collection[int],
+        detokenizer=None,
+        arrival_time: float = 0.0,
+    ):
+        self.request_id = request_id
+        self.prompt_ids: list[int] = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.max_tokens = max_tokens                  # params.max_tokens, or what the context leaves
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(end_ids))
+        self.status = Status.WAITING
+        self.num_computed = 0                         # token_ids[:num_computed] are in the KV cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._detok = detokenizer                     # None: token ids only, no text
+        self._stops = StopStrings(params.stop)
+        self.arrival_time = arrival_time
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    # ---- views ----
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache: the rest of the prompt while prefilling, then 1 per decode step."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    # ---- state changes (engine thread) ----
+
+    def append_token(self, token_id: int, now: float) -> TokenOutput:
+        """Record a sampled token; decide whether the request ends here and what text it shows."""
+        if self.is_finished:
+            raise RuntimeError(f"{self.request_id}: token appended after finish")
+        self.output_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if token_id in self.stop_ids:
+            return TokenOutput(token_id, self._release_text(), *self._finish(STOP, token_id, now))
+        text = self._detok.feed(token_id) if self._detok is not None else ""
+        text, matched = self._stops.feed(text)
+        if matched is not None:
+            return TokenOutput(token_id, text, *self._finish(STOP, matched, now))
+        if len(self.output_ids) >= self.max_tokens:
+            return TokenOutput(token_id, text + self._release_text(), *self._finish(LENGTH, None, now))
+        return TokenOutput(token_id, text, None, None)
+
+    def abort(self, now: float) -> str:
+        """Finish with "abort"; returns the held text (it was not a stop string)."""
+        text = self._release_text()
+        self._finish(ABORT, None, now)
+        return text
+
+    def _release_text(self) -> str:
+        """End of stream: flush the detokenizer through the stop-string filter, then the held tail."""
+        tail = self._detok.flush() if self._detok is not None else ""
+        text, matched = self._stops.feed(tail)
+        if matched is not None:
+            return text
+        return text + self._stops.flush()
+
+    def _finish(self, reason: str, stop_reason: int | str | None, now: float) -> tuple[str, int | str | None]:
+        self.status = Status.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.finish_time = now
+        return reason, stop_reason
+
+    def stats(self) -> RequestStats:
+        end = self.finish_time if self.finish_time is not None else self.arrival_time
+        scheduled = self.scheduled_time if self.scheduled_time is not None else end
+        first = self.first_token_time if self.first_token_time is not None else end
+        return RequestStats(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=len(self.output_ids),
+            queue_s=scheduled - self.arrival_time,
+            ttft_s=first - self.arrival_time,
+            prefill_s=first - scheduled,
+            decode_s=end - first,
+        )
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"output={len(self.output_ids)}, computed={self.num_computed})")

@@ -1,0 +1,368 @@
+"""Engine: greedy == transformers generate on every variant; stop logic, limits, abort, threads.
+
+Stop / limit tests run a scripted stand-in for the model (greedy decoding yields a fixed token
+script) with the demo tokenizer, so every expected text is exact and hand-checkable.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import gem4
+from gem4 import Engine, SamplingParams
+from gem4.demo import demo_tokenizer
+from gem4.engine import EngineError
+from gem4.engine.scheduler import Scheduler
+from gem4.engine.sequence import Sequence, StopStrings
+
+GREEDY = SamplingParams(temperature=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Greedy decoding against the transformers oracle
+# ---------------------------------------------------------------------------------------------
+
+# variant -> (checkpoint form, prefill chunk): small chunks exercise chunked prefill and the ring
+GREEDY_CASES = {"ple_kvshare": ("hf", 7), "dense_keqv": ("gguf", 256), "dense_plain": ("hf", 5), "moe": ("gguf", 16)}
+
+
+@pytest.mark.parametrize("name", list(GREEDY_CASES))
+def test_greedy_matches_transformers_generate(variants, name):
+    from transformers import GenerationConfig
+
+    fx = variants[name]
+    form, chunk = GREEDY_CASES[name]
+    prompt = fx.ids[:24]                                        # 24 tokens, sliding window 8
+    config = GenerationConfig(do_sample=False, max_new_tokens=48, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ref = fx.hf_model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+    assert len(ref) == 48
+
+    model = gem4.load(fx.hf_causal if form == "hf" else fx.gguf["f32"], dtype="float32")
+    events = list(Engine(model, prefill_chunk=chunk).generate(prompt, SamplingParams(temperature=0, max_tokens=48)))
+    got = [e.token_id for e in events]
+    matched = sum(a == b for a, b in zip(got, ref))
+    print(f"{name} ({form}, chunk {chunk}): greedy match {matched}/48")
+    assert got == ref
+    assert events[-1].finish_reason == "length" and events[-1].completion_tokens == 48
+    assert [e.finish_reason for e in events[:-1]] == [None] * 47
+
+
+def test_seeded_sampling_is_reproducible_alone_and_interleaved(variants):
+    model = gem4.load(variants["dense_plain"].hf_causal)
+    seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=20)
+    alone = [e.token_id for e in Engine(model).generate(variants["dense_plain"].ids[:10], seeded)]
+    assert alone == [e.token_id for e in Engine(model).generate(variants["dense_plain"].ids[:10], seeded)]
+    # two requests admitted together share steps; each keeps its own generator
+    engine = Engine(model, max_num_seqs=2, prefill_chunk=4)
+    other = engine.submit(variants["dense_plain"].ids[5:20], SamplingParams(temperature=1.0, seed=3, max_tokens=20))
+    mine = engine.submit(variants["dense_plain"].ids[:10], seeded)
+    assert [e.token_id for e in mine] == alone
+    assert len(list(other)) == 20
+    assert len(set(alone)) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A scripted model: greedy decoding yields `script`, whatever the prompt
+# ---------------------------------------------------------------------------------------------
+
+
+class ScriptedCache:
+    serial = 0
+
+    def __init__(self, max_chunk: int):
+        ScriptedCache.serial += 1
+        self.serial = ScriptedCache.serial
+        self.max_chunk = max_chunk
+        self.length = 0
+        self.samples = 0                  # forward passes that produced logits
+
+
+class ScriptedModel:
+    """Duck-types gem4's Model for the engine: `forward` (one call per sampled token) returns logits
+    whose argmax is the next token of the script; `hidden_states` only advances the cache."""
+
+    def __init__(self, script: list[int], vocab_size: int = 4096, context: int = 4096, delay: float = 0.0):
+        self.script = script
+        self.config = SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=context)
+        self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
+        self.delay = delay
+        self.calls: list[tuple[str, int, bool, int]] = []   # (kind, n_tokens, last_only, cache serial)
+        self.fail_at: int | None = None
+
+    def new_cache(self, max_chunk: int) -> ScriptedCache:
+        return ScriptedCache(max_chunk)
+
+    def _advance(self, kind: str, ids: torch.Tensor, cache: ScriptedCache, last_only: bool) -> None:
+        assert 1 <= ids.numel() <= cache.max_chunk and ids.dim() == 1
+        self.calls.append((kind, ids.numel(), last_only, cache.serial))
+        if self.fail_at is not None and len(self.calls) >= self.fail_at:
+            raise RuntimeError("scripted failure")
+        if self.delay:
+            time.sleep(self.delay)
+        cache.length += ids.numel()
+
+    def hidden_states(self, ids, cache, last_only=False):
+        self._advance("hidden", ids, cache, last_only)
+        return torch.zeros(1 if last_only else ids.numel(), 8)
+
+    def forward(self, ids, cache, last_only=False):
+        self._advance("logits", ids, cache, last_only)
+        logits = torch.full((1 if last_only else ids.numel(), self.config.vocab_size), -10.0)   # [T, V]
+        logits[-1, self.script[cache.samples % len(self.script)]] = 10.0
+        cache.samples += 1
+        return logits
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return demo_tokenizer()
+
+
+def scripted(tok, text: str, *extra: int, **kw) -> tuple[Engine, list[int]]:
+    script = tok.encode(text, add_bos=False) + list(extra)
+    return Engine(ScriptedModel(script, **kw), tok), script
+
+
+def run(engine: Engine, prompt, params: SamplingParams):
+    events = list(engine.generate(prompt, params))
+    assert [e.finish_reason is not None for e in events].count(True) == 1 and events[-1].finish_reason
+    return events, "".join(e.text for e in events)
+
+
+TEXT = "Hello, world! Stop here please."   # H|ell|o|,| world|!| St|op| here| p|lease|.
+
+
+def test_script_tokens_are_what_the_stop_tests_assume(tok):
+    pieces = [tok.decode([i]) for i in tok.encode(TEXT, add_bos=False)]
+    assert pieces == ["H", "ell", "o", ",", " world", "!", " St", "op", " here", " p", "lease", "."]
+
+
+def test_stop_string_spanning_tokens_is_never_emitted(tok):
+    engine, _ = scripted(tok, TEXT)
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, stop=["d! Sto"], max_tokens=50))
+    # " world" ends with "d", a prefix of the stop string: held back until "!" and " St" decide
+    assert [e.text for e in events] == ["H", "ell", "o", ",", " worl", "", "", ""]
+    assert text == "Hello, worl"
+    assert (events[-1].finish_reason, events[-1].stop_reason) == ("stop", "d! Sto")
+    assert events[-1].completion_tokens == 8                      # "op" completed the stop string
+
+
+def test_held_text_is_released_when_the_stop_string_fails(tok):
+    engine, _ = scripted(tok, TEXT)
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, stop=["world!?", "please!"], max_tokens=12))
+    # " world" -> "world" held ("world!?"), "op" -> "p" held ("please!"), "lease" -> "please" held
+    assert [e.text for e in events] == ["H", "ell", "o", ",", " ", "", "world! St", "o", "p here", " ", "", "please."]
+    assert text == TEXT and events[-1].finish_reason == "length"
+
+
+def test_held_text_is_released_at_max_tokens(tok):
+    engine, _ = scripted(tok, TEXT)
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, stop=["o, wonder"], max_tokens=5))
+    assert [e.text for e in events] == ["H", "ell", "", "", "o, world"]
+    assert (text, events[-1].finish_reason, events[-1].stop_reason) == ("Hello, world", "length", None)
+
+
+def test_earliest_stop_string_wins(tok):
+    engine, _ = scripted(tok, TEXT)
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, stop=["world", "o, w"], max_tokens=50))
+    assert (text, events[-1].stop_reason) == ("Hell", "o, w")    # both complete with " world"; "o, w" starts first
+    _, text = run(engine, "Hi", SamplingParams(temperature=0, stop=["Hello, world", "ello"], max_tokens=50))
+    assert text == "H"                                            # "ello" completes first
+
+
+def test_stop_strings_filter_unit():
+    s = StopStrings(["abc", "bd"])
+    assert s.feed("xa") == ("x", None)
+    assert s.feed("b") == ("", None)                              # "ab" could become "abc"; "b" could become "bd"
+    assert s.feed("d") == ("a", "bd")
+
+
+def test_stop_token_ids_end_without_their_text(tok):
+    stop_tok = tok.encode(" here", add_bos=False)[0]
+    engine, _ = scripted(tok, TEXT)
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, stop_token_ids=[stop_tok], max_tokens=50))
+    assert text == "Hello, world! Stop"
+    assert (events[-1].finish_reason, events[-1].stop_reason, events[-1].token_id) == ("stop", stop_tok, stop_tok)
+    assert events[-1].completion_tokens == 9
+
+
+@pytest.mark.parametrize("end", ["<turn|>", "<eos>", "<|tool_response>"])
+def test_model_end_ids_stop_unless_ignore_eos(tok, end):
+    end_id = tok.token_to_id(end)
+    engine, script = scripted(tok, "Done.", end_id, *tok.encode(" more", add_bos=False))
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, max_tokens=50))
+    assert (text, events[-1].finish_reason, events[-1].stop_reason) == ("Done.", "stop", end_id)
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, max_tokens=len(script), ignore_eos=True))
+    shown = "" if tok.is_control(end_id) else end                  # CONTROL tokens are not text
+    assert (text, events[-1].finish_reason) == ("Done." + shown + " more", "length")
+
+
+def test_max_tokens_ends_with_length_and_exact_text(tok):
+    engine, script = scripted(tok, TEXT)
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, max_tokens=7))
+    assert [e.token_id for e in events] == script[:7]
+    assert text == "Hello, world! St" and events[-1].finish_reason == "length"
+    assert [e.completion_tokens for e in events] == list(range(1, 8))
+    stats = events[-1].stats
+    assert (stats.prompt_tokens, stats.completion_tokens) == (len(tok.encode("Hi")), 7)
+    assert 0 <= stats.queue_s <= stats.ttft_s and stats.decode_s >= 0
+
+
+def test_utf8_split_over_byte_tokens_is_held_whole(tok):
+    engine, _ = scripted(tok, "café ☕!")                        # ☕ is three byte tokens
+    events, text = run(engine, "Hi", SamplingParams(temperature=0, max_tokens=8))
+    assert [e.text for e in events][-4:] == ["", "", "☕", "!"]
+    assert text == "café ☕!"
+
+
+def test_context_overflow(tok):
+    model = ScriptedModel(tok.encode(TEXT, add_bos=False), context=64)
+    prompt = list(range(200, 240))                                # 40 tokens
+    with pytest.raises(ValueError, match=r"prompt \(40 tokens\) \+ max_tokens \(25\) = 65 exceeds the context length 64"):
+        Engine(model, tok).submit(prompt, SamplingParams(temperature=0, max_tokens=25))
+    with pytest.raises(ValueError, match=r"exceeds the context length 50"):
+        Engine(model, tok, max_model_len=50).submit(prompt, SamplingParams(temperature=0, max_tokens=11))
+    with pytest.raises(ValueError, match="leaves no room"):
+        Engine(model, tok, max_model_len=40).submit(prompt, GREEDY)
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 64\]"):
+        Engine(model, tok, max_model_len=65)
+    # without max_tokens the request runs until the context is full
+    events, _ = run(Engine(model, tok, max_model_len=50), prompt, SamplingParams(temperature=0, ignore_eos=True))
+    assert (len(events), events[-1].finish_reason) == (10, "length")
+
+
+def test_bad_requests_fail_in_the_callers_thread(tok):
+    model = ScriptedModel([500])
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        Engine(model).submit("text")
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        Engine(model).submit([2, 3], SamplingParams(stop="x"))
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 4096\)"):
+        Engine(model).submit([2, 4096])
+    with pytest.raises(ValueError, match="empty"):
+        Engine(model, tok).submit([])
+    assert model.calls == []
+
+
+def test_chunked_prefill_computes_only_the_logits_it_needs(tok):
+    model = ScriptedModel(tok.encode(TEXT, add_bos=False))
+    engine = Engine(model, tok, prefill_chunk=7)
+    events = list(engine.generate(list(range(300, 320)), SamplingParams(temperature=0, max_tokens=3)))
+    assert [c[:3] for c in model.calls] == [("hidden", 7, True), ("hidden", 7, True), ("logits", 6, True),
+                                            ("logits", 1, True), ("logits", 1, True)]
+    assert len(events) == 3
+
+
+def test_text_prompt_uses_the_tokenizer(tok):
+    engine, _ = scripted(tok, TEXT)
+    events, _ = run(engine, "Hello there", SamplingParams(temperature=0, max_tokens=2))
+    assert events[-1].prompt_tokens == len(tok.encode("Hello there"))
+    assert tok.encode("Hello there")[0] == tok.bos_id
+
+
+def test_logprobs_are_reported(tok):
+    engine, script = scripted(tok, TEXT)
+    events, _ = run(engine, "Hi", SamplingParams(temperature=0, max_tokens=2, logprobs=True, top_logprobs=2))
+    for e, t in zip(events, script):
+        assert e.top_logprobs[0][0] == t and e.logprob == pytest.approx(e.top_logprobs[0][1])
+        assert len(e.top_logprobs) == 2 and -1e-4 < e.logprob <= 0    # a 20-logit gap: probability ~1
+
+
+# ---------------------------------------------------------------------------------------------
+# Threads: abort, early close, arrival order, failures
+# ---------------------------------------------------------------------------------------------
+
+
+def wait_idle(engine: Engine, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not engine.idle():
+        assert time.monotonic() < end, "engine thread did not go idle"
+        time.sleep(0.005)
+
+
+def test_abort_from_another_thread_stops_within_one_step(tok):
+    model = ScriptedModel(tok.encode(TEXT, add_bos=False), delay=0.01)
+    engine = Engine(model, tok)
+    stream = engine.submit("Hi", SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+    events = [stream.get(timeout=5) for _ in range(5)]
+    calls_at_abort = []
+
+    def abort():
+        calls_at_abort.append(len(model.calls))
+        assert engine.abort(stream.request_id)
+
+    t = threading.Thread(target=abort)
+    t.start()
+    t.join()
+    events += list(stream)
+    last = events[-1]
+    assert (last.finish_reason, last.token_id) == ("abort", None)
+    assert len(model.calls) <= calls_at_abort[0] + 1               # at most the step already under way
+    assert last.completion_tokens == len(events) - 1 <= calls_at_abort[0] + 1
+    assert not engine.abort(stream.request_id)                     # no longer in flight
+    wait_idle(engine)
+    assert engine._runner.num_live == 0
+
+
+def test_closing_the_iterator_aborts(tok):
+    model = ScriptedModel(tok.encode(TEXT, add_bos=False), delay=0.005)
+    engine = Engine(model, tok)
+    gen = engine.generate("Hi", SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
+    assert next(gen).text == "H"
+    gen.close()
+    wait_idle(engine)
+    assert engine._runner.num_live == 0 and len(model.calls) < 20
+
+
+def test_requests_are_served_in_arrival_order(tok):
+    model = ScriptedModel(tok.encode(TEXT, add_bos=False), delay=0.002)
+    engine = Engine(model, tok, prefill_chunk=4)
+    first = engine.submit(list(range(300, 310)), SamplingParams(temperature=0, max_tokens=6))
+    second = engine.submit(list(range(400, 403)), SamplingParams(temperature=0, max_tokens=6))
+    results = {}
+    threads = [threading.Thread(target=lambda s=s: results.__setitem__(s.request_id, list(s))) for s in (second, first)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    caches = [c[3] for c in model.calls]
+    switch = caches.index(caches[-1])
+    assert len(set(caches)) == 2 and set(caches[:switch]) == {caches[0]}   # all of the first, then the second
+    assert switch == 8 and set(caches[switch:]) == {caches[-1]}
+    assert [c[1] for c in model.calls[:3]] == [4, 4, 2]                      # the first request's prompt first
+    assert all(len(r) == 6 for r in results.values())
+
+
+def test_engine_failure_reaches_every_stream(tok):
+    model = ScriptedModel(tok.encode(TEXT, add_bos=False))
+    model.fail_at = 3
+    engine = Engine(model, tok)
+    with pytest.raises(EngineError, match="scripted failure"):
+        list(engine.generate("Hi", SamplingParams(temperature=0, max_tokens=10)))
+    wait_idle(engine)
+    model.fail_at = None                                           # the engine serves the next request
+    assert len(list(engine.generate("Hi", SamplingParams(temperature=0, max_tokens=3)))) == 3
+
+
+def test_scheduler_is_fcfs_with_a_token_budget():
+    def seq(name, n):
+        return Sequence(name, list(range(n)), GREEDY, max_tokens=4, end_ids=())
+
+    sched = Scheduler(max_chunk=4, max_num_seqs=2, max_num_batched_tokens=6)
+    a, b, c = seq("a", 9), seq("b", 3), seq("c", 2)
+    for s in (a, b, c):
+        sched.add(s)
+    plan = lambda batch: [(ch.seq.request_id, ch.start, ch.num_tokens, ch.samples) for ch in batch.chunks]  # noqa: E731
+    batch = sched.schedule()
+    assert plan(batch) == [("a", 0, 4, False), ("b", 0, 2, False)]         # budget 6, c waits (2 running)
+    sched.postprocess(batch, [None, None], 0.0)
+    batch = sched.schedule()
+    assert plan(batch) == [("a", 4, 4, False), ("b", 2, 1, True)]
+    sched.postprocess(batch, [None, 7], 0.0)
+    batch = sched.schedule()
+    assert plan(batch) == [("b", 3, 1, True), ("a", 8, 1, True)]           # decodes first, then prefill
