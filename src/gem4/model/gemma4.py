@@ -21,7 +21,7 @@ from torch import nn
 from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, Step
 from gem4.model.layers import (
-    QuantLinear, RMSNorm, RowTable, apply_rope, attention, embed_scale, experts_forward, gelu_tanh,
+    QuantLinear, RMSNorm, apply_rope, attention, embed_scale, experts_forward, gelu_tanh,
     rms_norm, rope_cos_sin, softcap,
 )
 
@@ -151,15 +151,15 @@ class Model(nn.Module):
         H, P = config.hidden_size, config.ple_dim
         self.config = config
         self.dtype = dtype                     # weight / KV-cache dtype; activations are float32
-        self.embed_tokens = nn.Embedding(config.vocab_size, H)
-        self.embed_tokens.weight.requires_grad_(False)
+        # token table [V, H]: looked up by rows for the input; as a linear layer it is the tied head
+        self.embed_tokens = QuantLinear(H, config.vocab_size)
         self.embed_scale = embed_scale(H)
         self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = QuantLinear(H, config.vocab_size)
-        self.embed_tokens_per_layer: RowTable | None = None       # E2B/E4B: bound by the loader ([V_ple, L*P])
-        if P:
+        if P:                                  # E2B/E4B: per-layer token table [V_ple, L*P], only looked up by rows
+            self.embed_tokens_per_layer = QuantLinear(config.num_layers * P, config.ple_vocab_size)
             self.per_layer_model_projection = QuantLinear(H, config.num_layers * P)
             self.per_layer_projection_norm = RMSNorm(P, config.rms_norm_eps)
         for layer_type, inv_freq in config.rope_inv_freq:
@@ -170,7 +170,7 @@ class Model(nn.Module):
     def per_layer_inputs(self, ids: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         """E2B/E4B (GEMMA4.md §2.3): ids [T], scaled embedding x0 [T, H] -> [T, L, P]."""
         L, P, H = self.config.num_layers, self.config.ple_dim, self.config.hidden_size
-        tok = self.embed_tokens_per_layer.lookup(ids, torch.float32) * math.sqrt(P)   # [T, L*P]
+        tok = self.embed_tokens_per_layer.rows(ids) * math.sqrt(P)                # [T, L*P]
         proj = self.per_layer_model_projection(x0) * H ** -0.5                   # [T, L*P]
         proj = self.per_layer_projection_norm(proj.view(-1, L, P))                # [T, L, P]
         return (proj + tok.view(-1, L, P)) * 2 ** -0.5
@@ -178,7 +178,7 @@ class Model(nn.Module):
     def hidden_states(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """ids [T] (the next T tokens of the sequence) -> final-normed hidden states [T, H] (or [1, H])."""
         step = full_step = cache.begin(ids.numel())
-        x = self.embed_tokens(ids).float() * self.embed_scale                      # [T, H]
+        x = self.embed_tokens.rows(ids) * self.embed_scale                         # [T, H]
         ple = self.per_layer_inputs(ids, x) if self.config.ple_dim else None       # [T, L, P]
         ropes = {t: rope_cos_sin(step.positions, getattr(self, f"inv_freq_{t}"))
                  for t, _ in self.config.rope_inv_freq}
@@ -198,20 +198,24 @@ class Model(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [T, H] -> softcapped logits [T, V] float32 (tied head: the unscaled embedding)."""
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return softcap(torch.nn.functional.linear(h.to(weight.dtype), weight).float(), self.config.final_logit_softcap)
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return softcap(head(h).float(), self.config.final_logit_softcap)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """One step: ids [T] -> logits [T, V] (or [1, V] with last_only), float32."""
         return self.head(self.hidden_states(ids, cache, last_only))
 
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def new_cache(self, max_chunk: int) -> KVCache:
-        return KVCache(self.config, max_chunk=max_chunk, dtype=self.dtype, device=self.embed_tokens.weight.device)
+        return KVCache(self.config, max_chunk=max_chunk, dtype=self.dtype, device=self.device)
 
     def logits(self, token_ids) -> torch.Tensor:
         """Full-sequence logits [len(ids), vocab] float32 with a fresh cache."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.embed_tokens.weight.device).reshape(-1)
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("token_ids is empty")
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:

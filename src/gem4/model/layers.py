@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gem4.model import kernels
 from gem4.weights.quants import GGMLType, dequantize, tensor_nbytes
 
 
@@ -59,46 +60,52 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class QuantLinear(nn.Module):
     """y = x @ W.T with W [out, in]. The one linear layer of the model.
 
-    Reference path: W is a dense tensor in the weight dtype (GGML block formats are dequantized once
-    at load). The input is rounded to W's dtype, the product accumulates in float32 (oneDNN) and the
-    result comes back in the activation dtype. Packed kernels for quantized weights slot in here.
+    Two storages, one forward:
+    - dense (reference): `weight` in the weight dtype (GGML block formats dequantized once at load).
+      The input is rounded to W's dtype, products accumulate in float32, the result comes back in the
+      activation dtype.
+    - packed (fast path, `pack()`): `raw` holds the GGML Q8_0 / Q4_0 blocks as the file has them.
+      Up to GEMV_ROWS input rows (decode, small batches) run the compiled kernel that reads the blocks
+      directly; longer inputs (prefill chunks) dequantize the blocks to bf16 once per call and run one
+      bf16 GEMM. Both equal dequantize + float matmul up to float rounding (tested).
     """
+
+    GEMV_ROWS = 8
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.ggml_type: GGMLType | None = None                    # set when packed
+
+    def pack(self, raw: torch.Tensor, ggml_type: GGMLType) -> None:
+        """Switch to packed storage: raw GGML bytes of the [out, in] weight (load time only)."""
+        row_bytes = tensor_nbytes(ggml_type, self.in_features)
+        del self.weight
+        self.register_buffer("raw", raw.reshape(self.out_features, row_bytes), persistent=False)
+        self.ggml_type = GGMLType(ggml_type)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), in]: W used as a lookup table (token embeddings).
+
+        Only these rows are converted, so a packed table (the 262144 x 8960 E2B per-layer embedding)
+        is never materialised.
+        """
+        if self.ggml_type is None:
+            return self.weight[ids].float()
+        return dequantize(self.raw[ids].contiguous(), self.ggml_type, (ids.numel(), self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
-
-
-class RowTable:
-    """A lookup table read a few rows at a time (the E2B/E4B per-layer embedding, [V, L*P]).
-
-    Kept in its stored form (a float tensor, or the raw bytes of a GGML block format) so that only
-    the rows of the current tokens are converted: the table is never materialised in full.
-    """
-
-    def __init__(self, shape: tuple[int, int], dense: torch.Tensor | None = None,
-                 raw: torch.Tensor | None = None, ggml_type: GGMLType | None = None):
-        self.shape = shape
-        self.dense = dense                                        # [V, D] float (any float dtype)
-        self.raw = raw                                            # [V, row_bytes] uint8 (GGML blocks)
-        self.ggml_type = ggml_type
-        if (dense is None) == (raw is None):
-            raise ValueError("RowTable needs exactly one of dense or raw")
-        if raw is not None:
-            row_bytes = tensor_nbytes(ggml_type, shape[1])
-            self.raw = raw.reshape(shape[0], row_bytes)
-
-    def lookup(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """ids [T] -> rows [T, D] in `dtype`."""
-        if self.dense is not None:
-            return self.dense[ids].to(dtype)
-        rows = self.raw[ids]                                      # [T, row_bytes]
-        return dequantize(rows.contiguous(), self.ggml_type, (ids.numel(), self.shape[1])).to(dtype)
+        if self.ggml_type is None:
+            return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        x2 = x.reshape(-1, self.in_features)                      # [M, in]
+        if x2.shape[0] <= self.GEMV_ROWS:
+            y = kernels.ggml_gemv(x2.float().contiguous(), self.raw, self.out_features, int(self.ggml_type))
+        else:
+            w = dequantize(self.raw, self.ggml_type, (self.out_features, self.in_features)).to(torch.bfloat16)
+            y = F.linear(x2.to(torch.bfloat16), w)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

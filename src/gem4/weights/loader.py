@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from gem4.model.gemma4 import Model
-from gem4.model.layers import RowTable
+from gem4.model import kernels
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -45,6 +45,22 @@ def _check_manifest(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]]) -> N
                               + " for this model's metadata")
 
 
+def _packed_form(name: str, entry, packed_kernels: bool):
+    """(raw, ggml_type) when this tensor stays in its GGML blocks, else None.
+
+    The per-layer embedding table is only read by rows, so it always stays packed. Projection
+    weights stay packed in the fast mode when a compiled kernel reads their format.
+    """
+    if entry is None or entry.raw is None:
+        return None
+    if name == PLE_TABLE:
+        return entry.raw()
+    raw, ggml_type = entry.raw()
+    if packed_kernels and len(entry.shape) == 2 and int(ggml_type) in kernels.PACKED_TYPES:
+        return raw, ggml_type
+    return None
+
+
 def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress: bool = False) -> Model:
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -53,29 +69,26 @@ def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress
     with torch.device("meta"):
         model = Model(config, torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    if config.ple_dim:
-        expected[PLE_TABLE] = (config.ple_vocab_size, config.num_layers * config.ple_dim)
     _check_manifest(ckpt, expected)
 
+    # fast mode: Q8_0 / Q4_0 projections stay packed for the compiled kernels (float32 is the reference)
+    packed_kernels = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available()
     state = {}
-    names = [n for n in expected if n != PLE_TABLE]
-    for name in tqdm(names, desc="loading weights", unit="tensor", disable=not progress):
+    for name in tqdm(list(expected), desc="loading weights", unit="tensor", disable=not progress):
         entry = ckpt.tensors.get(name)
-        target = _weight_dtype(name, expected[name], torch_dtype)
-        if entry is None:                                  # optional scalars default to 1 (OPTIONAL_ONES)
-            state[name] = torch.ones(expected[name], dtype=target, device=device)
+        packed = _packed_form(name, entry, packed_kernels)
+        if packed is not None:
+            raw, ggml_type = packed
+            model.get_submodule(name.rsplit(".", 1)[0]).pack(raw.to(device), ggml_type)
+        elif entry is None:                                # optional scalars default to 1 (OPTIONAL_ONES)
+            state[name] = torch.ones(expected[name], dtype=_weight_dtype(name, expected[name], torch_dtype), device=device)
+        elif name == PLE_TABLE:                            # float table: kept in its stored dtype, read by rows
+            state[name] = entry.dense().to(device)
         else:
-            state[name] = entry.dense().to(device=device, dtype=target)
+            state[name] = entry.dense().to(device=device, dtype=_weight_dtype(name, expected[name], torch_dtype))
     model.load_state_dict(state, strict=True, assign=True)
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
-    if config.ple_dim:                                     # E2B/E4B: kept in stored form, rows read on demand
-        entry = ckpt.tensors[PLE_TABLE]
-        if entry.raw is not None:
-            raw, ggml_type = entry.raw()
-            model.embed_tokens_per_layer = RowTable(entry.shape, raw=raw.to(device), ggml_type=ggml_type)
-        else:
-            model.embed_tokens_per_layer = RowTable(entry.shape, dense=entry.dense().to(device))
     model.eval()
     return model
 

@@ -1,0 +1,90 @@
+"""Fast path: packed GGML kernels against dequantize + float matmul, and the fast mode against float32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gem4
+from gem4.model import kernels
+from gem4.model.layers import QuantLinear
+from gem4.weights.quants import GGMLType, dequantize, quantize
+from model_fixtures import VARIANTS
+
+PACKED = [GGMLType.Q8_0, GGMLType.Q4_0]
+
+
+def test_kernels_build_on_this_machine():
+    # CI machines have AVX-512: the fast path must be the one under test, not a silent fallback
+    assert kernels.available()
+
+
+def packed_linear(weight: torch.Tensor, ggml_type: GGMLType) -> tuple[QuantLinear, torch.Tensor]:
+    out_f, in_f = weight.shape
+    raw = quantize(weight, ggml_type)
+    layer = QuantLinear(in_f, out_f)
+    layer.pack(raw, ggml_type)
+    return layer, dequantize(raw, ggml_type, (out_f, in_f))
+
+
+@pytest.mark.parametrize("ggml_type", PACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_gemv_equals_dequantize_then_matmul(ggml_type, rows):
+    g = torch.Generator().manual_seed(rows)
+    layer, dense = packed_linear(torch.randn(200, 96, generator=g), ggml_type)
+    x = torch.randn(rows, 96, generator=g)
+    ref = x @ dense.T
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 200)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("ggml_type", PACKED, ids=lambda t: t.name)
+def test_long_inputs_take_one_bf16_gemm(ggml_type):
+    g = torch.Generator().manual_seed(3)
+    layer, dense = packed_linear(torch.randn(64, 128, generator=g), ggml_type)
+    x = torch.randn(2, 20, 128, generator=g)                              # 40 rows > GEMV_ROWS, batched shape
+    ref = torch.nn.functional.linear(x.bfloat16(), dense.bfloat16()).float()
+    torch.testing.assert_close(layer(x), ref, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(layer(x), x @ dense.T, rtol=0.05, atol=0.05 * ref.abs().max().item())
+
+
+def test_rows_of_a_packed_table_are_exact():
+    g = torch.Generator().manual_seed(4)
+    layer, dense = packed_linear(torch.randn(50, 64, generator=g), GGMLType.Q4_0)
+    ids = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(layer.rows(ids), dense[ids])
+
+
+def nmse(out, ref):
+    return float(((out - ref) ** 2).mean() / (ref ** 2).mean())
+
+
+def greedy(model, ids, n):
+    cache = model.new_cache(max_chunk=len(ids))
+    logits = model.forward(torch.tensor(ids), cache, last_only=True)
+    out = []
+    for _ in range(n):
+        nxt = int(logits[-1].argmax())
+        out.append(nxt)
+        logits = model.forward(torch.tensor([nxt]), cache)
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_fast_mode_tracks_the_float32_path(variants, qtype):
+    # The same GGUF: float32 reference (dequantized, float32 activations) vs the fast mode (packed
+    # kernels; bf16 KV cache and bf16 prefill GEMM). NMSE is asserted per variant. Greedy agreement over
+    # 32 tokens is reported: these random models have flat logits (top-2 margins ~0.01), so the bf16 KV
+    # cache and prefill flip some near-ties (with both in float32 all 4 variants agree); issue 6 tracks it.
+    same_greedy = {}
+    for name in VARIANTS:
+        path = variants[name].gguf[qtype]
+        ref_model, fast_model = gem4.load(path), gem4.load(path, dtype="bfloat16")
+        assert fast_model.layers[0].mlp.up_proj.ggml_type == GGMLType[qtype.upper()]      # packed, not dense
+        ids = variants[name].ids
+        drift = nmse(fast_model.logits(ids), ref_model.logits(ids))
+        same_greedy[name] = greedy(fast_model, ids[:20], 32) == greedy(ref_model, ids[:20], 32)
+        print(f"{qtype} {name}: fast-mode NMSE vs float32 = {drift:.2e}, greedy 32 equal: {same_greedy[name]}")
+        # MoE: top-2 routing flips on near-tied experts (see test_model.test_bfloat16_mode_drift)
+        assert drift <= (5e-3 if name == "moe" else 1e-3)
+    print(f"{qtype}: greedy 32 tokens equal on {sum(same_greedy.values())}/4 variants")
