@@ -267,6 +267,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         log(_stats_line(last))
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from gem4.server import serve
+
+    return serve(args)
+
+
 # ---------------------------------------------------------------------------------------------
 # argument parsing
 # ---------------------------------------------------------------------------------------------
@@ -308,6 +314,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", parents=[gen], help="interactive multi-turn chat on stdin/stdout")
     p.add_argument("-n", "--max-tokens", type=int, default=1024, help="tokens per reply at most")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
+    from gem4.server.main import add_arguments as add_serve_arguments
+
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("inspect", help="describe a checkpoint (.gguf file or HF directory)")
     p.add_argument("model")
