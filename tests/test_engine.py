@@ -246,6 +246,8 @@ def test_bad_requests_fail_in_the_callers_thread(tok):
         Engine(model).submit([2, 4096])
     with pytest.raises(ValueError, match="empty"):
         Engine(model, tok).submit([])
+    with pytest.raises(ValueError, match="logit_bias: token ids must be < the vocabulary size 4096"):
+        Engine(model).submit([2], SamplingParams(logit_bias={4096: 1.0}))
     assert model.calls == []
 
 

@@ -150,8 +150,9 @@ class Engine:
         max_tokens = self._max_tokens(len(prompt_ids), params)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (Engine(model, tokenizer))")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < the vocabulary size {self.vocab_size}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            if any(t >= self.vocab_size for t in ids):
+                raise ValueError(f"{name}: token ids must be < the vocabulary size {self.vocab_size}")
         request_id = request_id if request_id is not None else next_request_id()
         detok = self.tokenizer.detokenizer(skip_special=True) if self.tokenizer is not None else None
         seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens, end_ids=self.end_token_ids,

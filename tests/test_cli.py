@@ -1,0 +1,169 @@
+"""`gem4 run` / `gem4 chat` in subprocesses, the demo checkpoint, and the CLI's error paths.
+
+Expected outputs are computed in-process with the same engine and parser, greedy, float32.
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import gem4
+from gem4 import Engine, SamplingParams
+from gem4.chat import encode_prompt
+from gem4.cli import _stream_chat, assistant_message, main
+from gem4.demo import DEMO_VERSION, write_tokenizer
+from gem4.parser import ParseResult, ToolCall
+
+STATS = re.compile(r"prompt: (\d+) tokens, [\d.]+ tok/s \| generated: (\d+) tokens, [\d.]+ tok/s "
+                   r"\| TTFT: \d+ ms \| finish: (stop|length)")
+
+
+def gem4_command() -> list[str]:
+    script = Path(sys.executable).with_name("gem4")
+    assert script.exists(), f"the gem4 console script is not installed next to {sys.executable}"
+    return [str(script)]
+
+
+def run_cli(args: list[str], cache: Path, stdin: str | None = None, command: list[str] | None = None):
+    env = dict(os.environ, GEM4_CACHE=str(cache))
+    return subprocess.run((command or gem4_command()) + args, input=stdin, capture_output=True, text=True,
+                          encoding="utf-8", errors="replace", env=env, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The README's first command, on an empty cache: builds the demo checkpoint, then runs it."""
+    cache = tmp_path_factory.mktemp("gem4-cache")
+    return cache, run_cli(["run", "--demo", "-p", "hello", "-n", "8"], cache)
+
+
+def test_run_demo_prints_text(demo_run):
+    cache, proc = demo_run
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "RANDOM weights" in proc.stderr and "output is random" in proc.stderr
+    assert "building the demo checkpoint" in proc.stderr
+    m = STATS.search(proc.stderr)
+    assert m and int(m.group(1)) == len(gem4.Tokenizer.from_file(cache / f"demo-{DEMO_VERSION}").encode("hello"))
+    assert 1 <= int(m.group(2)) <= 8
+
+
+def test_demo_checkpoint_keeps_gemma4_special_ids(demo_run):
+    cache, _ = demo_run
+    directory = cache / f"demo-{DEMO_VERSION}"
+    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                           "tokenizer_config.json"]
+    tok = gem4.Tokenizer.from_file(directory)
+    model = gem4.load(directory)
+    assert tok.vocab_size == model.config.vocab_size == 4096
+    logits = model.logits(tok.encode("the answer is"))                   # [4, 4096]
+    assert logits.std(-1).min() > 1.0                                     # spread enough to sample from
+    expect = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<|tool_call>": 48, "<|tool_response>": 50, '<|"|>': 52,
+              "<|think|>": 98, "<|channel>": 100, "<channel|>": 101, "<|turn>": 105, "<turn|>": 106,
+              "<0x00>": 238, "<0xFF>": 493}
+    assert {t: tok.token_to_id(t) for t in expect} == expect
+    text = "Hello, world! ünïcödé ☕"
+    assert tok.decode(tok.encode(text, add_bos=False)) == text
+    assert len(tok.encode("the answer is", add_bos=False)) == 3          # real merges, not bytes
+
+
+def test_demo_builds_without_transformers_and_is_reproducible(demo_run, tmp_path):
+    cache, _ = demo_run
+    blocked = ("import sys; sys.modules['transformers'] = None; from gem4.cli import main; "
+               "sys.exit(main(sys.argv[1:]))")
+    args = ["run", "--demo", "-p", "hello", "-n", "8", "--seed", "5"]
+    fresh = run_cli(args, tmp_path, command=[sys.executable, "-c", blocked])
+    assert fresh.returncode == 0, fresh.stderr
+    again = run_cli(args, cache)                                          # the already built cache
+    assert again.returncode == 0 and "building" not in again.stderr
+    assert fresh.stdout == again.stdout and fresh.stdout.strip()
+    a = load_file(str(tmp_path / f"demo-{DEMO_VERSION}" / "model.safetensors"))
+    b = load_file(str(cache / f"demo-{DEMO_VERSION}" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)   # same seed, same weights
+
+
+@pytest.fixture(scope="module")
+def tokenizer_512(tmp_path_factory):
+    """A tokenizer for the 512-token fixtures: the first 512 real Gemma 4 ids (specials + bytes + 18 merges)."""
+    return write_tokenizer(tmp_path_factory.mktemp("tok512"), 512)
+
+
+def expected_chat(engine, tok, messages, max_tokens, thinking=False):
+    ids = encode_prompt(tok, messages, enable_thinking=thinking)
+    out = io.StringIO()
+    params = SamplingParams(temperature=0, top_k=64, top_p=0.95, max_tokens=max_tokens)
+    result, last = _stream_chat(engine, tok, ids, params, out)
+    return out.getvalue(), result, last, len(ids)
+
+
+def test_run_chat_on_a_fixture(variants, tokenizer_512, tmp_path):
+    fx = variants["dense_plain"]
+    proc = run_cli(["run", str(fx.hf_causal), "--tokenizer", str(tokenizer_512), "--chat", "--system", "Be brief.",
+                    "-p", "Hi there", "-n", "12", "--temperature", "0", "--dtype", "float32"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+    tok = gem4.Tokenizer.from_file(tokenizer_512)
+    engine = Engine(gem4.load(fx.hf_causal), tok)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    text, result, last, n_prompt = expected_chat(engine, tok, messages, 12)
+    assert proc.stdout == text
+    assert result.content in proc.stdout
+    m = STATS.search(proc.stderr)
+    assert m and (int(m.group(1)), int(m.group(2)), m.group(3)) == (n_prompt, last.completion_tokens,
+                                                                    last.finish_reason)
+
+
+def test_chat_session_keeps_history(demo_run):
+    cache, _ = demo_run
+    script = "Hello there\n/think\nWhat is two plus two?\n/reset\n\n/bogus\nBye now\n/exit\nnever sent\n"
+    proc = run_cli(["chat", "--demo", "-n", "10", "--temperature", "0", "--dtype", "float32"], cache, stdin=script)
+    assert proc.returncode == 0, proc.stderr
+
+    directory = cache / f"demo-{DEMO_VERSION}"
+    tok = gem4.Tokenizer.from_file(directory)
+    engine = Engine(gem4.load(directory), tok)
+    u1, u2, u3 = ({"role": "user", "content": c} for c in ("Hello there", "What is two plus two?", "Bye now"))
+    out1, r1, _, _ = expected_chat(engine, tok, [u1], 10)
+    out2, r2, _, n2 = expected_chat(engine, tok, [u1, assistant_message(r1), u2], 10, thinking=True)
+    out3, _, _, n3 = expected_chat(engine, tok, [u3], 10, thinking=True)     # /reset keeps the /think toggle
+    assert r1.content and r2.content
+    assert proc.stdout == out1 + out2 + out3
+    stats = STATS.findall(proc.stderr)
+    assert [int(s[0]) for s in stats][1:] == [n2, n3]
+    assert "(thinking on)" in proc.stderr and "(history cleared)" in proc.stderr
+    assert "unknown command '/bogus'" in proc.stderr
+
+
+def test_assistant_turn_is_stored_as_parsed_fields():
+    result = ParseResult(content="It is 4.", reasoning_content="2+2=4", stop_token_id=106, truncated=False,
+                         malformed=False, tool_calls=(ToolCall("call_0", "add", '{"a":2,"b":2}'),))
+    message = assistant_message(result)
+    assert message == {"role": "assistant", "content": "It is 4.", "reasoning_content": "2+2=4",
+                       "tool_calls": [{"id": "call_0", "type": "function",
+                                       "function": {"name": "add", "arguments": '{"a":2,"b":2}'}}]}
+    plain = assistant_message(ParseResult("Hi", None, (), 106, False, False))
+    assert plain == {"role": "assistant", "content": "Hi"}
+
+
+def test_cli_errors_are_clear(variants, capsys):
+    assert main(["run", "-p", "hi"]) == 2
+    assert "MODEL is required" in capsys.readouterr().err
+    assert main(["run", str(variants["dense_plain"].hf_causal), "-p", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.json: not found" in err and "--tokenizer" in err
+    assert main(["run", str(variants["dense_plain"].hf_causal), "--demo", "-p", "hi"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_run_reports_context_overflow(variants, tokenizer_512, capsys):
+    args = ["run", str(variants["dense_plain"].hf_causal), "--tokenizer", str(tokenizer_512), "-p", "hi",
+            "-n", "5000", "--dtype", "float32"]
+    assert main(args) == 2
+    assert "exceeds the context length 4096" in capsys.readouterr().err
