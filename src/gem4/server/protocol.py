@@ -1,0 +1,575 @@
+"""The OpenAI wire format: request and response models (pydantic v2), and OpenAI error objects.
+
+Requests are validated from the raw body with `parse_request(Model, body)`: JSON mode, strict types
+(`"10"` is not an integer, `1` is not a bool), unknown fields ignored. Every failure -- invalid JSON,
+a wrong type, a value out of range, a missing field -- becomes an `APIError` with status 400 and an
+OpenAI error object naming the parameter (`messages[1].role`, `max_tokens`), never FastAPI's 422.
+
+Responses are built with the models below and serialised with `dump(model)` (`exclude_unset`): a
+field is on the wire exactly when the code set it, so `"finish_reason": null` and `"usage": null`
+appear where OpenAI sends them and `reasoning_content` appears only when there was reasoning.
+
+Extensions beyond OpenAI's parameters follow vLLM's names: `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`, and the
+`/tokenize` / `/detokenize` bodies.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI error object:
+    `{"error": {"message", "type", "param", "code"}}` with this HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def _is_union_label(part, prev) -> bool:
+    """pydantic puts the union member into an error's loc: a role tag after `messages[i]`, or a
+    type label such as `str`, `list[str]`, `literal['none','auto']`, `NamedToolChoice`."""
+    if not isinstance(part, str):
+        return False
+    if isinstance(prev, int) and part in _ROLES:
+        return True
+    return (part in ("str", "int", "float", "bool", "none") or any(c in part for c in "[(',")
+            or part[:1].isupper())
+
+
+def _param_path(loc: tuple) -> str | None:
+    """('messages', 0, 'user', 'content') -> 'messages[0].content'."""
+    out = ""
+    prev = None
+    for part in loc:
+        skip = _is_union_label(part, prev)
+        prev = part
+        if skip:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or None
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """The first pydantic error as a 400 OpenAI error object."""
+    err = e.errors(include_url=False)[0]
+    if err["type"] == "json_invalid":
+        return bad_request(f"We could not parse the JSON body of your request: {err.get('msg')}. "
+                           "The body must be a JSON object.")
+    loc = tuple(err.get("loc", ()))
+    param = _param_path(loc)
+    msg = err.get("msg", "invalid value")
+    if err["type"] == "missing":
+        return bad_request(f"Missing required parameter: '{param}'.", param)
+    if err["type"] in ("model_type", "model_attributes_type", "dict_type") and not loc:
+        return bad_request("The request body must be a JSON object.")
+    msg = msg.removeprefix("Value error, ")
+    if err["type"] == "union_tag_invalid":       # an unknown message role
+        param = f"{param}.role" if param else "role"
+    return bad_request(f"Invalid '{param}': {msg}" if param else msg, param)
+
+
+def parse_request(model: type[BaseModel], body: bytes):
+    """Validate a raw JSON body against a request model; raises APIError(400)."""
+    if not body.strip():
+        raise bad_request("The request body is empty; it must be a JSON object.")
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def dump(model: BaseModel) -> dict:
+    """A response model as a JSON-ready dict: the fields that were set, nested models likewise."""
+    return model.model_dump(exclude_unset=True)
+
+
+def dump_json(model: BaseModel) -> str:
+    return model.model_dump_json(exclude_unset=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat requests
+# ---------------------------------------------------------------------------------------------
+
+
+class _In(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+_UNSUPPORTED_PARTS = {
+    "image_url": "image",
+    "input_image": "image",
+    "image": "image",
+    "input_audio": "audio",
+    "audio": "audio",
+    "audio_url": "audio",
+    "video_url": "video",
+    "video": "video",
+    "file": "file",
+}
+
+
+def check_content(content: Any, *, allow_none: bool = False) -> Any:
+    """Message content: a string or a list of text parts `{"type": "text", "text": str}`."""
+    if content is None:
+        if allow_none:
+            return None
+        raise ValueError("content is required")
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError(f"expected a string or an array of content parts, got {type(content).__name__}")
+    parts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise ValueError(f"content part {i} must be an object with a 'type'")
+        kind = part["type"]
+        if kind in ("text", "input_text", "refusal"):
+            text = part.get("text" if kind != "refusal" else "refusal")
+            if not isinstance(text, str):
+                raise ValueError(f"content part {i} of type '{kind}' needs a string 'text'")
+            parts.append({"type": "text", "text": text})
+        elif kind in _UNSUPPORTED_PARTS:
+            raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input is not supported "
+                             "(this server runs a text-only model)")
+        else:
+            raise ValueError(f"content part {i} has unknown type '{kind}'")
+    return parts
+
+
+Content = Annotated[Any, AfterValidator(check_content)]
+OptionalContent = Annotated[Any, AfterValidator(lambda v: check_content(v, allow_none=True))]
+
+
+def content_text(content: Any) -> str:
+    """A checked content value as one string (text parts joined with newlines)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "\n".join(p["text"] for p in content)
+
+
+class FunctionCallIn(_In):
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v):
+        if isinstance(v, str):
+            try:
+                parsed = json.loads(v) if v.strip() else {}
+            except ValueError:
+                raise ValueError("arguments must be a JSON object encoded as a string") from None
+            if not isinstance(parsed, dict):
+                raise ValueError("arguments must encode a JSON object")
+        return v
+
+
+class ToolCallIn(_In):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class SystemMessage(_In):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_In):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_In):
+    role: Literal["assistant"]
+    content: OptionalContent = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+class ToolMessage(_In):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+    name: str | None = None
+
+
+Message = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+class FunctionDef(_In):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _FUNCTION_NAME.match(v):
+            raise ValueError(f"function name {v!r} must be 1-64 characters of a-z, A-Z, 0-9, '_', '.' or '-'")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema(cls, v):
+        if v is None:
+            return v
+        kind = v.get("type", "object")
+        if kind != "object":
+            raise ValueError(f"the parameters schema must be a JSON Schema of type \"object\", got type {kind!r}")
+        props = v.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(p, dict) for p in props.values()):
+            raise ValueError("'properties' must map each parameter name to a schema object")
+        req = v.get("required", [])
+        if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+            raise ValueError("'required' must be an array of parameter names")
+        return v
+
+
+class Tool(_In):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_In):
+    name: str
+
+
+class NamedToolChoice(_In):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class StreamOptions(_In):
+    include_usage: bool = False
+
+
+class ResponseFormat(_In):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class _SamplingRequest(_In):
+    """The sampling fields chat and completions share (OpenAI, then vLLM extensions)."""
+
+    model: str | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    n: int = Field(1, ge=1)
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)
+    user: str | None = None
+    # extensions (vLLM's names)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        if v is None:
+            return v
+        for k, b in v.items():
+            if not k.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
+            if not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v):
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def token_limit(self) -> int | None:
+        """max_completion_tokens wins over the deprecated max_tokens."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Completions, tokenize, detokenize requests
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_prompt(v):
+    """A string, a token-id array, or a one-element array of either (one prompt per request)."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        if not v:
+            raise ValueError("the prompt is empty")
+        return v
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return v
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
+        raise ValueError("only one prompt per request is supported")
+    raise ValueError("prompt must be a non-empty string or an array of token ids")
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Annotated[Any, AfterValidator(_check_prompt)]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v:
+            raise ValueError("suffix is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError("only best_of=1 is supported")
+        return v
+
+
+class TokenizeRequest(_In):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(_In):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------
+
+
+class _Out(BaseModel):
+    """A response object. On the wire: every field with a non-None default, the fields named in
+    `_always` (OpenAI sends them as null), and whatever the code set (see `dump`)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    _always: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="after")
+    def _wire_fields(self):
+        fields = type(self).model_fields
+        self.model_fields_set.update(k for k, f in fields.items() if f.default is not None or k in self._always)
+        return self
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class FunctionCallOut(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(_Out):
+    index: int | None = None          # streamed deltas only
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallOut
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Out):
+    content: list[TokenLogprob] | None
+
+
+class ChatMessage(_Out):
+    _always = ("content",)
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(_Out):
+    _always = ("logprobs", "finish_reason")
+
+    index: int = 0
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChunkChoice(_Out):
+    _always = ("logprobs", "finish_reason")
+
+    index: int = 0
+    delta: ChatDelta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    _always = ("logprobs", "finish_reason")
+
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "gem4"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
