@@ -34,7 +34,7 @@ class ModelRunner:
     def __init__(self, model, max_chunk: int):
         self.model = model
         self.max_chunk = max_chunk
-        self.device = model.embed_tokens.weight.device
+        self.device = model.device
         self.sampler = Sampler()
         self._caches: dict[str, KVCache] = {}
         self._generators: dict[str, torch.Generator | None] = {}
