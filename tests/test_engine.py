@@ -89,7 +89,7 @@ class ScriptedModel:
     def __init__(self, script: list[int], vocab_size: int = 4096, context: int = 4096, delay: float = 0.0):
         self.script = script
         self.config = SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=context)
-        self.embed_tokens = SimpleNamespace(weight=torch.zeros(1))
+        self.device = torch.device("cpu")
         self.delay = delay
         self.calls: list[tuple[str, int, bool, int]] = []   # (kind, n_tokens, last_only, cache serial)
         self.fail_at: int | None = None
