@@ -311,12 +311,21 @@ def test_abort_from_another_thread_stops_within_one_step(tok):
     assert engine._runner.num_live == 0
 
 
-def test_closing_the_iterator_aborts(tok):
+@pytest.mark.parametrize("how", ["close", "break", "drop unstarted"])
+def test_leaving_the_iterator_aborts(tok, how):
     model = ScriptedModel(tok.encode(TEXT, add_bos=False), delay=0.005)
     engine = Engine(model, tok)
-    gen = engine.generate("Hi", SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True))
-    assert next(gen).text == "H"
-    gen.close()
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    if how == "close":
+        gen = engine.generate("Hi", params)
+        assert next(gen).text == "H"
+        gen.close()
+    elif how == "break":
+        for event in engine.generate("Hi", params):
+            break
+        assert event.text == "H"
+    else:
+        engine.generate("Hi", params)                                  # submitted at once, then dropped
     wait_idle(engine)
     assert engine._runner.num_live == 0 and len(model.calls) < 20
 

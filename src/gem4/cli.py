@@ -152,11 +152,13 @@ def _stream_chat(engine, tokenizer, prompt_ids: list[int], params, out):
     parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids)
     printer = ChatPrinter(out)
     last = None
+    events = engine.generate(prompt_ids, params)
     try:
-        for last in engine.generate(prompt_ids, params):
+        for last in events:
             if last.token_id is not None:
                 printer.events(parser.feed([last.token_id]))
     finally:
+        events.close()                                 # aborts the request if interrupted
         printer.events(parser.finish())
         printer.close()
     return parser.result, last
@@ -188,11 +190,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         last = None
         wrote = ""
-        for last in engine.generate(args.prompt, params):
-            if last.text:
-                sys.stdout.write(last.text)
-                sys.stdout.flush()
-                wrote = last.text
+        with engine.generate(args.prompt, params) as events:
+            for last in events:
+                if last.text:
+                    sys.stdout.write(last.text)
+                    sys.stdout.flush()
+                    wrote = last.text
         if not wrote.endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()
@@ -252,15 +255,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
             log(f"unknown command {text.split()[0]!r}; " + CHAT_HELP)
             continue
         turn = history + [{"role": "user", "content": text}]
-        ids = encode_prompt(tokenizer, turn, enable_thinking=thinking)
-        room = engine.max_model_len - len(ids)
-        if room < 1:
-            log(f"(the conversation has {len(ids)} tokens and fills the context of {engine.max_model_len}: /reset)")
-            continue
         try:
+            ids = encode_prompt(tokenizer, turn, enable_thinking=thinking)
+            room = engine.max_model_len - len(ids)
+            if room < 1:
+                raise ValueError(f"the conversation has {len(ids)} tokens and fills the context of "
+                                 f"{engine.max_model_len}: /reset")
             result, last = _stream_chat(engine, tokenizer, ids, _params(args, min(args.max_tokens, room)),
                                         sys.stdout)
-        except KeyboardInterrupt:                      # generate() aborted the request on the way out
+        except ValueError as e:                        # this turn cannot run; the session goes on
+            log(f"gem4: error: {e}")
+            continue
+        except KeyboardInterrupt:                      # the request was aborted on the way out
             log("(interrupted)")
             continue
         history = turn + [assistant_message(result)]

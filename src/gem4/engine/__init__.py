@@ -1,5 +1,5 @@
 """Generation engine: requests (sequence.py), policy (scheduler.py), tensors (runner.py), threads (engine.py)."""
-from gem4.engine.engine import Engine, EngineError, GenerationEvent, Stream
+from gem4.engine.engine import Engine, EngineError, Generation, GenerationEvent, Stream
 from gem4.engine.sequence import ABORT, LENGTH, STOP, RequestStats
 
-__all__ = ["Engine", "EngineError", "GenerationEvent", "Stream", "RequestStats", "STOP", "LENGTH", "ABORT"]
+__all__ = ["Engine", "EngineError", "Generation", "GenerationEvent", "Stream", "RequestStats", "STOP", "LENGTH", "ABORT"]

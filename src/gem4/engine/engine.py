@@ -15,7 +15,7 @@ Thread model (what runs where):
   logic, text) -> put each request's events on its queue.
 - **Cancellation** is a flag checked between steps: an aborted request gets its final "abort" event
   before the next step starts, so it stops within one step of `abort()` returning. A consumer that
-  stops iterating `generate()` early aborts its request the same way.
+  closes or drops the iterator `generate()` returned before the end aborts its request the same way.
 
 An exception inside a step ends every request in flight: their streams raise `EngineError`.
 """
@@ -90,6 +90,36 @@ class Stream:
 
     def _put(self, item) -> None:
         self._queue.put(item)
+
+
+class Generation:
+    """What `Engine.generate` returns: an iterator over one request's events that aborts the request
+    when it is closed, used as a context manager, or dropped before the final event."""
+
+    def __init__(self, stream: Stream):
+        self.stream = stream
+        self.request_id = stream.request_id
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        if self.stream.finished:
+            raise StopIteration
+        return self.stream.get()
+
+    def close(self) -> None:
+        if not self.stream.finished:
+            self.stream.abort()
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class Engine:
@@ -169,14 +199,10 @@ class Engine:
         return stream
 
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None) -> Iterator[GenerationEvent]:
-        """Submit and iterate the events; closing the iterator early aborts the request."""
-        stream = self.submit(prompt, params, request_id=request_id)
-        try:
-            yield from stream
-        finally:
-            if not stream.finished:
-                self.abort(stream.request_id)
+                 request_id: str | None = None) -> Generation:
+        """Submit now (errors raise here) and return an iterator over the events; closing or dropping
+        it before the final event aborts the request."""
+        return Generation(self.submit(prompt, params, request_id=request_id))
 
     def abort(self, request_id: str) -> bool:
         """Ask the engine to stop a request; its stream ends with an "abort" event within one step.
