@@ -368,7 +368,10 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     a, b, c = seq("a", 9), seq("b", 3), seq("c", 2)
     for s in (a, b, c):
         sched.add(s)
-    plan = lambda batch: [(ch.seq.request_id, ch.start, ch.num_tokens, ch.samples) for ch in batch.chunks]  # noqa: E731
+
+    def plan(batch):
+        return [(ch.seq.request_id, ch.start, ch.num_tokens, ch.samples) for ch in batch.chunks]
+
     batch = sched.schedule()
     assert plan(batch) == [("a", 0, 4, False), ("b", 0, 2, False)]         # budget 6, c waits (2 running)
     sched.postprocess(batch, [None, None], 0.0)
@@ -377,3 +380,7 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     sched.postprocess(batch, [None, 7], 0.0)
     batch = sched.schedule()
     assert plan(batch) == [("b", 3, 1, True), ("a", 8, 1, True)]           # decodes first, then prefill
+    sched.postprocess(batch, [5, 6], 0.0)
+    assert sched.remove("b") is b and sched.remove("b") is None
+    batch = sched.schedule()
+    assert plan(batch) == [("a", 9, 1, True), ("c", 0, 2, True)]           # c admitted when a slot frees

@@ -277,7 +277,7 @@ class Engine:
         self.steps += 1
         outputs = self._scheduler.postprocess(batch, [None if s is None else s.token_id for s in samples],
                                               time.perf_counter())
-        by_seq = {id(c.seq): s for c, s in zip(batch.chunks, samples)}
+        by_seq = {id(c.seq): s for c, s in zip(batch.chunks, samples, strict=True)}
         for seq, out in outputs:
             sample = by_seq[id(seq)]
             finished = out.finish_reason is not None
