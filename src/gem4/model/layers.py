@@ -103,7 +103,7 @@ class QuantLinear(nn.Module):
         if x2.shape[0] <= self.GEMV_ROWS:
             y = kernels.ggml_gemv(x2.float().contiguous(), self.raw, self.out_features, int(self.ggml_type))
         else:
-            w = dequantize(self.raw, self.ggml_type, (self.out_features, self.in_features)).to(torch.bfloat16)
+            w = kernels.dequant_bf16(self.raw, self.out_features, self.in_features, int(self.ggml_type))   # [out, in]
             y = F.linear(x2.to(torch.bfloat16), w)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
