@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gem4.server.main import add_arguments, serve
 
-__all__ = ["add_arguments", "serve", "create_app", "ServerConfig"]
+__all__ = ["ServerConfig", "add_arguments", "create_app", "serve"]
 
 
 def __getattr__(name: str):

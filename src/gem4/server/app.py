@@ -45,20 +45,32 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, Protocol
 
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gem4.chat import ChatTemplateError, encode_prompt
 from gem4.engine import EngineError, GenerationEvent
 from gem4.engine.sequence import StopStrings
-from gem4.parser import (ContentDelta, Gemma4Parser, ReasoningDelta, ToolCallArgsDelta, ToolCallEnd,
-                         ToolCallStart)
+from gem4.parser import (
+    ContentDelta,
+    Gemma4Parser,
+    ReasoningDelta,
+    ToolCallArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 from gem4.sampling import SamplingParams
 from gem4.server import protocol as P
 from gem4.server.metrics import Metrics

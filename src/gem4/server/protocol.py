@@ -18,9 +18,17 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -140,7 +148,8 @@ _UNSUPPORTED_PARTS = {
 
 
 def check_content(content: Any, *, allow_none: bool = False) -> Any:
-    """Message content: a string or a list of text parts `{"type": "text", "text": str}`."""
+    """Message content: a string or a list of text parts `{"type": "text", "text": str}`.
+    (Failures are ValueErrors, wrong types included: pydantic turns only those into errors.)"""
     if content is None:
         if allow_none:
             return None
@@ -148,11 +157,11 @@ def check_content(content: Any, *, allow_none: bool = False) -> Any:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"expected a string or an array of content parts, got {type(content).__name__}")
+        raise ValueError(f"expected a string or an array of content parts, got {type(content).__name__}")  # noqa: TRY004
     parts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-            raise ValueError(f"content part {i} must be an object with a 'type'")
+            raise ValueError(f"content part {i} must be an object with a 'type'")  # noqa: TRY004
         kind = part["type"]
         if kind in ("text", "input_text", "refusal"):
             text = part.get("text" if kind != "refusal" else "refusal")
@@ -182,7 +191,7 @@ def content_text(content: Any) -> str:
 
 class FunctionCallIn(_In):
     name: str
-    arguments: Union[str, dict[str, Any]] = "{}"
+    arguments: str | dict[str, Any] = "{}"
 
     @field_validator("arguments")
     @classmethod
@@ -193,7 +202,7 @@ class FunctionCallIn(_In):
             except ValueError:
                 raise ValueError("arguments must be a JSON object encoded as a string") from None
             if not isinstance(parsed, dict):
-                raise ValueError("arguments must encode a JSON object")
+                raise ValueError("arguments must encode a JSON object")  # noqa: TRY004
         return v
 
 
@@ -231,7 +240,7 @@ class ToolMessage(_In):
     name: str | None = None
 
 
-Message = Annotated[Union[SystemMessage, UserMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
@@ -298,7 +307,7 @@ class _SamplingRequest(_In):
     max_tokens: int | None = Field(None, ge=1)
     n: int = Field(1, ge=1)
     seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -352,7 +361,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,1000 @@
+"""The OpenAI-compatible server, tested with the official `openai` client on 127.0.0.1 only.
+
+Two servers:
+
+- **`gem4 serve` as a subprocess** on a tiny real checkpoint (the `dense_plain` fixture model with
+  the 512-token real-vocab tokenizer and the official chat template copied beside it). Its output
+  is random text, so correctness is checked against an in-process `gem4.Engine` + output parser
+  on the same checkpoint (the oracle), and against the server itself (stream == non-stream,
+  concurrent == sequential).
+- **The app in-process** (uvicorn in a thread) over `ScriptedEngine`, a test stand-in for
+  `gem4.Engine` that replays a fixed token-id script per request: reasoning, tool calls, slow
+  prefill, a failing engine, a held queue. The scripted ids are real Gemma 4 token ids, so the
+  server's real parser turns them into reasoning / content / tool calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_fixtures import build_hf
+from text_fixtures import tiny_tokenizer, tiny_tokenizer_dir
+
+import gem4
+from gem4.chat import encode_prompt, stop_token_ids
+from gem4.engine import EngineError, GenerationEvent
+from gem4.parser import Gemma4Parser, parse
+from gem4.sampling import SamplingParams
+from gem4.server import ServerConfig, create_app
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+HOST = "127.0.0.1"          # loopback only, always
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def client_for(base: str, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def sse_lines(base: str, path: str, body: dict, key: str = API_KEY) -> list[str]:
+    """The raw lines of an SSE response (comments included)."""
+    with httpx.stream("POST", base + path, json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return [line for line in r.iter_lines() if line]
+
+
+def sse_data(lines: list[str]) -> list[dict | str]:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def metric(base: str, name: str, **labels) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"metric {name} {labels} not found in:\n{text}")
+
+
+def assert_openai_error(r: httpx.Response, status: int, *, param: str | None = "any", code: str | None = "any"):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param != "any":
+        assert err["param"] == param, err
+    if code != "any":
+        assert err["code"] == code, err
+    return err
+
+
+def accumulate(chunks) -> dict:
+    """Fold chat.completion.chunk objects (SDK models) into one message, checking the chunk rules."""
+    msg = {"role": None, "content": "", "reasoning_content": "", "tool_calls": {}}
+    finish, ids = None, set()
+    for i, ch in enumerate(chunks):
+        ids.add(ch.id)
+        assert ch.object == "chat.completion.chunk"
+        if not ch.choices:
+            continue
+        (choice,) = ch.choices
+        d = choice.delta
+        if i == 0:
+            assert d.role == "assistant"
+        else:
+            assert d.role is None
+        assert finish is None, "nothing may follow the finish_reason chunk but the usage chunk"
+        msg["role"] = msg["role"] or d.role
+        msg["content"] += d.content or ""
+        msg["reasoning_content"] += (d.model_extra or {}).get("reasoning_content") or ""
+        for tc in d.tool_calls or []:
+            slot = msg["tool_calls"].setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+            if tc.id is not None:
+                assert slot["id"] is None and slot["arguments"] == "", "id/name come first, once"
+                slot["id"], slot["name"] = tc.id, tc.function.name
+            slot["arguments"] += tc.function.arguments or ""
+        finish = choice.finish_reason
+    assert len(ids) == 1, ids
+    msg["finish_reason"] = finish
+    msg["tool_calls"] = [msg["tool_calls"][k] for k in sorted(msg["tool_calls"])]
+    return msg
+
+
+class InProcessServer:
+    """uvicorn in a thread on 127.0.0.1, port chosen by the OS."""
+
+    def __init__(self, app):
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "in-process server did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        return f"http://{HOST}:{port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scripted engine (test stand-in for gem4.Engine)
+# ---------------------------------------------------------------------------------------------
+
+
+def ids_of(text: str) -> list[int]:
+    return tiny_tokenizer().encode(text, add_bos=False, parse_special=True)
+
+
+Q = '<|"|>'
+SCRIPTS = {
+    # keyword in the prompt -> model output
+    "PLAIN": "Hello, world! 2+2=4.<turn|>",
+    "THINK": "<|channel>thought\nadd two and two<channel|>It is 4.<turn|>",
+    "WEATHER": (f"Let me check.<|tool_call>call:get_weather{{city:{Q}Paris{Q},days:3,units:{{temp:{Q}C{Q}}}}}"
+                f"<tool_call|><|tool_call>call:get_time{{zone:{Q}CET{Q}}}<tool_call|><|tool_response>"),
+    "ROGUE": f"<|tool_call>call:launch{{target:{Q}moon{Q}}}<tool_call|><|tool_response>",
+    "LONG": "abc " * 3000,
+    "FAIL": "one two three four five six<turn|>",
+    "SLOW": "Finally.<turn|>",
+    "HOLD": "Released.<turn|>",
+}
+
+
+class FakeStream:
+    """The part of gem4.engine.Stream the server uses: get() blocks; raises EngineError on failure."""
+
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = False
+
+    def get(self, timeout: float | None = None) -> GenerationEvent:
+        item = self._q.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+
+class ScriptedEngine:
+    """Each request replays SCRIPTS[keyword] (the first keyword found in the decoded prompt), one
+    token per step of `step_s` seconds, with gem4.Engine's end-token / max_tokens / abort rules.
+    Records prompts, params, and how many tokens each request produced after abort() was called."""
+
+    def __init__(self, step_s: float = 0.002, slow_s: float = 0.5, fail_after: int = 3):
+        self.tokenizer = tiny_tokenizer()
+        self.vocab_size = self.tokenizer.vocab_size
+        self.max_model_len = 4096
+        self.end_ids = stop_token_ids(self.tokenizer)
+        self.step_s, self.slow_s, self.fail_after = step_s, slow_s, fail_after
+        self.gate = threading.Event()
+        self.prompts: dict[str, list[int]] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.aborted: dict[str, threading.Event] = {}
+        self.after_abort: dict[str, int] = {}
+        self.done: dict[str, str] = {}          # request id -> finish reason
+
+    def script(self, prompt_ids: list[int]) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode(prompt_ids)
+        found = [(text.rfind(k), k) for k in SCRIPTS if k in text]
+        key = max(found)[1] if found else "PLAIN"
+        return key, ids_of(SCRIPTS[key])
+
+    def submit(self, prompt, params: SamplingParams, *, request_id: str) -> FakeStream:
+        prompt = list(prompt)
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
+            raise ValueError("too long")
+        stream = FakeStream()
+        self.prompts[request_id], self.params[request_id] = prompt, params
+        self.aborted[request_id] = threading.Event()
+        threading.Thread(target=self._run, args=(request_id, prompt, params, stream), daemon=True).start()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        if request_id in self.done:
+            return False
+        self.after_abort.setdefault(request_id, 0)
+        self.aborted[request_id].set()
+        return True
+
+    def _run(self, rid: str, prompt: list[int], params: SamplingParams, stream: FakeStream) -> None:
+        key, script = self.script(prompt)
+        detok = self.tokenizer.detokenizer(skip_special=True)
+        aborted = self.aborted[rid]
+        limit = params.max_tokens or self.max_model_len - len(prompt)
+        n = 0
+
+        def event(tid, text, finish):
+            return GenerationEvent(
+                request_id=rid, token_id=tid, text=text, finish_reason=finish, stop_reason=None,
+                prompt_tokens=len(prompt), completion_tokens=n,
+                logprob=-0.5 if params.logprobs and tid is not None else None,
+                top_logprobs=([(tid, -0.5), (0, -3.0)][:params.top_logprobs]
+                              if params.logprobs and tid is not None else None))
+
+        if key == "HOLD":
+            while not self.gate.wait(0.01):
+                if aborted.is_set():
+                    break
+        delay = self.slow_s if key == "SLOW" else self.step_s
+        for tid in script:
+            if aborted.wait(delay):
+                self.done[rid] = "abort"
+                stream._q.put(event(None, detok.flush(), "abort"))
+                return
+            delay = self.step_s
+            n += 1
+            if key == "FAIL" and n > self.fail_after:
+                self.done[rid] = "error"
+                stream._q.put(EngineError(f"{rid}: generation failed: scripted failure"))
+                return
+            if rid in self.after_abort:
+                self.after_abort[rid] += 1
+            if tid in self.end_ids and not params.ignore_eos:
+                self.done[rid] = "stop"
+                stream._q.put(event(tid, detok.flush(), "stop"))
+                return
+            text = detok.feed(tid)
+            if n >= limit:
+                self.done[rid] = "length"
+                stream._q.put(event(tid, text + detok.flush(), "length"))
+                return
+            stream._q.put(event(tid, text, None))
+        self.done[rid] = "stop"
+        stream._q.put(event(None, detok.flush(), "stop"))
+
+
+WEATHER_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather forecast for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                        "units": {"type": "object"}},
+                       "required": ["city"]}}},
+    {"type": "function", "function": {
+        "name": "get_time", "description": "Local time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
+WEATHER_ARGS = [("get_weather", {"city": "Paris", "days": 3, "units": {"temp": "C"}}), ("get_time", {"zone": "CET"})]
+
+
+def expected(key: str):
+    """What the parser makes of a script (texts come from the tiny vocabulary's decoding)."""
+    return parse(tiny_tokenizer(), ids_of(SCRIPTS[key]), tool_names={"get_weather", "get_time"})
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """(engine, base url, app) of the in-process server over the scripted engine."""
+    engine = ScriptedEngine()
+    config = ServerConfig(served_model_name="scripted", api_key=API_KEY, max_num_seqs=2, max_waiting=2,
+                          heartbeat_s=0.1)
+    app = create_app(config, engine)
+    with InProcessServer(app) as base:
+        yield engine, base, app
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# ---------------------------------------------------------------------------------------------
+# Scripted engine: the chat protocol
+# ---------------------------------------------------------------------------------------------
+
+
+def test_chat_non_stream_plain(fake):
+    engine, base, _ = fake
+    r = client_for(base).chat.completions.create(model="scripted", messages=user("PLAIN"))
+    (choice,) = r.choices
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == "scripted"
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected("PLAIN").content
+    assert choice.message.tool_calls is None
+    assert "reasoning_content" not in (choice.message.model_extra or {})
+    assert choice.finish_reason == "stop"
+    n_prompt = len(engine.prompts[r.id])
+    assert r.usage.prompt_tokens == n_prompt
+    assert r.usage.completion_tokens == len(ids_of(SCRIPTS["PLAIN"]))   # the end token counts
+    assert r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+
+
+def test_thinking_goes_to_reasoning_content(fake):
+    engine, base, _ = fake
+    client = client_for(base)
+    want = expected("THINK")
+    assert want.reasoning_content and want.content
+    r = client.chat.completions.create(model="scripted", messages=user("THINK"),
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    msg = r.choices[0].message
+    assert msg.content == want.content
+    assert msg.model_extra["reasoning_content"] == want.reasoning_content
+    assert msg.model_extra["reasoning"] == want.reasoning_content
+    assert "thought" not in msg.content and "<|channel>" not in msg.content
+    # the template got enable_thinking: the prompt carries <|think|>
+    assert "<|think|>" in engine.tokenizer.decode(engine.prompts[r.id])
+
+    chunks = list(client.chat.completions.create(model="scripted", messages=user("THINK"), stream=True))
+    got = accumulate(chunks)
+    assert got["reasoning_content"] == want.reasoning_content and got["content"] == want.content
+    # every reasoning delta carries both names
+    for ch in chunks:
+        extra = ch.choices[0].delta.model_extra or {} if ch.choices else {}
+        assert ("reasoning_content" in extra) == ("reasoning" in extra)
+
+
+def test_tool_calls_non_stream(fake):
+    engine, base, _ = fake
+    r = client_for(base).chat.completions.create(model="scripted", messages=user("WEATHER"), tools=WEATHER_TOOLS)
+    (choice,) = r.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == expected("WEATHER").content
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == WEATHER_ARGS
+    assert all(c.type == "function" and c.id for c in calls) and len({c.id for c in calls}) == 2
+    # the tools were declared to the template
+    prompt = engine.tokenizer.decode(engine.prompts[r.id])
+    assert prompt.count("<|tool>") == 2 and "get_weather" in prompt
+
+
+def test_tool_call_stream_deltas_and_sdk_stream_helper(fake):
+    _, base, _ = fake
+    client = client_for(base)
+    # raw chunks: per call, one delta with index/id/type/name, then argument fragments only
+    chunks = list(client.chat.completions.create(model="scripted", messages=user("WEATHER"), tools=WEATHER_TOOLS,
+                                                 stream=True))
+    deltas = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    for index in (0, 1):
+        mine = [tc for tc in deltas if tc.index == index]
+        first, rest = mine[0], mine[1:]
+        assert first.id and first.type == "function" and first.function.name == WEATHER_ARGS[index][0]
+        assert first.function.arguments == ""
+        assert len(rest) >= 2, "arguments arrive in several fragments"
+        assert all(tc.id is None and tc.type is None and tc.function.name is None for tc in rest)
+    got = accumulate(chunks)
+    assert got["finish_reason"] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in got["tool_calls"]] == WEATHER_ARGS
+
+    # the SDK's own stream helper accumulates the same calls
+    with client.chat.completions.stream(model="scripted", messages=user("WEATHER"), tools=WEATHER_TOOLS) as s:
+        done_events = [e for e in s if e.type == "tool_calls.function.arguments.done"]
+        final = s.get_final_completion()
+    assert [(e.name, json.loads(e.arguments)) for e in done_events] == WEATHER_ARGS
+    msg = final.choices[0].message
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == WEATHER_ARGS
+
+
+def test_stream_and_non_stream_give_the_same_message(fake):
+    _, base, _ = fake
+    client = client_for(base)
+    for key, kwargs in (("WEATHER", {"tools": WEATHER_TOOLS}), ("THINK", {}), ("PLAIN", {"max_tokens": 5})):
+        r = client.chat.completions.create(model="scripted", messages=user(key), seed=3, **kwargs)
+        s = accumulate(client.chat.completions.create(model="scripted", messages=user(key), seed=3, stream=True,
+                                                      **kwargs))
+        m = r.choices[0].message
+        assert s["content"] == (m.content or "")
+        assert s["reasoning_content"] == (m.model_extra or {}).get("reasoning_content", "")
+        assert [(c["name"], c["arguments"]) for c in s["tool_calls"]] == \
+            [(c.function.name, c.function.arguments) for c in m.tool_calls or []]
+        assert s["finish_reason"] == r.choices[0].finish_reason
+
+
+def test_parallel_tool_calls_false_returns_the_first_call_and_stops(fake):
+    engine, base, _ = fake
+    client = client_for(base)
+    r = client.chat.completions.create(model="scripted", messages=user("WEATHER"), tools=WEATHER_TOOLS,
+                                       parallel_tool_calls=False)
+    calls = r.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == WEATHER_ARGS[:1]
+    assert r.choices[0].finish_reason == "tool_calls"
+    wait_for(lambda: engine.done.get(r.id) == "abort")     # the engine request was stopped there
+    s = accumulate(client.chat.completions.create(model="scripted", messages=user("WEATHER"), tools=WEATHER_TOOLS,
+                                                  parallel_tool_calls=False, stream=True))
+    assert [c["name"] for c in s["tool_calls"]] == ["get_weather"] and s["finish_reason"] == "tool_calls"
+
+
+def test_tool_choice_none_and_undeclared_tools_never_make_tool_calls(fake):
+    engine, base, _ = fake
+    client = client_for(base)
+    r = client.chat.completions.create(model="scripted", messages=user("WEATHER"), tools=WEATHER_TOOLS,
+                                       tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert "<|tool>" not in engine.tokenizer.decode(engine.prompts[r.id])   # tools not offered
+    assert "get_weather" in r.choices[0].message.content                       # the text stays visible
+    # the model calls a function nobody declared: content, not a tool call
+    r = client.chat.completions.create(model="scripted", messages=user("ROGUE"), tools=WEATHER_TOOLS)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert "launch" in r.choices[0].message.content
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_choice_is_refused_not_faked(fake, choice):
+    _, base, _ = fake
+    with pytest.raises(openai.BadRequestError) as e:
+        client_for(base).chat.completions.create(model="scripted", messages=user("PLAIN"), tools=WEATHER_TOOLS,
+                                                 tool_choice=choice)
+    assert e.value.status_code == 400 and e.value.body["param"] == "tool_choice"
+    assert "constrained decoding" in e.value.body["message"]
+
+
+def test_messages_of_every_shape_reach_the_template(fake):
+    engine, base, _ = fake
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather"}, {"type": "text", "text": "in Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        {"role": "assistant", "content": "It is 21."},
+        {"role": "user", "content": "PLAIN", "name": "bob"},
+    ]
+    r = client_for(base).chat.completions.create(model="scripted", messages=messages, tools=WEATHER_TOOLS,
+                                                 extra_body={"some_unknown_field": {"x": 1}})
+    assert r.choices[0].message.content == expected("PLAIN").content
+    tok = engine.tokenizer
+    # what the server renders: the developer's text parts joined into a string, the rest as given
+    want = encode_prompt(tok, [{"role": "developer", "content": "Be brief."}, *messages[1:]], WEATHER_TOOLS)
+    assert engine.prompts[r.id] == want
+    assert "<|tool_response>" in tok.decode(want) and "call:get_weather" in tok.decode(want)
+
+
+def test_sampling_parameters_are_mapped(fake):
+    engine, base, _ = fake
+    client = client_for(base)
+    r = client.chat.completions.create(
+        model="scripted", messages=user("PLAIN"), max_tokens=50, max_completion_tokens=7, temperature=0.5,
+        top_p=0.9, seed=42, stop=["zzz"], presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"17": 5},
+        logprobs=True, top_logprobs=2,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "stop_token_ids": [3], "ignore_eos": True})
+    p = engine.params[r.id]
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.top_k, p.min_p) == (7, 0.5, 0.9, 42, 20, 0.05)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert p.logit_bias == ((17, 5.0),) and p.stop_token_ids == (3,) and p.ignore_eos
+    assert p.logprobs and p.top_logprobs == 2
+    assert p.stop == ()              # chat stop strings are applied by the server, to the content
+    # ignore_eos: the end token does not stop; max_completion_tokens does
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 7
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 7 and all(t.logprob == -0.5 and len(t.top_logprobs) == 2 for t in lp)
+    assert lp[0].bytes == list(engine.tokenizer.piece_bytes(ids_of(SCRIPTS["PLAIN"])[0]))
+    # defaults: OpenAI's (temperature 1, top_p 1), no limit but the context
+    r = client.chat.completions.create(model="scripted", messages=user("PLAIN"))
+    p = engine.params[r.id]
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.seed) == (1.0, 1.0, 0, 0.0, None, None)
+
+
+def test_stop_strings_cut_the_content(fake):
+    _, base, _ = fake
+    client = client_for(base)
+    full = expected("PLAIN").content
+    cut = full.index("2+2")
+    r = client.chat.completions.create(model="scripted", messages=user("PLAIN"), stop="2+2")
+    assert r.choices[0].message.content == full[:cut] and r.choices[0].finish_reason == "stop"
+    s = accumulate(client.chat.completions.create(model="scripted", messages=user("PLAIN"), stop=["2+2", "zz"],
+                                                  stream=True))
+    assert s["content"] == full[:cut] and s["finish_reason"] == "stop"
+
+
+def test_include_usage_chunk(fake):
+    _, base, _ = fake
+    lines = sse_lines(base, "/v1/chat/completions", {"model": "scripted", "messages": user("PLAIN"), "stream": True,
+                                                     "stream_options": {"include_usage": True}})
+    data = sse_data(lines)
+    assert data[-1] == "[DONE]"
+    *chunks, usage_chunk = data[:-1]
+    assert all(c["usage"] is None for c in chunks) and usage_chunk["choices"] == []
+    n = len(ids_of(SCRIPTS["PLAIN"]))
+    assert usage_chunk["usage"]["completion_tokens"] == n
+    assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + n
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"}
+    # without include_usage: no usage key at all
+    data = sse_data(sse_lines(base, "/v1/chat/completions",
+                              {"model": "scripted", "messages": user("PLAIN"), "stream": True}))
+    assert all("usage" not in c for c in data[:-1])
+
+
+def test_heartbeats_during_a_long_prefill(fake):
+    _, base, _ = fake
+    lines = sse_lines(base, "/v1/chat/completions", {"model": "scripted", "messages": user("SLOW"), "stream": True})
+    first_content = next(i for i, line in enumerate(lines) if '"content":"F' in line or "Finally" in line)
+    pings = [i for i, line in enumerate(lines) if line == ": ping"]
+    assert len(pings) >= 2 and pings[0] < first_content        # 0.5 s prefill, 0.1 s heartbeat
+    # the SDK ignores the comments
+    r = client_for(base).chat.completions.create(model="scripted", messages=user("SLOW"), stream=True)
+    assert accumulate(list(r))["content"] == expected("SLOW").content
+
+
+def test_engine_failure_mid_stream_is_an_error_event(fake):
+    _, base, _ = fake
+    data = sse_data(sse_lines(base, "/v1/chat/completions",
+                              {"model": "scripted", "messages": user("FAIL"), "stream": True}))
+    assert data[-1] == "[DONE]"
+    err = data[-2]["error"]
+    assert err["type"] == "server_error" and "scripted failure" in err["message"]
+    assert any(c.get("choices") and c["choices"][0]["delta"].get("content") for c in data[:-2])
+    with pytest.raises(openai.APIError, match="scripted failure"):
+        list(client_for(base).chat.completions.create(model="scripted", messages=user("FAIL"), stream=True))
+    # non-streaming: a 500 with an error object; the server stays healthy
+    r = httpx.post(base + "/v1/chat/completions", json={"model": "scripted", "messages": user("FAIL")},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert_openai_error(r, 500, code="engine_error")
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_client_disconnect_aborts_within_one_step(fake):
+    engine, base, app = fake
+    client = client_for(base)
+    for stream in (True, False):
+        before = set(engine.prompts)
+        body = {"model": "scripted", "messages": user("LONG"), "stream": stream}
+        with httpx.Client(timeout=30) as http:
+            if stream:
+                with http.stream("POST", base + "/v1/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                    lines = r.iter_lines()
+                    got = [next(lines) for _ in range(6)]
+                    assert any('"content"' in line for line in got)
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    http.post(base + "/v1/chat/completions", json=body, timeout=0.3,
+                              headers={"Authorization": f"Bearer {API_KEY}"})
+        (rid,) = set(engine.prompts) - before
+        wait_for(lambda rid=rid: engine.done.get(rid) == "abort")
+        assert engine.after_abort[rid] <= 1, engine.after_abort[rid]
+        assert len(ids_of(SCRIPTS["LONG"])) > 1000            # it was far from done
+        wait_for(lambda: app.state.gem4.metrics.in_flight == 0)
+        # the next request is served
+        r = client.chat.completions.create(model="scripted", messages=user("PLAIN"))
+        assert r.choices[0].message.content == expected("PLAIN").content
+
+
+def test_queue_full_is_503_with_retry_after(fake):
+    engine, base, app = fake
+    metrics = app.state.gem4.metrics
+    engine.gate.clear()
+    results: list = []
+
+    def hold():
+        r = client_for(base).chat.completions.create(model="scripted", messages=user("HOLD"), stream=True)
+        results.append(accumulate(list(r))["content"])
+
+    threads = [threading.Thread(target=hold) for _ in range(4)]     # 2 running + 2 waiting = the limit
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: metrics.in_flight == 4)
+        r = httpx.post(base + "/v1/chat/completions", json={"model": "scripted", "messages": user("PLAIN")},
+                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert_openai_error(r, 503, code="server_busy")
+        assert r.headers["retry-after"] == "1"
+        assert metric(base, "gem4:num_requests_running") == 2 and metric(base, "gem4:num_requests_waiting") == 2
+        assert metric(base, "gem4:request_rejected_total") >= 1
+    finally:
+        engine.gate.set()
+        for t in threads:
+            t.join(30)
+    assert results == [expected("HOLD").content] * 4
+
+
+def test_health_is_503_until_the_engine_is_ready():
+    app = create_app(ServerConfig(served_model_name="later"))
+    with InProcessServer(app) as base:
+        r = httpx.get(base + "/health")
+        assert_openai_error(r, 503, code="model_loading")
+        assert r.headers["retry-after"] == "1"
+        r = httpx.post(base + "/v1/chat/completions", json={"messages": user("PLAIN")})
+        assert_openai_error(r, 503, code="model_loading")
+        assert httpx.get(base + "/metrics").status_code == 200
+        app.state.gem4.engine = ScriptedEngine()
+        assert httpx.get(base + "/health").json() == {"status": "ok"}
+        r = client_for(base, key="anything").chat.completions.create(model="later", messages=user("PLAIN"))
+        assert r.choices[0].message.content == expected("PLAIN").content
+
+
+# ---------------------------------------------------------------------------------------------
+# `gem4 serve` on a tiny real checkpoint, as a subprocess
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """The dense_plain fixture checkpoint with the tiny real-vocab tokenizer + template C beside it."""
+    d = tmp_path_factory.mktemp("server") / "tiny"
+    causal, _ = build_hf("dense_plain")
+    causal.save_pretrained(d)
+    for f in tiny_tokenizer_dir().iterdir():
+        shutil.copy(f, d / f.name)
+    return d
+
+
+@contextlib.contextmanager
+def gem4_serve(args: list[str], log: Path, env: dict | None = None):
+    """`gem4 serve ARGS --host 127.0.0.1 --port 0` in a subprocess; yields the URL from its ready line."""
+    cmd = [sys.executable, "-m", "gem4.cli", "serve", *args, "--host", HOST, "--port", "0"]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env=None if env is None else {**os.environ, **env})
+        lines: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+        try:
+            deadline = time.time() + 180
+            url = None
+            while url is None:
+                assert time.time() < deadline and proc.poll() is None, \
+                    f"gem4 serve did not start:\n{log.read_text()}"
+                try:
+                    line = lines.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
+                url = m and m.group(1)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dir, tmp_path_factory):
+    """`gem4 serve` on the tiny checkpoint; yields its base URL."""
+    log = tmp_path_factory.mktemp("serve-log") / "stderr.txt"
+    with gem4_serve([str(tiny_dir), "--dtype", "float32", "--api-key", API_KEY, "--served-model-name", "tiny",
+                     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--heartbeat-interval", "5"],
+                    log) as url:
+        assert "weights" in log.read_text()          # the load progress bar went to stderr
+        yield url
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_dir):
+    """An in-process Engine on the same checkpoint: what the server must reproduce."""
+    model = gem4.load(tiny_dir, dtype="float32")
+    tok = gem4.Tokenizer.from_file(tiny_dir)
+    return gem4.Engine(model, tok, max_model_len=MAX_MODEL_LEN), tok
+
+
+def oracle_chat(oracle, messages, params: SamplingParams):
+    engine, tok = oracle
+    ids = encode_prompt(tok, messages)
+    parser = Gemma4Parser(tok, prompt_ids=ids, tool_names=frozenset())
+    events = list(engine.generate(ids, params))
+    parser.feed([e.token_id for e in events if e.token_id is not None])
+    parser.finish()
+    return parser.result, events
+
+
+def test_models_and_health(served):
+    client = client_for(served)
+    models = client.models.list()
+    (card,) = models.data
+    assert card.id == "tiny" and card.object == "model" and card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+    assert httpx.get(served + "/health").json() == {"status": "ok"}
+
+
+def test_chat_matches_the_engine_and_parser(served, oracle):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    r = client_for(served).chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    want, events = oracle_chat(oracle, messages, SamplingParams(temperature=0, max_tokens=16))
+    msg = r.choices[0].message
+    assert msg.content == want.content
+    assert (msg.model_extra or {}).get("reasoning_content") == (want.reasoning_content or None)
+    assert r.choices[0].finish_reason == ("length" if events[-1].finish_reason == "length" else "stop")
+    assert r.usage.prompt_tokens == events[-1].prompt_tokens
+    assert r.usage.completion_tokens == events[-1].completion_tokens
+
+
+def test_chat_stream_equals_non_stream_for_the_same_seed(served):
+    client = client_for(served)
+    kwargs = {"model": "tiny", "messages": user("Tell me a story"), "max_tokens": 20, "seed": 1234,
+              "temperature": 1.0, "logprobs": True, "top_logprobs": 3}
+    r = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    s = accumulate(chunks)
+    m = r.choices[0].message
+    assert s["content"] == (m.content or "") and s["finish_reason"] == r.choices[0].finish_reason
+    assert s["reasoning_content"] == (m.model_extra or {}).get("reasoning_content", "")
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    # logprobs: one entry per generated token, streamed or not, the same values
+    lp = r.choices[0].logprobs.content
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content]
+    assert len(lp) == r.usage.completion_tokens == len(streamed)
+    assert [(t.token, t.logprob) for t in lp] == [(t.token, t.logprob) for t in streamed]
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in lp)
+    # a different seed gives a different reply
+    other = client.chat.completions.create(**{**kwargs, "seed": 99})
+    assert other.choices[0].message.content != m.content
+
+
+def test_completions(served, oracle):
+    engine, tok = oracle
+    client = client_for(served)
+    r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
+    events = list(engine.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=12)))
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == "".join(e.text for e in events)
+    assert r.choices[0].finish_reason == events[-1].finish_reason
+    assert r.usage.prompt_tokens == events[-1].prompt_tokens and r.usage.completion_tokens == 12
+    # streamed: the same text; include_usage
+    chunks = list(client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # token-id prompt, echo, logprobs
+    ids = tok.encode("Once upon a time")
+    r2 = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, logprobs=2)
+    assert r2.choices[0].text == r.choices[0].text
+    assert len(r2.choices[0].logprobs.tokens) == 12 and all(len(t) <= 2 for t in r2.choices[0].logprobs.top_logprobs)
+    r3 = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, echo=True)
+    assert r3.choices[0].text == "Once upon a time" + r.choices[0].text
+    # a stop string: the text ends before it
+    text = r.choices[0].text
+    stop = next((text[i:i + 2] for i in range(2, len(text) - 2) if text[i:i + 2].strip()), None)
+    assert stop is not None
+    r4 = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0, stop=[stop])
+    assert r4.choices[0].text == text[:text.index(stop)] and r4.choices[0].finish_reason == "stop"
+
+
+def test_tokenize_and_detokenize(served, oracle):
+    _, tok = oracle
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(served + "/tokenize", json={"prompt": "Hello world", "return_token_strs": True},
+                   headers=headers).json()
+    assert r["tokens"] == tok.encode("Hello world") and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == MAX_MODEL_LEN and r["token_strs"][0] == "<bos>"
+    d = httpx.post(served + "/detokenize", json={"tokens": r["tokens"]}, headers=headers).json()
+    assert d["prompt"] == tok.decode(r["tokens"])
+    msgs = user("Hi")
+    r = httpx.post(served + "/tokenize", json={"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}},
+                   headers=headers).json()
+    assert r["tokens"] == encode_prompt(tok, msgs, enable_thinking=True)
+    r = httpx.post(served + "/tokenize", json={"prompt": "x", "add_special_tokens": False}, headers=headers).json()
+    assert r["tokens"] == tok.encode("x", add_bos=False)
+
+
+LONG_TEXT = "word " * 700          # > MAX_MODEL_LEN tokens with the tiny vocabulary
+OK_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD_INPUTS = [
+    # (name, path, body (dict, or raw bytes), headers override, status, param, code)
+    ("invalid JSON", "/v1/chat/completions", b'{"model": "tiny", "messages": [', None, 400, None, None),
+    ("body not an object", "/v1/chat/completions", b"[1, 2]", None, 400, None, None),
+    ("missing messages", "/v1/chat/completions", {"model": "tiny"}, None, 400, "messages", None),
+    ("empty messages", "/v1/chat/completions", {**OK_CHAT, "messages": []}, None, 400, "messages", None),
+    ("messages wrong type", "/v1/chat/completions", {**OK_CHAT, "messages": "hi"}, None, 400, "messages", None),
+    ("temperature wrong type", "/v1/chat/completions", {**OK_CHAT, "temperature": "hot"}, None, 400,
+     "temperature", None),
+    ("max_tokens as a string", "/v1/chat/completions", {**OK_CHAT, "max_tokens": "5"}, None, 400, "max_tokens", None),
+    ("negative max_tokens", "/v1/chat/completions", {**OK_CHAT, "max_tokens": -1}, None, 400, "max_tokens", None),
+    ("content wrong type", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": 5}]},
+     None, 400, "messages[0].content", None),
+    ("unknown role", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "wizard", "content": "hi"}]},
+     None, 400, "messages[0].role", None),
+    ("tool message without tool_call_id", "/v1/chat/completions",
+     {**OK_CHAT, "messages": [{"role": "tool", "content": "{}"}]}, None, 400, "messages[0].tool_call_id", None),
+    ("image input", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, None, 400, "messages[0].content",
+     None),
+    ("bad tool schema", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "string"}}}]}, None, 400, "tools[0].function.parameters", None),
+    ("bad tool name", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function", "function": {
+        "name": "my tool"}}]}, None, 400, "tools[0].function.name", None),
+    ("tool_choice required", "/v1/chat/completions", {**OK_CHAT, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, None, 400, "tool_choice", None),
+    ("n > 1", "/v1/chat/completions", {**OK_CHAT, "n": 2}, None, 400, "n", None),
+    ("top_p = 0", "/v1/chat/completions", {**OK_CHAT, "top_p": 0}, None, 400, "top_p", None),
+    ("logit_bias outside the vocabulary", "/v1/chat/completions", {**OK_CHAT, "logit_bias": {"100000": 1}}, None,
+     400, "logit_bias", None),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {**OK_CHAT, "top_logprobs": 2}, None, 400,
+     "top_logprobs", None),
+    ("json_schema response_format", "/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json_schema"}},
+     None, 400, "response_format", None),
+    ("overlong prompt", "/v1/chat/completions", {**OK_CHAT, "messages": user(LONG_TEXT), "max_tokens": None},
+     None, 400, "messages", "context_length_exceeded"),
+    ("prompt + max_tokens over the context", "/v1/chat/completions", {**OK_CHAT, "max_tokens": MAX_MODEL_LEN}, None,
+     400, "messages", "context_length_exceeded"),
+    ("completion: empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, None, 400, "prompt", None),
+    ("completion: token id outside the vocabulary", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]},
+     None, 400, "prompt", None),
+    ("completion: overlong prompt", "/v1/completions", {"model": "tiny", "prompt": LONG_TEXT}, None, 400, "prompt",
+     "context_length_exceeded"),
+    ("tokenize: neither prompt nor messages", "/tokenize", {"model": "tiny"}, None, 400, None, None),
+    ("detokenize: bad token id", "/detokenize", {"tokens": [-1]}, None, 400, "tokens", None),
+    ("wrong API key", "/v1/chat/completions", OK_CHAT, {"Authorization": "Bearer nope"}, 401, None,
+     "invalid_api_key"),
+    ("no API key", "/v1/chat/completions", OK_CHAT, {}, 401, None, "invalid_api_key"),
+    ("unknown model", "/v1/chat/completions", {**OK_CHAT, "model": "gpt-4o"}, None, 404, "model",
+     "model_not_found"),
+    ("unknown route", "/v1/embeddings", {"model": "tiny", "input": "x"}, None, 404, None, "unknown_url"),
+]
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_stays_healthy(served):
+    assert len(BAD_INPUTS) >= 12
+    with httpx.Client(base_url=served, timeout=30) as http:
+        for name, path, body, headers, status, param, code in BAD_INPUTS:
+            h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"} if headers is None \
+                else {"Content-Type": "application/json", **headers}
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post(path, content=content, headers=h)
+            try:
+                assert_openai_error(r, status, param=param, code=code)
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}") from None
+            assert http.get("/health").status_code == 200, name
+        # a wrong method is an error object too, and a good request still works afterwards
+        assert_openai_error(http.get("/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}), 405)
+    client = client_for(served)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=user(LONG_TEXT))
+    assert e.value.code == "context_length_exceeded"
+    assert "maximum context length is 512 tokens" in e.value.message
+    with pytest.raises(openai.AuthenticationError):
+        client_for(served, key="wrong").models.list()
+    assert client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=2).choices[0].message
+
+
+def test_disconnect_stops_generation_and_the_next_request_is_served(served):
+    gen_before = metric(served, "gem4:generation_tokens_total")
+    aborted_before = metric(served, "gem4:request_success_total", finished_reason="abort")
+    body = {"model": "tiny", "messages": user("Go on"), "stream": True, "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", served + "/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(8):                 # a few tokens in, then the client goes away
+            next(lines)
+    wait_for(lambda: metric(served, "gem4:num_requests_running") == 0, timeout=30)
+    assert metric(served, "gem4:request_success_total", finished_reason="abort") == aborted_before + 1
+    stopped_at = metric(served, "gem4:generation_tokens_total")
+    assert stopped_at - gen_before < 100, "the request kept generating after the disconnect"
+    time.sleep(0.3)
+    assert metric(served, "gem4:generation_tokens_total") == stopped_at
+    r = client_for(served).chat.completions.create(model="tiny", messages=user("Next"), max_tokens=3,
+                                                   extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_eight_concurrent_streams_are_complete_distinct_and_correct(served):
+    client = client_for(served)
+
+    def request(i: int, **kw):
+        return dict(model="tiny", messages=user(f"Client number {i}"), max_tokens=10, seed=i, temperature=1.0,
+                    extra_body={"ignore_eos": True}, **kw)
+
+    sequential = [client.chat.completions.create(**request(i)).choices[0].message.content for i in range(8)]
+    results: dict[int, dict] = {}
+    errors: list = []
+    barrier = threading.Barrier(8)
+
+    def run(i: int):
+        try:
+            barrier.wait()
+            chunks = list(client_for(served).chat.completions.create(**request(i), stream=True))
+            results[i] = accumulate(chunks) | {"id": chunks[0].id}
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert sorted(results) == list(range(8))
+    assert all(results[i]["finish_reason"] == "length" for i in range(8))      # complete
+    assert len({results[i]["id"] for i in range(8)}) == 8
+    assert len({results[i]["content"] for i in range(8)}) == 8                 # distinct
+    assert [results[i]["content"] for i in range(8)] == sequential              # each its own, uncrossed
+
+
+def test_metrics(served):
+    text = httpx.get(served + "/metrics").text
+    for family in ("gem4:num_requests_running", "gem4:num_requests_waiting", "gem4:prompt_tokens_total",
+                   "gem4:generation_tokens_total", "gem4:time_to_first_token_seconds_bucket",
+                   "gem4:inter_token_latency_seconds_count", "gem4:e2e_request_latency_seconds_sum"):
+        assert re.search(rf"^{re.escape(family)}\{{", text, re.MULTILINE), family
+    assert metric(served, "gem4:prompt_tokens_total") > 0 and metric(served, "gem4:generation_tokens_total") > 0
+    assert metric(served, "gem4:time_to_first_token_seconds_count") > 0
+    assert metric(served, "gem4:time_to_first_token_seconds_bucket", le="+Inf") == \
+        metric(served, "gem4:time_to_first_token_seconds_count")
+
+
+def test_serve_refuses_bad_arguments():
+    r = subprocess.run([sys.executable, "-m", "gem4.cli", "serve"], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 2 and "MODEL is required" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "gem4.cli", "serve", "x", "--default-chat-template-kwargs", "[1]"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "JSON object" in r.stderr
+
+
+class RecordingEngine(gem4.Engine):
+    """gem4.Engine that notes its step count when asked to abort."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.abort_steps: dict[str, int] = {}
+
+    def abort(self, request_id: str) -> bool:
+        self.abort_steps[request_id] = self.steps
+        return super().abort(request_id)
+
+
+def test_real_engine_stops_a_disconnected_stream_within_one_step(tiny_dir):
+    engine = RecordingEngine(gem4.load(tiny_dir, dtype="float32"), gem4.Tokenizer.from_file(tiny_dir),
+                             max_model_len=MAX_MODEL_LEN)
+    with InProcessServer(create_app(ServerConfig(served_model_name="tiny"), engine)) as base:
+        body = {"model": "tiny", "messages": user("Go on"), "stream": True, "max_tokens": 400, "ignore_eos": True}
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            for _ in range(8):
+                next(lines)
+        wait_for(lambda: len(engine.abort_steps) == 1)
+        wait_for(engine.idle)
+        ((_, at_abort),) = engine.abort_steps.items()
+        assert engine.steps - at_abort <= 1, (engine.steps, at_abort)
+        assert engine.steps < 100
+        r = client_for(base).chat.completions.create(model="tiny", messages=user("Next"), max_tokens=3,
+                                                     extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+
+
+def test_serve_demo(tmp_path):
+    """`gem4 serve --demo`: the tiny random demo checkpoint (built into a private cache), no key needed."""
+    with gem4_serve(["--demo", "--dtype", "float32"], tmp_path / "stderr.txt",
+                    env={"GEM4_CACHE": str(tmp_path / "cache")}) as url:
+        client = client_for(url, key="unused")
+        assert [m.id for m in client.models.list().data] == ["gem4-demo"]
+        r = client.chat.completions.create(model="gem4-demo", messages=user("Hello"), max_tokens=4,
+                                           extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert "RANDOM weights" in (tmp_path / "stderr.txt").read_text()
