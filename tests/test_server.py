@@ -700,9 +700,9 @@ def oracle(tiny_dir):
     return gem4.Engine(model, tok, max_model_len=MAX_MODEL_LEN), tok
 
 
-def oracle_chat(oracle, messages, params: SamplingParams):
+def oracle_chat(oracle, messages, params: SamplingParams, **template_kwargs):
     engine, tok = oracle
-    ids = encode_prompt(tok, messages)
+    ids = encode_prompt(tok, messages, **template_kwargs)
     parser = Gemma4Parser(tok, prompt_ids=ids, tool_names=frozenset())
     events = list(engine.generate(ids, params))
     parser.feed([e.token_id for e in events if e.token_id is not None])
@@ -721,10 +721,13 @@ def test_models_and_health(served):
     assert httpx.get(served + "/health").json() == {"status": "ok"}
 
 
-def test_chat_matches_the_engine_and_parser(served, oracle):
+@pytest.mark.parametrize("thinking", [False, True])
+def test_chat_matches_the_engine_and_parser(served, oracle, thinking):
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
-    r = client_for(served).chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
-    want, events = oracle_chat(oracle, messages, SamplingParams(temperature=0, max_tokens=16))
+    r = client_for(served).chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                   extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    want, events = oracle_chat(oracle, messages, SamplingParams(temperature=0, max_tokens=16),
+                               enable_thinking=thinking)
     msg = r.choices[0].message
     assert msg.content == want.content
     assert (msg.model_extra or {}).get("reasoning_content") == (want.reasoning_content or None)

@@ -555,12 +555,35 @@ async def _unless_disconnected(request: Request, work) -> Any:
     watch = asyncio.ensure_future(_until_disconnect(request))
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:             # the server is shutting down
+        task.cancel()
+        raise
     finally:
         watch.cancel()
     if task.done():
         return task.result()
     task.cancel()
     return None
+
+
+async def _whole_reply(request: Request, gen: Generation, out, build: Callable[[], Any]):
+    """A non-streaming reply: feed `out` (ChatOutput / CompletionOutput) until done, racing the
+    client's disconnect (-> abort), then `build()` the response object."""
+    async def collect():
+        while not out.done:
+            out.feed(await gen.next())
+        return build()
+
+    try:
+        result = await _unless_disconnected(request, collect())
+    except EngineError as e:
+        gen.close("error")
+        raise APIError(500, f"Generation failed: {e}", type="server_error", code="engine_error") from None
+    if result is None:                       # nobody is listening any more
+        gen.close("abort")
+        return Response(status_code=499)
+    gen.close(out.finish_reason)
+    return P.dump(result)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,25 +739,11 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
                                             config.heartbeat_s),
                                on_close=lambda: gen.close("abort"))
 
-        async def collect() -> P.ChatCompletion:
-            while not out.done:
-                out.feed(await gen.next())
-            return P.ChatCompletion(
-                id=request_id, created=created, model=name,
-                choices=[P.ChatChoice(index=0, message=out.message(), logprobs=out.choice_logprobs(),
-                                      finish_reason=out.finish_reason)],
-                usage=_usage(len(prompt_ids), out.n_tokens))
-
-        try:
-            result = await _unless_disconnected(request, collect())
-        except EngineError as e:
-            gen.close("error")
-            raise APIError(500, f"Generation failed: {e}", type="server_error", code="engine_error") from None
-        if result is None:
-            gen.close("abort")
-            return Response(status_code=499)
-        gen.close(out.finish_reason)
-        return P.dump(result)
+        return await _whole_reply(request, gen, out, lambda: P.ChatCompletion(
+            id=request_id, created=created, model=name,
+            choices=[P.ChatChoice(index=0, message=out.message(), logprobs=out.choice_logprobs(),
+                                  finish_reason=out.finish_reason)],
+            usage=_usage(len(prompt_ids), out.n_tokens)))
 
     # ---- completions ----
 
@@ -800,25 +809,11 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
             return EventStream(stream(), on_close=lambda: gen.close("abort"))
 
-        async def collect() -> P.Completion:
-            while not out.done:
-                out.feed(await gen.next())
-            return P.Completion(
-                id=request_id, created=created, model=name,
-                choices=[P.CompletionChoice(index=0, text=out.echo + "".join(out.text), logprobs=out.all_logprobs(),
-                                            finish_reason=out.finish_reason)],
-                usage=_usage(len(prompt_ids), out.n_tokens))
-
-        try:
-            result = await _unless_disconnected(request, collect())
-        except EngineError as e:
-            gen.close("error")
-            raise APIError(500, f"Generation failed: {e}", type="server_error", code="engine_error") from None
-        if result is None:
-            gen.close("abort")
-            return Response(status_code=499)
-        gen.close(out.finish_reason)
-        return P.dump(result)
+        return await _whole_reply(request, gen, out, lambda: P.Completion(
+            id=request_id, created=created, model=name,
+            choices=[P.CompletionChoice(index=0, text=out.echo + "".join(out.text), logprobs=out.all_logprobs(),
+                                        finish_reason=out.finish_reason)],
+            usage=_usage(len(prompt_ids), out.n_tokens)))
 
     return app
 
