@@ -619,6 +619,23 @@ def test_queue_full_is_503_with_retry_after(fake):
     assert results == [expected("HOLD").content] * 4
 
 
+def test_default_chat_template_kwargs_and_overrides():
+    engine = ScriptedEngine()
+    app = create_app(ServerConfig(served_model_name="m", default_chat_template_kwargs={"enable_thinking": True}),
+                     engine)
+    with InProcessServer(app) as base:
+        client = client_for(base, key="unused")
+        on = client.chat.completions.create(model="m", messages=user("PLAIN"))
+        off = client.chat.completions.create(model="m", messages=user("PLAIN"),
+                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert "<|think|>" in engine.tokenizer.decode(engine.prompts[on.id])
+        assert "<|think|>" not in engine.tokenizer.decode(engine.prompts[off.id])
+        for bad in ({"enable_thinking": "yes"}, {"messages": []}, {"tools": None}):
+            r = httpx.post(base + "/v1/chat/completions",
+                           json={"model": "m", "messages": user("PLAIN"), "chat_template_kwargs": bad})
+            assert_openai_error(r, 400, param="chat_template_kwargs")
+
+
 def test_health_is_503_until_the_engine_is_ready():
     app = create_app(ServerConfig(served_model_name="later"))
     with InProcessServer(app) as base:
@@ -686,7 +703,8 @@ def served(tiny_dir, tmp_path_factory):
     """`gem4 serve` on the tiny checkpoint; yields its base URL."""
     log = tmp_path_factory.mktemp("serve-log") / "stderr.txt"
     with gem4_serve([str(tiny_dir), "--dtype", "float32", "--api-key", API_KEY, "--served-model-name", "tiny",
-                     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--heartbeat-interval", "5"],
+                     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--heartbeat-interval", "5",
+                     "--default-chat-template-kwargs", '{"enable_thinking": false}'],
                     log) as url:
         assert "weights" in log.read_text()          # the load progress bar went to stderr
         yield url

@@ -76,6 +76,9 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 0 or args.heartbeat_interval <= 0:
         raise ValueError("--max-waiting must be >= 0 and --heartbeat-interval > 0")
 
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        _log(f"gem4: warning: serving on {args.host} without --api-key: anyone who can reach it can use it")
+
     import uvicorn
 
     from gem4.server.app import ServerConfig, create_app
