@@ -109,12 +109,21 @@ class QuantLinear(nn.Module):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [T, nh, d], k/v [S, nkv, d], mask [T, S] bool -> [T, nh*d]. Scale 1.0 (GEMMA4.md §2.5), GQA h -> h // (nh/nkv)."""
-    out = F.scaled_dot_product_attention(
-        q.to(k.dtype).transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),   # [heads, T|S, d], cache dtype
-        attn_mask=mask, scale=1.0, enable_gqa=True,
-    )                                                               # [nh, T, d]
-    return out.transpose(0, 1).reshape(q.shape[0], -1).to(q.dtype)
+    """q [T, nh, d], k/v [S, nkv, d], mask [T, S] bool -> [T, nh*d]. Scale 1.0 (GEMMA4.md §2.5).
+
+    GQA without repeating K/V: query head h = kv * g + j uses KV head kv, so the g query heads of a KV
+    head are stacked as rows of one matmul against that head's keys. Float32 throughout (the cache may
+    hold bf16). torch's CPU SDPA with enable_gqa is ~100x slower than this at decode shapes.
+    """
+    T, nh, d = q.shape
+    S, nkv, _ = k.shape
+    g = nh // nkv
+    qg = q.float().reshape(T, nkv, g, d).permute(1, 2, 0, 3).reshape(nkv, g * T, d)   # [nkv, g*T, d]
+    scores = torch.bmm(qg, k.float().permute(1, 2, 0))                                  # [nkv, g*T, S]
+    scores = scores.masked_fill(~mask.repeat(g, 1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs, v.float().transpose(0, 1))                                   # [nkv, g*T, d]
+    return out.reshape(nkv, g, T, d).permute(2, 0, 1, 3).reshape(T, nh * d).to(q.dtype)
 
 
 def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
