@@ -40,11 +40,18 @@ def available() -> bool:
     return True
 
 
+def _ops():
+    if not available():
+        raise RuntimeError("gem4's compiled kernels are unavailable on this machine (AVX-512 and a C++ compiler "
+                           "are needed); load the model in float32 mode")
+    return torch.ops.gem4_kernels
+
+
 def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, n_out: int, ggml_type: int) -> torch.Tensor:
     """x [M, K] float32, raw [N, row_bytes] uint8 GGML blocks -> [M, N] float32."""
-    return torch.ops.gem4_kernels.ggml_gemv(x, raw, n_out, ggml_type)
+    return _ops().ggml_gemv(x, raw, n_out, ggml_type)
 
 
 def dequant_bf16(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: int) -> torch.Tensor:
     """raw [N, row_bytes] Q8_0 / Q4_0 blocks -> [N, K] bf16 in one pass (equal to dequantize(...).bfloat16())."""
-    return torch.ops.gem4_kernels.dequant_bf16(raw, n_out, k_in, ggml_type)
+    return _ops().dequant_bf16(raw, n_out, k_in, ggml_type)

@@ -91,22 +91,57 @@ void q8_0_rows(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t r
     }
 }
 
-void q4_0_rows(const uint16_t* xb16, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-               float* y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t nb = K / QK;
+// x rearranged for pairs of Q4_0 blocks: for blocks (2p, 2p+1) the 64 activations are stored as
+// [x0[0:16] x1[0:16] | x0[16:32] x1[16:32]], matching the low / high nibbles of both blocks' bytes.
+void pair_layout(const uint16_t* x, uint16_t* out, int64_t K) {
+    const int64_t pairs = K / (2 * QK);
+    for (int64_t p = 0; p < pairs; ++p) {
+        const uint16_t* src = x + p * 2 * QK;
+        uint16_t* dst = out + p * 2 * QK;
+        std::memcpy(dst, src, 32);            // x0[0:16]
+        std::memcpy(dst + 16, src + 32, 32);  // x1[0:16]
+        std::memcpy(dst + 32, src + 16, 32);  // x0[16:32]
+        std::memcpy(dst + 48, src + 48, 32);  // x1[16:32]
+    }
+    std::memcpy(out + pairs * 2 * QK, x + pairs * 2 * QK, (K - pairs * 2 * QK) * 2);   // odd last block as is
+}
+
+void q4_0_rows(const uint16_t* xb16, const uint16_t* xpair, int64_t M, int64_t K, const uint8_t* w,
+               int64_t row_bytes, float* y, int64_t N, int64_t n0, int64_t n1) {
+    const int64_t nb = K / QK, pairs = nb / 2;
     const __m512i lut = q4_0_table();
+    const __m256i mask = _mm256_set1_epi8(0x0F);
     for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
         const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
         for (int64_t n = n0; n < n1; ++n) {
             const uint8_t* row = w + n * row_bytes;
             __m512 acc[MAX_M];
             for (int i = 0; i < mc; ++i) acc[i] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = row + b * Q4_0_BYTES;
+            for (int64_t p = 0; p < pairs; ++p) {
+                // two blocks at once: nibbles of both in one 256-bit register, one table lookup per half
+                const uint8_t* b0 = row + 2 * p * Q4_0_BYTES;
+                const uint8_t* b1 = b0 + Q4_0_BYTES;
+                const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b1 + 2),
+                                                        reinterpret_cast<const __m128i*>(b0 + 2));
+                const __m256i lo = _mm256_and_si256(raw, mask);                       // elements 0..15 of b0 | b1
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask); // elements 16..31
+                const __m512bh wlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), lut);
+                const __m512bh whi = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(hi), lut);
+                // lanes 0..7 hold b0's pair sums, lanes 8..15 b1's
+                const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(fp16_to_f32(b0)), _mm256_set1_ps(fp16_to_f32(b1)), 1);
+                for (int i = 0; i < mc; ++i) {
+                    const uint16_t* xp = xpair + (m0 + i) * K + p * 2 * QK;
+                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), wlo, (__m512bh)_mm512_loadu_si512(xp));
+                    dot = _mm512_dpbf16_ps(dot, whi, (__m512bh)_mm512_loadu_si512(xp + 32));
+                    acc[i] = _mm512_fmadd_ps(d, dot, acc[i]);
+                }
+            }
+            if (nb % 2) {                                                             // odd last block
+                const uint8_t* blk = row + (nb - 1) * Q4_0_BYTES;
                 const __m512bh wv = q4_0_block_bf16(blk, lut);
                 const __m512 d = _mm512_set1_ps(fp16_to_f32(blk));
                 for (int i = 0; i < mc; ++i) {
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb16 + (m0 + i) * K + b * QK);
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb16 + (m0 + i) * K + (nb - 1) * QK);
                     acc[i] = _mm512_fmadd_ps(d, _mm512_dpbf16_ps(_mm512_setzero_ps(), wv, xv), acc[i]);
                 }
             }
@@ -135,8 +170,11 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t ggml
         at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q8_0_rows(xp, M, K, wp, row_bytes, yp, N, n0, n1); });
     } else {
         const auto xb = x.to(torch::kBFloat16);
+        auto xpair_t = torch::empty_like(xb);
         const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q4_0_rows(xp, M, K, wp, row_bytes, yp, N, n0, n1); });
+        uint16_t* xpair = reinterpret_cast<uint16_t*>(xpair_t.data_ptr<at::BFloat16>());
+        for (int64_t m = 0; m < M; ++m) pair_layout(xp + m * K, xpair + m * K, K);
+        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q4_0_rows(xp, xpair, M, K, wp, row_bytes, yp, N, n0, n1); });
     }
     return y;
 }
