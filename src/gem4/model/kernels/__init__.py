@@ -35,7 +35,9 @@ def available() -> bool:
         return False
     from torch.utils.cpp_extension import load
 
-    load(name="gem4_ggml_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native"],
+    # -fopenmp: at::parallel_for is an inline OpenMP loop; without the flag it silently runs serially
+    load(name="gem4_ggml_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+         extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     return True
 
