@@ -164,9 +164,10 @@ def test_gguf_config_equals_hf_config(variants):
             assert ta == tb and np.allclose(fa, fb, rtol=1e-6, atol=1e-30)
 
 
-def rewrite_gguf(src: Path, dst: Path, *, drop_keys=(), set_keys=None, drop_tensors=(), reshape=None) -> Path:
+def rewrite_gguf(src: Path, dst: Path, *, drop_keys=(), set_keys=None, drop_tensors=(), rename=None,
+                 extra_tensors=None) -> Path:
     """Copy a GGUF with edits (test helper built on our own reader/writer)."""
-    set_keys = set_keys or {}
+    set_keys, rename = set_keys or {}, rename or {}
     r = GGUFReader(src)
     w = GGUFWriter(dst)
     for key, value in r.metadata.items():
@@ -179,10 +180,10 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys=(), set_keys=None, drop_tens
         else:
             w.add(key, value, r.metadata_types[key])
     for name, info in r.tensors.items():
-        if name in drop_tensors:
-            continue
-        shape = (reshape or {}).get(name, info.shape)
-        w.add_tensor(name, r.tensor_data(name).copy(), shape, info.ggml_type)
+        if name not in drop_tensors:
+            w.add_tensor(rename.get(name, name), r.tensor_data(name).copy(), info.shape, info.ggml_type)
+    for name, array in (extra_tensors or {}).items():
+        w.add_tensor(name, array, array.shape, 0)                 # float32
     w.write()
     r.close()
     return dst
@@ -213,15 +214,7 @@ def test_gguf_wrong_architecture_and_unknown_tensor(variants, tmp_path):
     bad = rewrite_gguf(src, tmp_path / "a.gguf", set_keys={"general.architecture": ("llama", GGUFValueType.STRING)})
     with pytest.raises(CheckpointError, match="general.architecture is 'llama'"):
         gem4.load(bad)
-    renamed = tmp_path / "t.gguf"
-    r = GGUFReader(src)
-    w = GGUFWriter(renamed)
-    for key, value in r.metadata.items():
-        w.add(key, value, r.metadata_types[key], r.array_types.get(key))
-    for name, info in r.tensors.items():
-        w.add_tensor(name.replace("blk.2.attn_q.weight", "blk.2.attn_mystery.weight"), r.tensor_data(name).copy(),
-                     info.shape, info.ggml_type)
-    w.write()
+    renamed = rewrite_gguf(src, tmp_path / "t.gguf", rename={"blk.2.attn_q.weight": "blk.2.attn_mystery.weight"})
     with pytest.raises(CheckpointError, match="unknown tensor 'blk.2.attn_mystery.weight'"):
         gem4.load(renamed)
 
@@ -236,15 +229,7 @@ def test_gguf_container_error_surfaces_as_checkpoint_error(tmp_path):
 def test_gguf_vestigial_kv_on_shared_layer_is_ignored(variants, tmp_path):
     fx = variants["ple_kvshare"]
     src = fx.gguf["f32"]
-    dst = tmp_path / "vest.gguf"
-    r = GGUFReader(src)
-    w = GGUFWriter(dst)
-    for key, value in r.metadata.items():
-        w.add(key, value, r.metadata_types[key], r.array_types.get(key))
-    for name, info in r.tensors.items():
-        w.add_tensor(name, r.tensor_data(name).copy(), info.shape, info.ggml_type)
-    w.add_tensor("blk.5.attn_k.weight", np.zeros((32, 64), np.float32), (32, 64), 0)
-    w.write()
+    dst = rewrite_gguf(src, tmp_path / "vest.gguf", extra_tensors={"blk.5.attn_k.weight": np.zeros((32, 64), np.float32)})
     assert open_checkpoint(dst).ignored == ["blk.5.attn_k.weight"]
     assert torch.equal(logits(dst, fx.ids), logits(src, fx.ids))
 

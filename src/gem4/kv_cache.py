@@ -112,9 +112,6 @@ class KVCache:
             new[: old.shape[0]] = old
             store[layer] = new
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for store in (self._k, self._v) for t in store.values())
-
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     """Cache bytes one token adds, per layer type, counting only layers that own KV (K and V both stored).
