@@ -193,8 +193,7 @@ class Model(nn.Module):
                 ropes = {t: (c[-1:], s[-1:]) for t, (c, s) in ropes.items()}
             x = layer(x, None if ple is None else ple[:, i], ropes[layer.spec.layer_type], step, cache)
         cache.commit(full_step)
-        x = self.norm(x)
-        return x[-1:] if last_only else x
+        return self.norm(x[-1:] if last_only else x)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [T, H] -> softcapped logits [T, V] float32 (tied head: the unscaled embedding)."""
