@@ -18,11 +18,7 @@ from gem4.weights.quants import GGMLType, dequantize, tensor_nbytes
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """x * (mean(x^2) + eps)^-1/2 [* weight], in float32, cast back (GEMMA4.md §2.1: weight used as is)."""
-    xf = x.float()
-    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+    return F.rms_norm(x.float(), x.shape[-1:], None if weight is None else weight.float(), eps).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
