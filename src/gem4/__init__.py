@@ -8,12 +8,19 @@ Public API (names other work builds on):
 from __future__ import annotations
 
 import os
+import sys
 
 # OpenMP worker threads sleep after GOMP_SPINCOUNT idle spins; on small VMs waking them costs
 # milliseconds, which made each decode matmul 20x slower than spinning a little longer (measured:
 # Q8_0 GEMV 1.3 -> 40 GB/s on 2 threads). Read when torch loads libgomp, so it must be set before
 # `import torch`; an explicit value in the environment wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "100000")
+if "GOMP_SPINCOUNT" not in os.environ:
+    if "torch" in sys.modules:
+        import warnings
+
+        warnings.warn("gem4 was imported after torch: set GOMP_SPINCOUNT=100000 in the environment (or import "
+                      "gem4 first) for full decode speed", RuntimeWarning, stacklevel=2)
+    os.environ["GOMP_SPINCOUNT"] = "100000"
 
 __version__ = "0.1.0"
 
