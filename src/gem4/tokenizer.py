@@ -160,7 +160,7 @@ class Tokenizer:
             else:
                 a, b = m
                 pairs.append((a, b))
-
+        self.merges: list[tuple[str, str]] = pairs  # rank order
         def named(explicit: int | None, text: str) -> int | None:
             if explicit is not None:
                 if not 0 <= explicit < n:

@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
@@ -251,8 +250,6 @@ def open_gguf(path: Path) -> Checkpoint:
 OUT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
 FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q8_0: 7, GGMLType.BF16: 32}  # llama_ftype
 _VT = GGUFValueType
-# tokenizer.ggml.token_type values
-NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
 
 
 def tensor_type(canonical: str, shape: tuple[int, ...], out_type: GGMLType) -> GGMLType:
@@ -284,52 +281,28 @@ def rope_metadata(config: ModelConfig, theta: dict[str, float]) -> tuple[np.ndar
 
 
 def _tokenizer_keys(directory: Path, writer: GGUFWriter) -> bool:
-    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja) -> tokenizer.ggml.* keys. False if absent."""
-    path = directory / "tokenizer.json"
-    if not path.is_file():
+    """The directory's tokenizer (read by gem4.Tokenizer, the owner of token types) -> tokenizer.* keys.
+
+    False when the directory has no tokenizer.json.
+    """
+    if not (directory / "tokenizer.json").is_file():
         return False
-    tok = json.loads(path.read_text())
-    model = tok.get("model", {})
-    if model.get("type") != "BPE":
-        raise CheckpointError(f"{path}: tokenizer model {model.get('type')!r} is not BPE")
-    vocab: dict[str, int] = dict(model["vocab"])
-    added = {t["content"]: t for t in tok.get("added_tokens", [])}
-    for content, t in added.items():
-        vocab.setdefault(content, t["id"])
-    n = max(vocab.values()) + 1
-    tokens = [""] * n
-    for piece, i in vocab.items():
-        tokens[i] = piece
-    if any(t == "" for t in tokens):
-        raise CheckpointError(f"{path}: token ids are not contiguous")
-    types = []
-    for piece in tokens:
-        if piece in added:
-            types.append(CONTROL if added[piece].get("special") else USER_DEFINED)
-        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            types.append(BYTE)
-        else:
-            types.append(NORMAL)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    from gem4.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_hf(directory)
     writer.add("tokenizer.ggml.model", "gemma4")
-    writer.add("tokenizer.ggml.tokens", tokens, _VT.ARRAY, _VT.STRING)
-    writer.add("tokenizer.ggml.scores", np.full(n, -1000.0, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
-    writer.add("tokenizer.ggml.token_type", np.asarray(types, dtype=np.int32), _VT.ARRAY, _VT.INT32)
-    writer.add("tokenizer.ggml.merges", merges, _VT.ARRAY, _VT.STRING)
-    cfg_path = directory / "tokenizer_config.json"
-    tcfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-    for key, default in (("bos", "<bos>"), ("eos", "<eos>"), ("unk", "<unk>"), ("pad", "<pad>")):
-        name = tcfg.get(f"{key}_token", default)
-        name = name.get("content") if isinstance(name, dict) else name
-        if name in vocab:
-            writer.add(f"tokenizer.ggml.{key}_token_id", vocab[name], _VT.UINT32)
-    writer.add("tokenizer.ggml.add_bos_token", bool(tcfg.get("add_bos_token", True)))
+    writer.add("tokenizer.ggml.tokens", tok.tokens, _VT.ARRAY, _VT.STRING)
+    writer.add("tokenizer.ggml.scores", np.full(len(tok.tokens), -1000.0, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
+    writer.add("tokenizer.ggml.token_type", tok.types.astype(np.int32), _VT.ARRAY, _VT.INT32)
+    writer.add("tokenizer.ggml.merges", [f"{a} {b}" for a, b in tok.merges], _VT.ARRAY, _VT.STRING)
+    for key in ("bos", "eos", "unk", "pad"):
+        token_id = getattr(tok.special, key)
+        if token_id is not None:
+            writer.add(f"tokenizer.ggml.{key}_token_id", token_id, _VT.UINT32)
+    writer.add("tokenizer.ggml.add_bos_token", tok.add_bos)
     writer.add("tokenizer.ggml.add_space_prefix", False)
-    template = directory / "chat_template.jinja"
-    if template.is_file():
-        writer.add("tokenizer.chat_template", template.read_text())
-    elif isinstance(tcfg.get("chat_template"), str):
-        writer.add("tokenizer.chat_template", tcfg["chat_template"])
+    if tok.chat_template is not None:
+        writer.add("tokenizer.chat_template", tok.chat_template)
     return True
 
 
