@@ -193,16 +193,10 @@ def random_state(config: dict, seed: int = SEED) -> dict:
 
 def build_demo(directory: str | os.PathLike) -> Path:
     """Write the demo checkpoint into `directory` (created)."""
-    from safetensors.torch import save_file
+    from gem4.weights.hf import write_hf
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok_size = len(_vocab()["tokens"])
-    config = demo_config(tok_size)
-    state = random_state(config)
-    save_file({f"model.{k}": v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"),
-              metadata={"format": "pt", "gem4_demo": DEMO_VERSION})
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    config = demo_config(len(_vocab()["tokens"]))
+    directory = write_hf(Path(directory), config, random_state(config), metadata={"gem4_demo": DEMO_VERSION})
     write_tokenizer(directory)
     return directory
 

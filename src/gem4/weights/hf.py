@@ -204,3 +204,15 @@ def open_hf(directory: Path) -> Checkpoint:
                                  dense=lambda h=handle, n=name: h.get_tensor(n))
     return Checkpoint(path=directory, format="safetensors", config=config, tensors=tensors, ignored=ignored,
                       metadata={"config.json": cfg, "prefix": prefix})
+
+
+def write_hf(directory: Path, config: dict, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """Write a Gemma4ForCausalLM-layout checkpoint: config.json + model.safetensors (`model.` + canonical names)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({f"model.{name}": t.contiguous() for name, t in tensors.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt", **(metadata or {})})
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory
