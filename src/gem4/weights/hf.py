@@ -156,7 +156,7 @@ def open_hf(directory: Path) -> Checkpoint:
     cfg = _text_config(directory)
     files = _safetensors_files(directory)
     handles = [safe_open(str(f), framework="pt") for f in files]
-    located: dict[str, tuple[object, str]] = {}          # file name -> (handle, file path)
+    located: dict[str, tuple[object, str]] = {}          # tensor name -> (handle, file path)
     for handle, f in zip(handles, files):
         for name in handle.keys():
             if name in located:

@@ -56,7 +56,7 @@ def _packed_form(name: str, entry, packed_kernels: bool):
     if name == PLE_TABLE:
         return entry.raw()
     raw, ggml_type = entry.raw()
-    if packed_kernels and len(entry.shape) == 2 and int(ggml_type) in kernels.PACKED_TYPES:
+    if packed_kernels and len(entry.shape) == 2 and ggml_type in kernels.PACKED_TYPES:
         return raw, ggml_type
     return None
 

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from gem4.weights.quants import GGMLType
+
 SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
-PACKED_TYPES = {2: 18, 8: 34}   # GGML type id -> bytes per 32-element block (Q4_0, Q8_0)
+PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # formats the compiled kernels read
 
 
 def _cpu_flags() -> set[str]:
