@@ -106,3 +106,58 @@ def test_q8_0_activation_blocks_of_zeros_and_extremes():
     assert torch.isfinite(out).all()
     for r in range(2):
         torch.testing.assert_close(out[r], ref[r], rtol=1e-4, atol=1e-4 * ref[r].abs().max().item())
+
+
+# ---- the decode step's fused operations against the reference functions of model/layers.py ----
+
+@pytest.mark.parametrize("D", [96, 10])
+def test_rms_norm_kernel_equals_reference(D):
+    from gem4.model.layers import rms_norm
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(5, 3, D, generator=g) * 7, torch.randn(D, generator=g)
+    for weight in (w, None):
+        out = kernels.rms_norm(x, weight, 1e-6)
+        assert out.shape == x.shape and out.dtype == torch.float32
+        torch.testing.assert_close(out, rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("d", [64, 16])
+def test_rms_norm_rope_kernel_equals_norm_then_rope(d):
+    from gem4.model.layers import apply_rope, rms_norm, rope_cos_sin
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(4, 3, d, generator=g), torch.randn(d, generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    cos, sin = rope_cos_sin(torch.tensor([0, 9, 100, 4000]), inv_freq)
+    ref = apply_rope(rms_norm(x, w, 1e-6), cos, sin)
+    torch.testing.assert_close(kernels.rms_norm_rope(x, w, 1e-6, cos, sin), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,S,nh,nkv,d", [(1, 1024, 8, 1, 256), (1, 3, 8, 1, 512), (3, 37, 8, 2, 64),
+                                          (8, 600, 4, 4, 32), (2, 130, 12, 3, 128)])
+def test_attend_kernel_equals_reference_attention(T, S, nh, nkv, d):
+    from gem4.model.layers import attention
+    g = torch.Generator().manual_seed(T * S)
+    q = torch.randn(T, nh, d, generator=g)
+    k, v = (torch.randn(S, nkv, d, generator=g).bfloat16() for _ in range(2))
+    mask = torch.rand(T, S, generator=g) < 0.4                  # scattered visible rows, as in the sliding ring
+    mask[:, -1] = True
+    out = kernels.attend(q, k, v, mask)
+    assert out.shape == (T, nh * d) and out.dtype == torch.float32
+    torch.testing.assert_close(out, attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_attend_kernel_gives_zeros_to_a_row_that_sees_nothing():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = torch.randn(2, 4, 32, generator=g), torch.randn(5, 1, 32, generator=g).bfloat16(), torch.randn(5, 1, 32, generator=g).bfloat16()
+    mask = torch.tensor([[False] * 5, [True, False, True, False, False]])
+    out = kernels.attend(q, k, v, mask)
+    assert torch.equal(out[0], torch.zeros(4 * 32))
+    assert torch.isfinite(out[1]).all()
+
+
+def test_attend_kernel_refuses_wrong_inputs():
+    q, k = torch.randn(1, 8, 64), torch.randn(10, 1, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.attend(q, k.float(), k.float(), torch.ones(1, 10, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="mask"):
+        kernels.attend(q, k, k, torch.ones(1, 9, dtype=torch.bool))

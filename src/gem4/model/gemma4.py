@@ -20,13 +20,17 @@ from torch import nn
 
 from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, Step
+from gem4.model import kernels
 from gem4.model.layers import (
-    QuantLinear, RMSNorm, apply_rope, attention, embed_scale, experts_forward, gelu_tanh,
+    QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_tanh,
     rms_norm, rope_cos_sin, softcap,
 )
 
 
 class Attention(nn.Module):
+    fused = False          # fast mode (Model.use_kernels): v-norm and decode attention run compiled kernels
+    FUSED_ROWS = 8         # query rows up to which kernels.attend runs (decode); longer chunks use batched matmuls
+
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
         H, d = config.hidden_size, spec.head_dim
@@ -45,16 +49,20 @@ class Attention(nn.Module):
         spec, T = self.spec, h.shape[0]
         cos, sin = rope
         q = self.q_proj(h).view(T, spec.n_heads, spec.head_dim)                 # [T, nh, d]
-        q = apply_rope(self.q_norm(q), cos, sin)
+        q = self.q_norm.with_rope(q, cos, sin)
         if spec.owns_kv:
             k_raw = self.k_proj(h).view(T, spec.n_kv_heads, spec.head_dim)     # [T, nkv, d]
             v_raw = k_raw if spec.k_eq_v else self.v_proj(h).view(T, spec.n_kv_heads, spec.head_dim)
-            k = apply_rope(self.k_norm(k_raw), cos, sin)
-            v = rms_norm(v_raw, None, self.eps)                                   # v_norm: no weight, no rope
+            k = self.k_norm.with_rope(k_raw, cos, sin)
+            v = (kernels.rms_norm if self.fused else rms_norm)(v_raw, None, self.eps)   # v_norm: no weight, no rope
             keys, values = cache.write(spec.index, k, v)                          # [S, nkv, d]
         else:
             keys, values = cache.read(spec.kv_source)                             # donor wrote this step already
-        out = attention(q, keys, values, step.masks[spec.layer_type])             # [T, nh*d]
+        mask = step.masks[spec.layer_type]                                        # [T, S]
+        if self.fused and T <= self.FUSED_ROWS:
+            out = kernels.attend(q, keys, values, mask)                           # [T, nh*d]
+        else:
+            out = attention(q, keys, values, mask)
         return self.o_proj(out)
 
 
@@ -204,6 +212,13 @@ class Model(nn.Module):
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """One step: ids [T] -> logits [T, V] (or [1, V] with last_only), float32."""
         return self.head(self.hidden_states(ids, cache, last_only))
+
+    def use_kernels(self) -> None:
+        """Fast mode (bfloat16 on CPU with the compiled kernels): norms, q/k norm + RoPE and decode
+        attention run as single compiled calls. Same float32 math as the reference; set once at load."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention)):
+                module.fused = True
 
     @property
     def device(self) -> torch.device:

@@ -22,13 +22,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 class RMSNorm(nn.Module):
+    fused = False          # fast mode (Model.use_kernels): the compiled kernels, the same float32 math
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return kernels.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q/k norm then RoPE: x [T, heads, d], cos/sin [T, 1, d]."""
+        if self.fused:
+            return kernels.rms_norm_rope(x, self.weight, self.eps, cos, sin)
+        return apply_rope(self.forward(x), cos, sin)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,7 @@ def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     _check_manifest(ckpt, expected)
 
-    # fast mode: Q8_0 / Q4_0 projections stay packed for the compiled kernels (float32 is the reference)
+    # fast mode: Q8_0 / Q4_0 projections stay packed and the decode step runs compiled kernels (float32 is the reference)
     packed_kernels = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available()
     state = {}
     for name in tqdm(list(expected), desc="loading weights", unit="tensor", disable=not progress):
@@ -89,6 +89,8 @@ def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress
     model.load_state_dict(state, strict=True, assign=True)
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
+    if packed_kernels:
+        model.use_kernels()
     model.eval()
     return model
 

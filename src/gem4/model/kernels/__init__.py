@@ -1,10 +1,13 @@
-"""Compiled CPU kernels for packed GGML weights, built once per machine on first use.
+"""Compiled CPU kernels of the fast mode, built once per machine on first use.
 
-`ggml_gemv(x, raw, n_out, ggml_type)`: y = x @ W.T with W read straight from Q8_0 / Q4_0 blocks
-(raw: [N, row_bytes] uint8, x: [M, K] float32). The C++ source is `ggml_gemv.cpp` beside this file;
-torch's cpp_extension compiles it with the host's own instruction set (-march=native, AVX-512
-required) into TORCH_EXTENSIONS_DIR. Where that is impossible `available()` is False and callers
-keep the reference path (dequantize + float matmul), which these kernels are tested against.
+- `ggml_gemv(x, raw, n_out, ggml_type)`: y = x @ W.T with W read straight from Q8_0 / Q4_0 blocks
+  (raw: [N, row_bytes] uint8, x: [M, K] float32); `dequant_bf16` for prefill GEMMs (`ggml_gemv.cpp`).
+- `rms_norm`, `rms_norm_rope`, `attend`: the decode step's small operations, one call each instead of
+  several torch ops (`decode_ops.cpp`).
+
+torch's cpp_extension compiles the C++ sources beside this file with the host's own instruction set
+(-march=native, AVX-512 required) into TORCH_EXTENSIONS_DIR. Where that is impossible `available()`
+is False and callers keep the reference path (model/layers.py), which these kernels are tested against.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import torch
 
 from gem4.weights.quants import GGMLType
 
-SOURCE = Path(__file__).with_name("ggml_gemv.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "decode_ops.cpp")]
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # formats the compiled kernels read
 
 
@@ -38,12 +41,13 @@ def available() -> bool:
     from torch.utils.cpp_extension import load
 
     # -fopenmp: at::parallel_for is an inline OpenMP loop; without the flag it silently runs serially
-    load(name="gem4_ggml_gemv", sources=[str(SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+    load(name="gem4_kernels", sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
          extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     return True
 
 
+@functools.lru_cache(maxsize=None)
 def _ops():
     if not available():
         raise RuntimeError("gem4's compiled kernels are unavailable on this machine (AVX-512 and a C++ compiler "
@@ -59,3 +63,18 @@ def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, n_out: int, ggml_type: int) ->
 def dequant_bf16(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: int) -> torch.Tensor:
     """raw [N, row_bytes] Q8_0 / Q4_0 blocks -> [N, K] bf16 in one pass (equal to dequantize(...).bfloat16())."""
     return _ops().dequant_bf16(raw, n_out, k_in, ggml_type)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., D] float32 -> x * (mean(x^2) + eps)^-1/2 [* weight] (layers.rms_norm, one call)."""
+    return _ops().rms_norm(x.contiguous(), weight, eps)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d] float32, cos/sin [T, 1, d] -> apply_rope(rms_norm(x, weight, eps), cos, sin)."""
+    return _ops().rms_norm_rope(x.contiguous(), weight, eps, cos, sin)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [T, nh, d] float32, k/v [S, nkv, d] bf16, mask [T, S] bool -> [T, nh*d] float32 (layers.attention)."""
+    return _ops().attend(q.contiguous(), k, v, mask.contiguous())
