@@ -32,12 +32,8 @@ def test_gemv_equals_dequantize_then_matmul(ggml_type, rows):
     g = torch.Generator().manual_seed(rows)
     layer, dense = packed_linear(torch.randn(200, 96, generator=g), ggml_type)
     x = torch.randn(rows, 96, generator=g)
-    # Q4_0 takes bf16 activations (its weights are exact in bf16): float tolerance against that rounding.
-    # Q8_0 quantizes activations per 32-block to int16 (error <= 2^-16 of the block max): 1e-4 of the output.
-    if ggml_type == GGMLType.Q4_0:
-        ref, tol = x.bfloat16().float() @ dense.T, 1e-5
-    else:
-        ref, tol = x @ dense.T, 1e-4
+    # activations are quantized per 32-block to int16 (error <= 2^-16 of the block max): 1e-4 of the output
+    ref, tol = x @ dense.T, 1e-4
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 200)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
@@ -58,6 +54,32 @@ def test_rows_of_a_packed_table_are_exact():
     layer, dense = packed_linear(torch.randn(50, 64, generator=g), GGMLType.Q4_0)
     ids = torch.tensor([3, 0, 49, 3])
     assert torch.equal(layer.rows(ids), dense[ids])
+
+
+def test_a_table_kept_in_blocks_is_read_by_rows_only():
+    g = torch.Generator().manual_seed(9)
+    raw = quantize(torch.randn(30, 64, generator=g), GGMLType.Q4_0)
+    table = QuantLinear(64, 30)
+    table.keep_blocks(raw, GGMLType.Q4_0)
+    ids = torch.tensor([29, 0, 7])
+    assert table.layout == "blocks"
+    assert torch.equal(table.rows(ids), dequantize(raw, GGMLType.Q4_0, (30, 64))[ids])
+    with pytest.raises(RuntimeError, match="lookup table"):
+        table(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("ggml_type", PACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("k_in", [32, 512, 544, 1536])
+def test_repacked_layout_round_trips_every_row_length(ggml_type, k_in):
+    # 1, 16, 17 and 48 blocks per row: a partial last group, exactly one group, one block over, several
+    g = torch.Generator().manual_seed(k_in)
+    layer, dense = packed_linear(torch.randn(24, k_in, generator=g), ggml_type)
+    assert layer.layout == "packed" and layer.packed.shape[1] % 64 == 0          # cache-line aligned rows
+    assert torch.equal(kernels.dequant(layer.packed, k_in, ggml_type, torch.float32), dense)
+    assert torch.equal(kernels.dequant(layer.packed, k_in, ggml_type, torch.bfloat16), dense.bfloat16())
+    x = torch.randn(3, k_in, generator=g)
+    ref = x @ dense.T
+    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def nmse(out, ref):

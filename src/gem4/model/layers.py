@@ -66,14 +66,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class QuantLinear(nn.Module):
     """y = x @ W.T with W [out, in]. The one linear layer of the model.
 
-    Two storages, one forward:
-    - dense (reference): `weight` in the weight dtype (GGML block formats dequantized once at load).
+    Three storages (`layout`), one forward:
+    - "dense" (reference): `weight` in the weight dtype (GGML block formats dequantized once at load).
       The input is rounded to W's dtype, products accumulate in float32, the result comes back in the
       activation dtype.
-    - packed (fast path, `pack()`): `raw` holds the GGML Q8_0 / Q4_0 blocks as the file has them.
-      Up to GEMV_ROWS input rows (decode, small batches) run the compiled kernel that reads the blocks
-      directly; longer inputs (prefill chunks) dequantize the blocks to bf16 once per call and run one
+    - "packed" (fast path, `pack()`): `packed` holds Q8_0 / Q4_0 weights in the compiled kernels' layout,
+      rearranged once at load. Up to GEMV_ROWS input rows (decode, small batches) run the kernel that
+      reads it directly; longer inputs (prefill chunks) turn it into bf16 once per call and run one
       bf16 GEMM. Both equal dequantize + float matmul up to float rounding (tested).
+    - "blocks" (`keep_blocks()`): `raw` holds GGML blocks of any type exactly as the file has them, for a
+      table that is only ever read by rows (the per-layer token embedding); it stays in the mmap.
     """
 
     GEMV_ROWS = 8
@@ -83,33 +85,47 @@ class QuantLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.ggml_type: GGMLType | None = None                    # set when packed
+        self.layout = "dense"
+        self.ggml_type: GGMLType | None = None                    # set for "packed" and "blocks"
 
     def pack(self, raw: torch.Tensor, ggml_type: GGMLType) -> None:
-        """Switch to packed storage: raw GGML bytes of the [out, in] weight (load time only)."""
+        """Load time: GGML bytes of the [out, in] weight (Q8_0 / Q4_0) -> the kernels' layout."""
+        packed = kernels.repack(raw, self.out_features, self.in_features, ggml_type)
+        self._set_storage("packed", "packed", packed, ggml_type)
+
+    def keep_blocks(self, raw: torch.Tensor, ggml_type: GGMLType) -> None:
+        """Load time: keep the GGML bytes of the [out, in] weight as they are (a table read by rows)."""
         row_bytes = tensor_nbytes(ggml_type, self.in_features)
+        self._set_storage("blocks", "raw", raw.reshape(self.out_features, row_bytes), ggml_type)
+
+    def _set_storage(self, layout: str, name: str, data: torch.Tensor, ggml_type: GGMLType) -> None:
         del self.weight
-        self.register_buffer("raw", raw.reshape(self.out_features, row_bytes), persistent=False)
+        self.register_buffer(name, data, persistent=False)
+        self.layout = layout
         self.ggml_type = GGMLType(ggml_type)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W as float32 [len(ids), in]: W used as a lookup table (token embeddings).
 
-        Only these rows are converted, so a packed table (the 262144 x 8960 E2B per-layer embedding)
-        is never materialised.
+        Only these rows are converted, so a table in blocks (the 262144 x 8960 E2B per-layer
+        embedding) is never materialised.
         """
-        if self.ggml_type is None:
+        if self.layout == "dense":
             return self.weight[ids].float()
+        if self.layout == "packed":
+            return kernels.dequant(self.packed[ids], self.in_features, self.ggml_type, torch.float32)
         return dequantize(self.raw[ids].contiguous(), self.ggml_type, (ids.numel(), self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ggml_type is None:
+        if self.layout == "dense":
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        if self.layout == "blocks":
+            raise RuntimeError("this weight is kept in GGML blocks as a lookup table; it has no matmul")
         x2 = x.reshape(-1, self.in_features)                      # [M, in]
         if x2.shape[0] <= self.GEMV_ROWS:
-            y = kernels.ggml_gemv(x2.float().contiguous(), self.raw, self.out_features, int(self.ggml_type))
+            y = kernels.gemv(x2.float().contiguous(), self.packed, self.out_features, self.in_features, self.ggml_type)
         else:
-            w = kernels.dequant_bf16(self.raw, self.out_features, self.in_features, int(self.ggml_type))   # [out, in]
+            w = kernels.dequant(self.packed, self.in_features, self.ggml_type, torch.bfloat16)   # [out, in]
             y = F.linear(x2.to(torch.bfloat16), w)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 

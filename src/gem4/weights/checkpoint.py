@@ -29,6 +29,9 @@ class TensorEntry:
     nbytes: int
     dense: Callable[[], torch.Tensor]
     raw: Callable[[], tuple[torch.Tensor, GGMLType]] | None = None   # GGML block formats only
+    # Drop the tensor's mapped file pages from the process once the loader holds its own copy (they
+    # would otherwise count twice in its memory); views taken earlier stay valid. No-op where not mmapped.
+    release: Callable[[], None] = lambda: None
 
 
 @dataclass

@@ -423,6 +423,20 @@ class GGUFReader:
             raise ValueError(f"{self.path}: reader is closed")
         return np.frombuffer(self._mm, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
+    def release(self, name: str) -> None:
+        """Drop the whole pages of tensor `name` from this process's memory (madvise DONTNEED).
+
+        For a caller that has copied the tensor: the file's pages stay in the page cache, and a later read
+        through a view faults them back in, so nothing is lost."""
+        info = self.tensors[name]
+        if self._mm is None or info.nbytes == 0:
+            return
+        page = mmap.PAGESIZE
+        start = -(-info.offset // page) * page                      # whole pages inside the tensor only
+        end = (info.offset + info.nbytes) // page * page
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         mm, self._mm = self._mm, None
         if mm is not None:

@@ -45,19 +45,20 @@ def _check_manifest(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]]) -> N
                               + " for this model's metadata")
 
 
-def _packed_form(name: str, entry, packed_kernels: bool):
-    """(raw, ggml_type) when this tensor stays in its GGML blocks, else None.
+def _block_storage(name: str, entry, packed_kernels: bool) -> str | None:
+    """How a GGML-block tensor is kept instead of being dequantized: "blocks", "packed" or None (dense).
 
-    The per-layer embedding table is only read by rows, so it always stays packed. Projection
-    weights stay packed in the fast mode when a compiled kernel reads their format.
+    The per-layer embedding table is only read by rows, so it always stays in its blocks, in the mmap.
+    Projection weights (and the token table, which is also the tied head) are packed in the fast mode
+    when a compiled kernel reads their format.
     """
     if entry is None or entry.raw is None:
         return None
     if name == PLE_TABLE:
-        return entry.raw()
-    raw, ggml_type = entry.raw()
+        return "blocks"
+    _, ggml_type = entry.raw()
     if packed_kernels and len(entry.shape) == 2 and ggml_type in kernels.PACKED_TYPES:
-        return raw, ggml_type
+        return "packed"
     return None
 
 
@@ -76,10 +77,15 @@ def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress
     state = {}
     for name in tqdm(list(expected), desc="loading weights", unit="tensor", disable=not progress):
         entry = ckpt.tensors.get(name)
-        packed = _packed_form(name, entry, packed_kernels)
-        if packed is not None:
-            raw, ggml_type = packed
-            model.get_submodule(name.rsplit(".", 1)[0]).pack(raw.to(device), ggml_type)
+        storage = _block_storage(name, entry, packed_kernels)
+        if storage is not None:
+            raw, ggml_type = entry.raw()
+            linear = model.get_submodule(name.rsplit(".", 1)[0])
+            if storage == "blocks":
+                linear.keep_blocks(raw.to(device), ggml_type)
+            else:                                          # a copy in the kernels' layout: the file's pages can go
+                linear.pack(raw, ggml_type)
+                entry.release()
         elif entry is None:                                # optional scalars default to 1 (OPTIONAL_ONES)
             state[name] = torch.ones(expected[name], dtype=_weight_dtype(name, expected[name], torch_dtype), device=device)
         elif name == PLE_TABLE:                            # float table: kept in its stored dtype, read by rows

@@ -1,7 +1,9 @@
 """Compiled CPU kernels of the fast mode, built once per machine on first use.
 
-- `ggml_gemv(x, raw, n_out, ggml_type)`: y = x @ W.T with W read straight from Q8_0 / Q4_0 blocks
-  (raw: [N, row_bytes] uint8, x: [M, K] float32); `dequant_bf16` for prefill GEMMs (`ggml_gemv.cpp`).
+- `repack(raw, n_out, k_in, ggml_type)`: Q8_0 / Q4_0 GGML blocks -> the kernels' "x16" layout (once at
+  load, same size give or take the padding of a row's last 16 blocks); `gemv(x, packed, ...)`:
+  y = x @ W.T read straight from it; `dequant(packed, ...)`: W (or some of its rows) in float32 / bf16,
+  for prefill GEMMs and token tables (`ggml_gemv.cpp`, which describes the layout).
 - `rms_norm`, `rms_norm_rope`, `attend`: the decode step's small operations, one call each instead of
   several torch ops (`decode_ops.cpp`).
 
@@ -55,14 +57,22 @@ def _ops():
     return torch.ops.gem4_kernels
 
 
-def ggml_gemv(x: torch.Tensor, raw: torch.Tensor, n_out: int, ggml_type: int) -> torch.Tensor:
-    """x [M, K] float32, raw [N, row_bytes] uint8 GGML blocks -> [M, N] float32."""
-    return _ops().ggml_gemv(x, raw, n_out, ggml_type)
+def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
+    """GGML bytes of an [n_out, k_in] Q8_0 / Q4_0 weight -> its x16 layout [n_out, packed_row_bytes] uint8."""
+    return _ops().repack_x16(raw.contiguous(), n_out, k_in, int(ggml_type))
 
 
-def dequant_bf16(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: int) -> torch.Tensor:
-    """raw [N, row_bytes] Q8_0 / Q4_0 blocks -> [N, K] bf16 in one pass (equal to dequantize(...).bfloat16())."""
-    return _ops().dequant_bf16(raw, n_out, k_in, ggml_type)
+def gemv(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
+    """x [M, k_in] float32, packed x16 weight -> x @ W.T [M, n_out] float32 (activations quantized per
+    32-block to int16: relative error <= 2^-16 of the block's largest value)."""
+    return _ops().gemv_x16(x, packed, n_out, k_in, int(ggml_type))
+
+
+def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a packed x16 weight [R, packed_row_bytes] -> [R, k_in] in float32 (exact) or bfloat16."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dequant gives float32 or bfloat16, not {dtype}")
+    return _ops().dequant_x16(packed.contiguous(), packed.shape[0], k_in, int(ggml_type), dtype == torch.bfloat16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -1,17 +1,24 @@
-// Products straight from GGML Q8_0 / Q4_0 blocks (AVX-512; Q4_0 also AVX512-BF16).
+// Products with Q8_0 / Q4_0 weights (AVX-512 + VNNI), in a load-time layout made for them.
 //
-// y[m, n] = sum_k x[m, k] * W[n, k] where row n of W is K/32 GGML blocks:
-//   Q8_0: fp16 d | int8 q[32]                           w = d * q
-//   Q4_0: fp16 d | u8 qs[16] (lo nibble: j, hi: j+16)   w = d * (q - 8)
-// ggml_gemv reads the weights once per call whatever M is (up to MAX_M rows reuse each decoded block),
-// so decode and small batches read exactly the GGML bytes. Rows of W are split across torch's intra-op
-// threads. Accumulation is float32 throughout.
-//   Q8_0: activations quantized per 32-block to int16 (relative error <= 2^-16 of the block's largest
-//         value, far below bf16's 2^-9); int8 x int16 products and pair sums are exact (vpdpwssd).
-//   Q4_0: activations rounded to bf16 (the fast mode's activation precision); the 4-bit weights are
-//         exact in bf16, so each block is one table lookup and one vdpbf16ps -- about twice the
-//         float32 path's speed, which is bound by int -> float conversion, not by memory.
-// dequant_bf16 turns a whole weight into bf16 in one pass, for prefill chunks that run a bf16 GEMM.
+// GGML block (32 weights):  Q8_0: fp16 d | int8 q[32]                           w = d * q
+//                           Q4_0: fp16 d | u8 qs[16] (lo nibble: j, hi: j + 16)   w = d * (q - 8)
+//
+// The "x16" layout (repack_x16, once at load): each row's blocks in groups of 16, the last group padded
+// with zero blocks. A row is [the groups' quant bytes | the groups' fp16 scales, 16 per group], padded
+// to a multiple of 64 bytes so that every 64-byte load is cache-line aligned (unaligned loads cost a
+// fifth of the Q4_0 speed). A group's quant bytes are Q/4 vectors of 64 bytes (Q = 32 for Q8_0, 16 for
+// Q4_0): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b at bytes 4b..4b+3. So a 32-bit
+// lane of any vector belongs to one block, and so does that lane of the integer accumulator: a group
+// needs one float conversion and one scale multiply, not 16.
+//
+// gemv_x16: y[m, n] = sum_k x[m, k] W[n, k]. Activations are quantized per 32-block to int16 (relative
+// error <= 2^-16 of the block's largest value, far below bf16's 2^-9) and laid out in the order the
+// kernel reads them; each 16-bit half of a weight lane is one weight, so one vpdpwssd takes two weights
+// of every block of the group, with exact integer products and sums. Q4_0's "- 8" is applied once per
+// block as -8 * sum(activation block). The weights are read once per call for up to 4 rows of x at a
+// time; rows of W are split across torch's intra-op threads.
+// dequant_x16 turns (rows of) a weight back into float32 or bf16: prefill chunks run one bf16 GEMM,
+// and token tables are looked up by rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -20,205 +27,233 @@
 
 namespace {
 
-constexpr int QK = 32;
-constexpr int MAX_M = 8;   // rows of x handled per pass over the weights
-constexpr int64_t Q8_0_BYTES = 34, Q4_0_BYTES = 18;
+constexpr int QK = 32;                 // weights per GGML block
+constexpr int GROUP = 16;              // blocks per x16 group
+constexpr int64_t GROUP_ELEMS = GROUP * QK;
+constexpr int MAX_M = 4;               // rows of x handled per pass over a row of W
+constexpr int64_t PREFETCH = 2048;     // software prefetch distance in the weight stream (~5% faster decode)
 constexpr int64_t Q8_0_TYPE = 8, Q4_0_TYPE = 2;   // GGML type ids
 
-inline float fp16_to_f32(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
+int64_t groups_of(int64_t k_in) { return (k_in / QK + GROUP - 1) / GROUP; }
+
+struct Format {
+    int64_t block_bytes;   // GGML block
+    int64_t quant_bytes;   // quant bytes per block
+    int64_t groups;        // x16 groups per row
+    int64_t scales_at;     // offset of the scales in an x16 row
+    int64_t row_bytes;     // x16 row
+};
+
+Format format_of(int64_t ggml_type, int64_t k_in) {
+    TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE, "only Q8_0 (8) and Q4_0 (2) have kernels");
+    TORCH_CHECK(k_in > 0 && k_in % QK == 0, "k_in must be a positive multiple of 32");
+    const int64_t q = ggml_type == Q8_0_TYPE ? 32 : 16, G = groups_of(k_in);
+    const int64_t scales_at = G * GROUP * q;
+    return {2 + q, q, G, scales_at, (scales_at + G * GROUP * 2 + 63) / 64 * 64};
 }
 
-// The 32 weights of one block, without d, as two float vectors (elements 0..15, 16..31).
-inline void q8_0_block(const uint8_t* blk, __m512& w0, __m512& w1) {
-    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2))));
-    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18))));
+// GGML [N, K/32 blocks] -> x16 [N, groups * group_bytes]
+torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+    const Format f = format_of(ggml_type, k_in);
+    const int64_t nb = k_in / QK;
+    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
+                "w must be the contiguous GGML bytes of an [n_out, k_in] weight");
+    auto out = torch::zeros({n_out, f.row_bytes}, w.options());
+    const uint8_t* src = w.data_ptr<uint8_t>();
+    uint8_t* dst = out.data_ptr<uint8_t>();
+    at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n)
+            for (int64_t b = 0; b < nb; ++b) {
+                const uint8_t* blk = src + (n * nb + b) * f.block_bytes;
+                uint8_t* row = dst + n * f.row_bytes;
+                uint8_t* grp = row + (b / GROUP) * GROUP * f.quant_bytes;
+                const int64_t lane = b % GROUP;
+                std::memcpy(row + f.scales_at + 2 * b, blk, 2);                                     // d
+                for (int64_t v = 0; v < f.quant_bytes / 4; ++v)
+                    std::memcpy(grp + v * 64 + 4 * lane, blk + 2 + 4 * v, 4);
+            }
+    });
+    return out;
 }
 
-inline void q4_0_block(const uint8_t* blk, __m512& w0, __m512& w1) {
-    const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-    const __m512i mask = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
-    w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask), eight));
-    w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight));
-}
-
-// Q4_0 block -> 32 bf16 weights (q - 8, exact) in block order, by a 16-entry table lookup.
-inline __m512bh q4_0_block_bf16(const uint8_t* blk, __m512i lut) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    const __m512i idx = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
-    return (__m512bh)_mm512_permutexvar_epi16(idx, lut);
-}
-
-__m512i q4_0_table() {
-    alignas(64) uint16_t table[32];
-    for (int i = 0; i < 16; ++i) {
-        const float f = static_cast<float>(i - 8);
-        uint32_t bits;
-        std::memcpy(&bits, &f, 4);
-        table[i] = table[i + 16] = static_cast<uint16_t>(bits >> 16);
+// Where activation element `e` of block `lane` sits in a group's stream of 512 int16 (the order in
+// which gemv_x16 multiplies them). A 32-bit weight lane holds bytes (4v, 4v+1 | 4v+2, 4v+3) of its
+// block; the kernel splits it into int16 weights in these steps e:
+//   Q8_0 (v = 0..7):  e0: bytes 0, 2 (sign-extended)   e1: bytes 1, 3
+//   Q4_0 (v = 0..3):  e0: lo nibbles of bytes 0, 2    e1: of bytes 1, 3    e2, e3: the same for hi nibbles
+// Byte r of vector v is weight 4v + r (Q8_0); its lo nibble weight 4v + r, its hi nibble 16 + 4v + r (Q4_0).
+inline int64_t stream_pos(int64_t ggml_type, int64_t lane, int64_t elem) {
+    if (ggml_type == Q8_0_TYPE) {
+        const int64_t v = elem / 4, r = elem % 4;                         // r = e + 2t
+        return (v * 2 + r % 2) * 32 + 2 * lane + r / 2;
     }
-    return _mm512_load_si512(table);
+    const int64_t hi = elem / 16, v = (elem % 16) / 4, r = elem % 4;
+    return (v * 4 + hi * 2 + r % 2) * 32 + 2 * lane + r / 2;
 }
 
-// Activations for the Q8_0 kernel: each 32-element block as int16 with its own scale,
-// x ~= sx[b] * xq[b, :] with |xq| <= 32767 (relative error <= 2^-16 of the block's largest value).
-void quantize_int16(const float* x, int64_t K, int16_t* xq, float* sx) {
-    for (int64_t b = 0; b < K / QK; ++b) {
+// One row of x -> the kernel's activation stream, per-block scales, and Q4_0's -8 * block sums.
+// Each block is quantized in one register, its 32 values reordered so that 32-bit word k holds the pair
+// that step k multiplies, and the 16 words scattered to lane `lane` of the group's 16 steps.
+void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, float* dx, int32_t* corr) {
+    const int64_t nb = K / QK, G = groups_of(K);
+    std::memset(stream, 0, G * GROUP_ELEMS * sizeof(int16_t));
+    std::memset(dx, 0, G * GROUP * sizeof(float));
+    std::memset(corr, 0, G * GROUP * sizeof(int32_t));
+    alignas(64) int16_t order[QK];                            // order[2k + t] = element in half t of step k
+    for (int64_t e = 0; e < QK; ++e) {
+        const int64_t pos = stream_pos(ggml_type, 0, e);      // step * 32 + half, for lane 0
+        order[pos / 32 * 2 + pos % 32] = static_cast<int16_t>(e);
+    }
+    const __m512i perm = _mm512_load_si512(order);
+    const __m512i steps = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(GROUP));
+    for (int64_t b = 0; b < nb; ++b) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
         const float scale = amax / 32767.0f;
         const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
-        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));   // round to nearest
-        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * QK), _mm512_cvtsepi32_epi16(q0));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * QK + 16), _mm512_cvtsepi32_epi16(q1));
-        sx[b] = scale;
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)), _mm512_cvtsepi32_epi16(q1), 1);
+        const int64_t g = b / GROUP, lane = b % GROUP;
+        // step k of the group lives at int32 index k * GROUP + lane of its stream
+        _mm512_i32scatter_epi32(stream + g * GROUP_ELEMS, _mm512_add_epi32(steps, _mm512_set1_epi32(static_cast<int>(lane))),
+                                _mm512_permutexvar_epi16(perm, q), 4);
+        dx[g * GROUP + lane] = scale;
+        corr[g * GROUP + lane] = -8 * (_mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1));
     }
 }
 
-// Q8_0: the block's 32 int8 weights widened to int16 and multiplied with the int16 activations by one
-// vpdpwssd (exact integer products and pair sums), then scaled by d * sx in float32.
-void q8_0_rows(const int16_t* xq, const float* sx, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+// y[i, n] for rows n in [n0, n1) and MC rows of x.
+template <int MC, int64_t TYPE>
+void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, const Format& f, const uint8_t* w,
                float* y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t nb = K / QK;
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-        const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
-        for (int64_t n = n0; n < n1; ++n) {
-            const uint8_t* row = w + n * row_bytes;
-            __m512 acc[MAX_M];
-            for (int i = 0; i < mc; ++i) acc[i] = _mm512_setzero_ps();
-            for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = row + b * Q8_0_BYTES;
-                const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)));
-                const float d = fp16_to_f32(blk);
-                for (int i = 0; i < mc; ++i) {
-                    const int64_t r = (m0 + i);
-                    const __m512i xv = _mm512_loadu_si512(xq + r * K + b * QK);
-                    const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w16, xv);   // 16 pair sums
-                    acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(d * sx[r * nb + b]), _mm512_cvtepi32_ps(dot), acc[i]);
+    constexpr int64_t QB = TYPE == Q8_0_TYPE ? 32 : 16, GB = GROUP * QB;
+    const int64_t G = f.groups, stride = G * GROUP_ELEMS;   // stride: the stream of one row of x
+    const __m512i low4 = _mm512_set1_epi16(0x000F);
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * f.row_bytes;
+        __m512 acc[MC];
+        for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t* grp = row + g * GB;
+            const int16_t* xs = stream + g * GROUP_ELEMS;
+            __m512i dot[MC];
+            for (int i = 0; i < MC; ++i) dot[i] = TYPE == Q4_0_TYPE ? _mm512_loadu_si512(corr + i * G * GROUP + g * GROUP)
+                                                                  : _mm512_setzero_si512();
+            for (int64_t v = 0; v < QB / 4; ++v) {
+                _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + v * 64), _MM_HINT_T0);
+                const __m512i raw = _mm512_loadu_si512(grp + v * 64);
+                __m512i e[4];
+                if constexpr (TYPE == Q8_0_TYPE) {
+                    e[0] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);          // bytes 0, 2 of each lane
+                    e[1] = _mm512_srai_epi16(raw, 8);                                 // bytes 1, 3
+                } else {
+                    e[0] = _mm512_and_si512(raw, low4);                               // lo nibbles of bytes 0, 2
+                    e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);         // lo nibbles of bytes 1, 3
+                    e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);         // hi nibbles of bytes 0, 2
+                    e[3] = _mm512_srli_epi16(raw, 12);                                // hi nibbles of bytes 1, 3
                 }
+                constexpr int steps = TYPE == Q8_0_TYPE ? 2 : 4;
+                for (int s = 0; s < steps; ++s)
+                    for (int i = 0; i < MC; ++i)
+                        dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_loadu_si512(xs + i * stride + (v * steps + s) * 32));
             }
-            for (int i = 0; i < mc; ++i) y[(m0 + i) * N + n] = _mm512_reduce_add_ps(acc[i]);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + f.scales_at + g * GROUP * 2)));
+            for (int i = 0; i < MC; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_loadu_ps(dx + i * G * GROUP + g * GROUP)), acc[i]);
         }
+        for (int i = 0; i < MC; ++i) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
     }
 }
 
-// x rearranged for pairs of Q4_0 blocks: for blocks (2p, 2p+1) the 64 activations are stored as
-// [x0[0:16] x1[0:16] | x0[16:32] x1[16:32]], matching the low / high nibbles of both blocks' bytes.
-void pair_layout(const uint16_t* x, uint16_t* out, int64_t K) {
-    const int64_t pairs = K / (2 * QK);
-    for (int64_t p = 0; p < pairs; ++p) {
-        const uint16_t* src = x + p * 2 * QK;
-        uint16_t* dst = out + p * 2 * QK;
-        std::memcpy(dst, src, 32);            // x0[0:16]
-        std::memcpy(dst + 16, src + 32, 32);  // x1[0:16]
-        std::memcpy(dst + 32, src + 16, 32);  // x0[16:32]
-        std::memcpy(dst + 48, src + 48, 32);  // x1[16:32]
-    }
-    std::memcpy(out + pairs * 2 * QK, x + pairs * 2 * QK, (K - pairs * 2 * QK) * 2);   // odd last block as is
-}
-
-void q4_0_rows(const uint16_t* xb16, const uint16_t* xpair, int64_t M, int64_t K, const uint8_t* w,
-               int64_t row_bytes, float* y, int64_t N, int64_t n0, int64_t n1) {
-    const int64_t nb = K / QK, pairs = nb / 2;
-    const __m512i lut = q4_0_table();
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-        const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
-        for (int64_t n = n0; n < n1; ++n) {
-            const uint8_t* row = w + n * row_bytes;
-            __m512 acc[MAX_M];
-            for (int i = 0; i < mc; ++i) acc[i] = _mm512_setzero_ps();
-            for (int64_t p = 0; p < pairs; ++p) {
-                // two blocks at once: nibbles of both in one 256-bit register, one table lookup per half
-                const uint8_t* b0 = row + 2 * p * Q4_0_BYTES;
-                const uint8_t* b1 = b0 + Q4_0_BYTES;
-                const __m256i raw = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(b1 + 2),
-                                                        reinterpret_cast<const __m128i*>(b0 + 2));
-                const __m256i lo = _mm256_and_si256(raw, mask);                       // elements 0..15 of b0 | b1
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask); // elements 16..31
-                const __m512bh wlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), lut);
-                const __m512bh whi = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(hi), lut);
-                // lanes 0..7 hold b0's pair sums, lanes 8..15 b1's
-                const __m512 d = _mm512_insertf32x8(_mm512_set1_ps(fp16_to_f32(b0)), _mm256_set1_ps(fp16_to_f32(b1)), 1);
-                for (int i = 0; i < mc; ++i) {
-                    const uint16_t* xp = xpair + (m0 + i) * K + p * 2 * QK;
-                    __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), wlo, (__m512bh)_mm512_loadu_si512(xp));
-                    dot = _mm512_dpbf16_ps(dot, whi, (__m512bh)_mm512_loadu_si512(xp + 32));
-                    acc[i] = _mm512_fmadd_ps(d, dot, acc[i]);
-                }
-            }
-            if (nb % 2) {                                                             // odd last block
-                const uint8_t* blk = row + (nb - 1) * Q4_0_BYTES;
-                const __m512bh wv = q4_0_block_bf16(blk, lut);
-                const __m512 d = _mm512_set1_ps(fp16_to_f32(blk));
-                for (int i = 0; i < mc; ++i) {
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb16 + (m0 + i) * K + (nb - 1) * QK);
-                    acc[i] = _mm512_fmadd_ps(d, _mm512_dpbf16_ps(_mm512_setzero_ps(), wv, xv), acc[i]);
-                }
-            }
-            for (int i = 0; i < mc; ++i) y[(m0 + i) * N + n] = _mm512_reduce_add_ps(acc[i]);
-        }
+template <int64_t TYPE>
+void gemv_chunk(int mc, const int16_t* stream, const float* dx, const int32_t* corr, const Format& f, const uint8_t* w,
+                float* y, int64_t N, int64_t n0, int64_t n1) {
+    switch (mc) {
+        case 1: gemv_rows<1, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
+        case 2: gemv_rows<2, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
+        case 3: gemv_rows<3, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
+        default: gemv_rows<4, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
     }
 }
 
-int64_t block_bytes(int64_t ggml_type) {
-    TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE, "only Q8_0 (8) and Q4_0 (2) are packed");
-    return ggml_type == Q8_0_TYPE ? Q8_0_BYTES : Q4_0_BYTES;
+void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
+    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n_out
+                && w.size(1) == f.row_bytes, "w must be the x16 layout of an [n_out, k_in] weight");
 }
 
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t ggml_type) {
-    // x: [M, K] float32; w: [N, K/32 * block_bytes] uint8 -> y: [M, N] float32
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be contiguous float32 [M, K]");
-    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n_out, "w must be uint8 [N, row_bytes]");
-    const int64_t M = x.size(0), K = x.size(1), N = n_out;
-    TORCH_CHECK(K % QK == 0 && w.size(1) == K / QK * block_bytes(ggml_type), "row bytes do not match K");
+torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+    // x: [M, K] float32; w: x16 [N, groups * group_bytes] -> y: [M, N] float32
+    const Format f = format_of(ggml_type, k_in);
+    check_x16(w, n_out, f);
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
+                "x must be contiguous float32 [M, k_in]");
+    const int64_t M = x.size(0), K = k_in, N = n_out, G = groups_of(K);
     auto y = torch::empty({M, N}, x.options());
+    auto stream_t = torch::empty({M, G * GROUP_ELEMS}, x.options().dtype(torch::kInt16));
+    auto dx_t = torch::empty({M, G * GROUP}, x.options());
+    auto corr_t = torch::empty({M, G * GROUP}, x.options().dtype(torch::kInt32));
+    int16_t* stream = stream_t.data_ptr<int16_t>();
+    float* dx = dx_t.data_ptr<float>();
+    int32_t* corr = corr_t.data_ptr<int32_t>();
+    for (int64_t m = 0; m < M; ++m)
+        prepare_row(x.data_ptr<float>() + m * K, K, ggml_type, stream + m * G * GROUP_ELEMS, dx + m * G * GROUP, corr + m * G * GROUP);
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    const int64_t row_bytes = w.size(1);
-    if (ggml_type == Q8_0_TYPE) {
-        auto xq_t = torch::empty({M, K}, x.options().dtype(torch::kInt16));
-        auto sx_t = torch::empty({M, K / QK}, x.options());
-        int16_t* xq = xq_t.data_ptr<int16_t>();
-        float* sx = sx_t.data_ptr<float>();
-        for (int64_t m = 0; m < M; ++m) quantize_int16(x.data_ptr<float>() + m * K, K, xq + m * K, sx + m * (K / QK));
-        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q8_0_rows(xq, sx, M, K, wp, row_bytes, yp, N, n0, n1); });
-    } else {
-        const auto xb = x.to(torch::kBFloat16);
-        auto xpair_t = torch::empty_like(xb);
-        const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>());
-        uint16_t* xpair = reinterpret_cast<uint16_t*>(xpair_t.data_ptr<at::BFloat16>());
-        for (int64_t m = 0; m < M; ++m) pair_layout(xp + m * K, xpair + m * K, K);
-        at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q4_0_rows(xp, xpair, M, K, wp, row_bytes, yp, N, n0, n1); });
-    }
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+            const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
+            const int16_t* s = stream + m0 * G * GROUP_ELEMS;
+            const float* sx = dx + m0 * G * GROUP;
+            const int32_t* c = corr + m0 * G * GROUP;
+            if (ggml_type == Q8_0_TYPE) gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, f, wp, yp + m0 * N, N, n0, n1);
+            else gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, f, wp, yp + m0 * N, N, n0, n1);
+        }
+    });
     return y;
 }
 
-torch::Tensor dequant_bf16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
-    const int64_t bb = block_bytes(ggml_type), nb = k_in / QK;
-    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n_out, "w must be uint8 [N, row_bytes]");
-    TORCH_CHECK(k_in % QK == 0 && w.size(1) == nb * bb, "row bytes do not match K");
-    auto out = torch::empty({n_out, k_in}, w.options().dtype(torch::kBFloat16));
+// x16 [N, ...] -> [N, K] float32 or bf16 (w = d * q, or d * (q - 8); exact in float32)
+torch::Tensor dequant_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type, bool bf16) {
+    const Format f = format_of(ggml_type, k_in);
+    check_x16(w, n_out, f);
+    const int64_t nb = k_in / QK;
+    auto out = torch::empty({n_out, k_in}, w.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
+    const int64_t out_size = bf16 ? 2 : 4;
     at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t n = n0; n < n1; ++n)
             for (int64_t b = 0; b < nb; ++b) {
-                const uint8_t* blk = wp + n * nb * bb + b * bb;
+                const uint8_t* row = wp + n * f.row_bytes;
+                const uint8_t* grp = row + (b / GROUP) * GROUP * f.quant_bytes;
+                const int64_t lane = b % GROUP;
+                alignas(32) uint8_t q[32];                       // the block's quant bytes in GGML order
+                for (int64_t v = 0; v < f.quant_bytes / 4; ++v) std::memcpy(q + 4 * v, grp + v * 64 + 4 * lane, 4);
+                uint16_t dbits;
+                std::memcpy(&dbits, row + f.scales_at + 2 * b, 2);
+                const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
                 __m512 w0, w1;
-                if (ggml_type == Q8_0_TYPE) q8_0_block(blk, w0, w1); else q4_0_block(blk, w0, w1);
-                const __m512 d = _mm512_set1_ps(fp16_to_f32(blk));
-                uint16_t* dst = op + n * k_in + b * QK;
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(w0, d)));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(w1, d)));
+                if (ggml_type == Q8_0_TYPE) {
+                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
+                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16))));
+                } else {
+                    const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
+                    const __m512i mask = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+                    w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask), eight));
+                    w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight));
+                }
+                w0 = _mm512_mul_ps(w0, d);
+                w1 = _mm512_mul_ps(w1, d);
+                uint8_t* dst = op + (n * k_in + b * QK) * out_size;
+                if (bf16) {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(w0));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), (__m256i)_mm512_cvtneps_pbh(w1));
+                } else {
+                    _mm512_storeu_ps(reinterpret_cast<float*>(dst), w0);
+                    _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16, w1);
+                }
             }
-        }
     });
     return out;
 }
@@ -226,6 +261,7 @@ torch::Tensor dequant_bf16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t
 }  // namespace
 
 TORCH_LIBRARY(gem4_kernels, m) {
-    m.def("ggml_gemv(Tensor x, Tensor w, int n_out, int ggml_type) -> Tensor", &gemv);
-    m.def("dequant_bf16(Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &dequant_bf16);
+    m.def("repack_x16(Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &repack_x16);
+    m.def("gemv_x16(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_x16);
+    m.def("dequant_x16(Tensor w, int n_out, int k_in, int ggml_type, bool bf16) -> Tensor", &dequant_x16);
 }
