@@ -22,7 +22,7 @@ from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, Step
 from gem4.model import kernels
 from gem4.model.layers import (
-    QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_tanh,
+    QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_tanh, glu, project,
     rms_norm, rope_cos_sin, softcap,
 )
 
@@ -48,11 +48,14 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step, cache: KVCache) -> torch.Tensor:
         spec, T = self.spec, h.shape[0]
         cos, sin = rope
-        q = self.q_proj(h).view(T, spec.n_heads, spec.head_dim)                 # [T, nh, d]
-        q = self.q_norm.with_rope(q, cos, sin)
+        projections = [self.q_proj]
+        if spec.owns_kv:                       # k_eq_v layers: V is the raw K projection
+            projections += [self.k_proj] if spec.k_eq_v else [self.k_proj, self.v_proj]
+        qkv = project(h, projections)
+        q = self.q_norm.with_rope(qkv[0].view(T, spec.n_heads, spec.head_dim), cos, sin)    # [T, nh, d]
         if spec.owns_kv:
-            k_raw = self.k_proj(h).view(T, spec.n_kv_heads, spec.head_dim)     # [T, nkv, d]
-            v_raw = k_raw if spec.k_eq_v else self.v_proj(h).view(T, spec.n_kv_heads, spec.head_dim)
+            k_raw = qkv[1].view(T, spec.n_kv_heads, spec.head_dim)                 # [T, nkv, d]
+            v_raw = k_raw if spec.k_eq_v else qkv[2].view(T, spec.n_kv_heads, spec.head_dim)
             k = self.k_norm.with_rope(k_raw, cos, sin)
             v = (kernels.rms_norm if self.fused else rms_norm)(v_raw, None, self.eps)   # v_norm: no weight, no rope
             keys, values = cache.write(spec.index, k, v)                          # [S, nkv, d]
@@ -74,7 +77,7 @@ class MLP(nn.Module):
         self.down_proj = QuantLinear(inner, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(glu(x, self.gate_proj, self.up_proj))
 
 
 class Router(nn.Module):
@@ -111,6 +114,8 @@ class Experts(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    fused = False          # fast mode (Model.use_kernels): the per-layer input gate runs kernels.gelu_mul
+
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
@@ -146,13 +151,16 @@ class DecoderLayer(nn.Module):
             m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
         x = r + self.post_feedforward_layernorm(m)
         if ple is not None:                    # E2B/E4B: ple [T, P] is this layer's slice
-            gated = gelu_tanh(self.per_layer_input_gate(x)) * ple
+            gate = self.per_layer_input_gate(x)
+            gated = kernels.gelu_mul(gate, ple) if self.fused else gelu_tanh(gate) * ple
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return x * self.layer_scalar
 
 
 class Model(nn.Module):
     """Gemma 4 text model. `Model.logits(ids)` is the public full-sequence entry point."""
+
+    fused = False          # fast mode (use_kernels): the final softcap runs kernels.softcap
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -206,7 +214,8 @@ class Model(nn.Module):
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [T, H] -> softcapped logits [T, V] float32 (tied head: the unscaled embedding)."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        return softcap(head(h).float(), self.config.final_logit_softcap)
+        logits, cap = head(h).float(), self.config.final_logit_softcap
+        return kernels.softcap(logits, cap) if self.fused and cap is not None else softcap(logits, cap)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -214,10 +223,11 @@ class Model(nn.Module):
         return self.head(self.hidden_states(ids, cache, last_only))
 
     def use_kernels(self) -> None:
-        """Fast mode (bfloat16 on CPU with the compiled kernels): norms, q/k norm + RoPE and decode
-        attention run as single compiled calls. Same float32 math as the reference; set once at load."""
+        """Fast mode (bfloat16 on CPU with the compiled kernels), set once at load: every module that has
+        a compiled alternative (class attribute `fused`) switches to it -- norms, q/k norm + RoPE, decode
+        attention, gelu gates, the softcap. The same float32 math as the reference, up to rounding."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)):
+            if hasattr(type(module), "fused"):
                 module.fused = True
 
     @property

@@ -116,7 +116,14 @@ class QuantLinear(nn.Module):
             return kernels.dequant(self.packed[ids], self.in_features, self.ggml_type, torch.float32)
         return dequantize(self.raw[ids].contiguous(), self.ggml_type, (ids.numel(), self.in_features))
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """True when forward(x) is one call of the packed kernel: x float32 [M <= GEMV_ROWS, in], contiguous."""
+        return (self.layout == "packed" and x.dim() == 2 and x.shape[0] <= self.GEMV_ROWS
+                and x.dtype == torch.float32 and x.is_contiguous())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.takes_gemv(x):                                    # decode: the common case first
+            return kernels.gemv(x, self.packed, self.out_features, self.in_features, self.ggml_type)
         if self.layout == "dense":
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         if self.layout == "blocks":
@@ -128,6 +135,28 @@ class QuantLinear(nn.Module):
             w = kernels.dequant(self.packed, self.in_features, self.ggml_type, torch.bfloat16)   # [out, in]
             y = F.linear(x2.to(torch.bfloat16), w)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def _one_pass(x: torch.Tensor, linears) -> bool:
+    """Several packed layers of one type can take x in one kernel pass."""
+    return all(lin.takes_gemv(x) for lin in linears) and len({lin.ggml_type for lin in linears}) == 1
+
+
+def project(x: torch.Tensor, linears: list[QuantLinear]) -> list[torch.Tensor]:
+    """x through several linear layers that share it as input (Q, K, V): one kernel pass over all their
+    rows when they are packed in one type and x is a decode-sized batch, else one call each."""
+    if len(linears) > 1 and _one_pass(x, linears):
+        first = linears[0]
+        return kernels.gemv_multi(x, [lin.packed for lin in linears], [lin.out_features for lin in linears],
+                                  first.in_features, first.ggml_type)
+    return [lin(x) for lin in linears]
+
+
+def glu(x: torch.Tensor, gate: QuantLinear, up: QuantLinear) -> torch.Tensor:
+    """gelu_tanh(gate(x)) * up(x): one kernel pass when both are packed in one type and x is decode-sized."""
+    if _one_pass(x, (gate, up)):
+        return kernels.gemv_glu(x, gate.packed, up.packed, gate.out_features, gate.in_features, gate.ggml_type)
+    return gelu_tanh(gate(x)) * up(x)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

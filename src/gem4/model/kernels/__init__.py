@@ -4,8 +4,9 @@
   load, same size give or take the padding of a row's last 16 blocks); `gemv(x, packed, ...)`:
   y = x @ W.T read straight from it; `dequant(packed, ...)`: W (or some of its rows) in float32 / bf16,
   for prefill GEMMs and token tables (`ggml_gemv.cpp`, which describes the layout).
-- `rms_norm`, `rms_norm_rope`, `attend`: the decode step's small operations, one call each instead of
-  several torch ops (`decode_ops.cpp`).
+  `gemv_multi` (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x.
+- `rms_norm`, `rms_norm_rope`, `attend`, `gelu_mul`, `softcap`: the decode step's small operations,
+  one call each instead of several torch ops (`decode_ops.cpp`; shared SIMD helpers in `simd.h`).
 
 torch's cpp_extension compiles the C++ sources beside this file with the host's own instruction set
 (-march=native, AVX-512 required) into TORCH_EXTENSIONS_DIR. Where that is impossible `available()`
@@ -14,6 +15,7 @@ is False and callers keep the reference path (model/layers.py), which these kern
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -22,6 +24,8 @@ import torch
 from gem4.weights.quants import GGMLType
 
 SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "decode_ops.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
+CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c"}   # what the sources use
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # formats the compiled kernels read
 
 
@@ -38,12 +42,14 @@ def _cpu_flags() -> set[str]:
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """True once the kernels are compiled and loaded (compiles on the first call, ~30 s)."""
-    if os.environ.get("GEM4_NO_KERNELS") or not {"avx512f", "f16c"} <= _cpu_flags():
+    if os.environ.get("GEM4_NO_KERNELS") or not CPU_FLAGS <= _cpu_flags():
         return False
     from torch.utils.cpp_extension import load
 
+    # the build is named by its sources' digest: torch rebuilds on a changed source, but not on a changed header
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:12]
     # -fopenmp: at::parallel_for is an inline OpenMP loop; without the flag it silently runs serially
-    load(name="gem4_kernels", sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+    load(name=f"gem4_kernels_{digest}", sources=[str(p) for p in SOURCES], extra_cflags=["-O3", "-march=native", "-fopenmp"],
          extra_ldflags=["-fopenmp"],
          is_python_module=False, verbose=False)
     return True
@@ -73,6 +79,27 @@ def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.d
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequant gives float32 or bfloat16, not {dtype}")
     return _ops().dequant_x16(packed.contiguous(), packed.shape[0], k_in, int(ggml_type), dtype == torch.bfloat16)
+
+
+def gemv_multi(x: torch.Tensor, packed: list[torch.Tensor], n_outs: list[int], k_in: int,
+               ggml_type: GGMLType) -> list[torch.Tensor]:
+    """The same x through several packed weights of one type: [x @ W_i.T], one pass over all their rows."""
+    return _ops().gemv_x16_multi(x, packed, n_outs, k_in, int(ggml_type))
+
+
+def gemv_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
+    """gelu_tanh(x @ Gate.T) * (x @ Up.T) [M, n_out] float32, both weights packed, in one pass."""
+    return _ops().gemv_x16_glu(x, gate, up, n_out, k_in, int(ggml_type))
+
+
+def gelu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(a) * b for float32 tensors of one shape."""
+    return _ops().gelu_mul(a.contiguous(), b.contiguous())
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap), float32."""
+    return _ops().softcap(x.contiguous(), cap)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -5,6 +5,8 @@
 //   rms_norm(x, w?, eps)                  x * (mean(x^2) + eps)^-1/2 [* w] over the last dim
 //   rms_norm_rope(x, w, eps, cos, sin)    rms_norm, then NeoX RoPE (pair i, i + d/2) -- q/k norm + rope
 //   attend(q, k, v, mask)                 softmax(q k^T) v for a few query rows against a bf16 KV cache
+//   gelu_mul(a, b)                        gelu_tanh(a) * b
+//   softcap(x, cap)                       cap * tanh(x / cap)
 // The decode step calls these ~100 times; as torch ops they were ~1,000 small ops per step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -13,30 +15,11 @@
 #include <cmath>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-// 16 bf16 values -> float32 (a bf16 is the top half of a float32).
-inline __m512 load_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// e^x for float32 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-7 Taylor polynomial (relative
-// error < 3e-9 before rounding), then scaled by 2^n. Lanes below -104 give 0, as expf does.
-inline __m512 exp_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);       // ln2 split in two (Cody-Waite)
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, n);
-}
-
-// Lanes of the 16-float chunk at i that lie inside [0, n).
-inline __mmask16 live(int64_t i, int64_t n) {
-    return n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-}
+using namespace gem4_simd;
 
 // 1 / sqrt(mean(x^2) + eps) of one row of D floats.
 inline float inv_rms(const float* x, int64_t D, float eps) {
@@ -107,6 +90,39 @@ torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch:
                 _mm512_mask_storeu_ps(orow + i, k, _mm512_sub_ps(_mm512_mul_ps(a, ld(c + i)), _mm512_mul_ps(b, ld(s + i))));
                 _mm512_mask_storeu_ps(orow + half + i, k, _mm512_add_ps(_mm512_mul_ps(b, ld(c + half + i)), _mm512_mul_ps(a, ld(s + half + i))));
             }
+        }
+    });
+    return out;
+}
+
+torch::Tensor gelu_mul(torch::Tensor a, torch::Tensor b) {
+    TORCH_CHECK(a.dtype() == torch::kFloat32 && b.dtype() == torch::kFloat32 && a.is_contiguous() && b.is_contiguous()
+                && a.sizes() == b.sizes(), "a, b must be contiguous float32 of one shape");
+    auto out = torch::empty_like(a);
+    const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t n = a.numel();
+    at::parallel_for(0, (n + 15) / 16, 4096, [&](int64_t c0, int64_t c1) {
+        for (int64_t i = c0 * 16; i < std::min(n, c1 * 16); i += 16) {
+            const __mmask16 k = live(i, n);
+            _mm512_mask_storeu_ps(op + i, k, _mm512_mul_ps(gelu_tanh_ps(_mm512_maskz_loadu_ps(k, ap + i)), _mm512_maskz_loadu_ps(k, bp + i)));
+        }
+    });
+    return out;
+}
+
+torch::Tensor softcap(torch::Tensor x, double cap) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous(), "x must be contiguous float32");
+    TORCH_CHECK(cap > 0, "cap must be positive");
+    auto out = torch::empty_like(x);
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    const int64_t n = x.numel();
+    const __m512 c = _mm512_set1_ps(static_cast<float>(cap));
+    at::parallel_for(0, (n + 15) / 16, 4096, [&](int64_t c0, int64_t c1) {
+        for (int64_t i = c0 * 16; i < std::min(n, c1 * 16); i += 16) {
+            const __mmask16 k = live(i, n);
+            _mm512_mask_storeu_ps(op + i, k, _mm512_mul_ps(c, tanh_ps(_mm512_div_ps(_mm512_maskz_loadu_ps(k, xp + i), c))));
         }
     });
     return out;
@@ -234,4 +250,6 @@ TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
     m.def("rms_norm(Tensor x, Tensor? w, float eps) -> Tensor", &rms_norm);
     m.def("rms_norm_rope(Tensor x, Tensor w, float eps, Tensor cos, Tensor sin) -> Tensor", &rms_norm_rope);
     m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor", &attend);
+    m.def("gelu_mul(Tensor a, Tensor b) -> Tensor", &gelu_mul);
+    m.def("softcap(Tensor x, float cap) -> Tensor", &softcap);
 }

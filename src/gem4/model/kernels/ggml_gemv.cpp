@@ -24,6 +24,9 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "simd.h"
 
 namespace {
 
@@ -31,7 +34,7 @@ constexpr int QK = 32;                 // weights per GGML block
 constexpr int GROUP = 16;              // blocks per x16 group
 constexpr int64_t GROUP_ELEMS = GROUP * QK;
 constexpr int MAX_M = 4;               // rows of x handled per pass over a row of W
-constexpr int64_t PREFETCH = 2048;     // software prefetch distance in the weight stream (~5% faster decode)
+constexpr int64_t PREFETCH = 2048;     // software prefetch distance in the weight stream (faster in most runs)
 constexpr int64_t Q8_0_TYPE = 8, Q4_0_TYPE = 2;   // GGML type ids
 
 int64_t groups_of(int64_t k_in) { return (k_in / QK + GROUP - 1) / GROUP; }
@@ -123,11 +126,12 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, 
     }
 }
 
-// y[i, n] for rows n in [n0, n1) and MC rows of x.
+// y[i, n] for rows n in [n0, n1) of W and MC rows of x.
 template <int MC, int64_t TYPE>
 void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, const Format& f, const uint8_t* w,
                float* y, int64_t N, int64_t n0, int64_t n1) {
     constexpr int64_t QB = TYPE == Q8_0_TYPE ? 32 : 16, GB = GROUP * QB;
+    constexpr int steps = TYPE == Q8_0_TYPE ? 2 : 4;          // int16 weight vectors per 64 quant bytes
     const int64_t G = f.groups, stride = G * GROUP_ELEMS;   // stride: the stream of one row of x
     const __m512i low4 = _mm512_set1_epi16(0x000F);
     for (int64_t n = n0; n < n1; ++n) {
@@ -153,7 +157,6 @@ void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, cons
                     e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);         // hi nibbles of bytes 0, 2
                     e[3] = _mm512_srli_epi16(raw, 12);                                // hi nibbles of bytes 1, 3
                 }
-                constexpr int steps = TYPE == Q8_0_TYPE ? 2 : 4;
                 for (int s = 0; s < steps; ++s)
                     for (int i = 0; i < MC; ++i)
                         dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_loadu_si512(xs + i * stride + (v * steps + s) * 32));
@@ -182,33 +185,95 @@ void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
                 && w.size(1) == f.row_bytes, "w must be the x16 layout of an [n_out, k_in] weight");
 }
 
-torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
-    // x: [M, K] float32; w: x16 [N, groups * group_bytes] -> y: [M, N] float32
-    const Format f = format_of(ggml_type, k_in);
-    check_x16(w, n_out, f);
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
-                "x must be contiguous float32 [M, k_in]");
-    const int64_t M = x.size(0), K = k_in, N = n_out, G = groups_of(K);
-    auto y = torch::empty({M, N}, x.options());
-    auto stream_t = torch::empty({M, G * GROUP_ELEMS}, x.options().dtype(torch::kInt16));
-    auto dx_t = torch::empty({M, G * GROUP}, x.options());
-    auto corr_t = torch::empty({M, G * GROUP}, x.options().dtype(torch::kInt32));
-    int16_t* stream = stream_t.data_ptr<int16_t>();
-    float* dx = dx_t.data_ptr<float>();
-    int32_t* corr = corr_t.data_ptr<int32_t>();
-    for (int64_t m = 0; m < M; ++m)
-        prepare_row(x.data_ptr<float>() + m * K, K, ggml_type, stream + m * G * GROUP_ELEMS, dx + m * G * GROUP, corr + m * G * GROUP);
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+// x [M, k_in] prepared once (activation stream, scales, Q4_0 corrections) for any number of weights of
+// one type that share it as input.
+struct Prepared {
+    Format f;
+    int64_t type, M, per_row;             // per_row: stream elements of one row of x
+    std::vector<int16_t> stream;
+    std::vector<float> dx;
+    std::vector<int32_t> corr;
+
+    Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type) : f(format_of(ggml_type, k_in)), type(ggml_type) {
+        TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
+                    "x must be contiguous float32 [M, k_in]");
+        M = x.size(0);
+        per_row = f.groups * GROUP_ELEMS;
+        stream.resize(M * per_row);
+        dx.resize(M * f.groups * GROUP);
+        corr.resize(M * f.groups * GROUP);
+        for (int64_t m = 0; m < M; ++m)
+            prepare_row(x.data_ptr<float>() + m * k_in, k_in, type, stream.data() + m * per_row,
+                        dx.data() + m * f.groups * GROUP, corr.data() + m * f.groups * GROUP);
+    }
+
+    // y[m * ldy + n] for rows n in [n0, n1) of the x16 weight w, every row m of x
+    void rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
-            const int16_t* s = stream + m0 * G * GROUP_ELEMS;
-            const float* sx = dx + m0 * G * GROUP;
-            const int32_t* c = corr + m0 * G * GROUP;
-            if (ggml_type == Q8_0_TYPE) gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, f, wp, yp + m0 * N, N, n0, n1);
-            else gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, f, wp, yp + m0 * N, N, n0, n1);
+            const int16_t* s = stream.data() + m0 * per_row;
+            const float* sx = dx.data() + m0 * f.groups * GROUP;
+            const int32_t* c = corr.data() + m0 * f.groups * GROUP;
+            if (type == Q8_0_TYPE) gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, f, w, y + m0 * ldy, ldy, n0, n1);
+            else gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, f, w, y + m0 * ldy, ldy, n0, n1);
         }
+    }
+};
+
+constexpr int64_t GRAIN = 16;   // rows of W per task
+
+torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+    // x: [M, k_in] float32; w: x16 [n_out, row_bytes] -> y: [M, n_out] float32
+    const Prepared p(x, k_in, ggml_type);
+    check_x16(w, n_out, p.f);
+    auto y = torch::empty({p.M, n_out}, x.options());
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, n_out, GRAIN, [&](int64_t n0, int64_t n1) { p.rows(wp, yp, n_out, n0, n1); });
+    return y;
+}
+
+// The same x through several weights of one type (Q, K, V): one pass over their rows, one preparation.
+std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> n_outs,
+                                          int64_t k_in, int64_t ggml_type) {
+    TORCH_CHECK(!ws.empty() && ws.size() == n_outs.size(), "one n_out per weight");
+    const Prepared p(x, k_in, ggml_type);
+    std::vector<torch::Tensor> ys;
+    std::vector<int64_t> start{0};                       // first row of each weight in the joint row range
+    for (size_t i = 0; i < ws.size(); ++i) {
+        check_x16(ws[i], n_outs[i], p.f);
+        ys.push_back(torch::empty({p.M, n_outs[i]}, x.options()));
+        start.push_back(start.back() + n_outs[i]);
+    }
+    at::parallel_for(0, start.back(), GRAIN, [&](int64_t a, int64_t b) {
+        for (size_t i = 0; i < ws.size(); ++i) {
+            const int64_t lo = std::max(a, start[i]), hi = std::min(b, start[i + 1]);
+            if (lo < hi) p.rows(ws[i].data_ptr<uint8_t>(), ys[i].data_ptr<float>(), n_outs[i], lo - start[i], hi - start[i]);
+        }
+    });
+    return ys;
+}
+
+// gelu_tanh(x @ gate.T) * (x @ up.T): the gated MLP's first half in one pass (row n of both weights
+// in the same task, the activation applied as each task finishes).
+torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+    const Prepared p(x, k_in, ggml_type);
+    check_x16(gate, n_out, p.f);
+    check_x16(up, n_out, p.f);
+    auto y = torch::empty({p.M, n_out}, x.options());
+    std::vector<float> g(p.M * n_out);
+    const uint8_t *gp = gate.data_ptr<uint8_t>(), *up_ = up.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, n_out, GRAIN, [&](int64_t n0, int64_t n1) {
+        p.rows(gp, g.data(), n_out, n0, n1);
+        p.rows(up_, yp, n_out, n0, n1);
+        for (int64_t m = 0; m < p.M; ++m)
+            for (int64_t n = n0; n < n1; n += 16) {
+                const __mmask16 k = gem4_simd::live(n - n0, n1 - n0);
+                float* yr = yp + m * n_out + n;
+                const __m512 gv = _mm512_maskz_loadu_ps(k, g.data() + m * n_out + n);
+                _mm512_mask_storeu_ps(yr, k, _mm512_mul_ps(gem4_simd::gelu_tanh_ps(gv), _mm512_maskz_loadu_ps(k, yr)));
+            }
     });
     return y;
 }
@@ -263,5 +328,7 @@ torch::Tensor dequant_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t 
 TORCH_LIBRARY(gem4_kernels, m) {
     m.def("repack_x16(Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &repack_x16);
     m.def("gemv_x16(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_x16);
+    m.def("gemv_x16_multi(Tensor x, Tensor[] ws, int[] n_outs, int k_in, int ggml_type) -> Tensor[]", &gemv_x16_multi);
+    m.def("gemv_x16_glu(Tensor x, Tensor gate, Tensor up, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_x16_glu);
     m.def("dequant_x16(Tensor w, int n_out, int k_in, int ggml_type, bool bf16) -> Tensor", &dequant_x16);
 }
