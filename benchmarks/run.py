@@ -54,9 +54,8 @@ def peak_rss() -> float:
 
 
 def child_gem4(a) -> dict:
+    import gem4                    # first: it sets torch's runtime environment before torch loads
     import torch
-
-    import gem4
     torch.set_num_threads(a.threads)
     t = time.perf_counter()
     model = gem4.load(a.model, dtype="bfloat16")
@@ -166,10 +165,9 @@ def child_profile(a) -> dict:
     import io
     import pstats
 
+    import gem4                    # first: it sets torch's runtime environment before torch loads
     import torch
     from torch.profiler import ProfilerActivity, profile
-
-    import gem4
     torch.set_num_threads(a.threads)
     model = gem4.load(a.model, dtype="bfloat16")
     cache = model.new_cache(max_chunk=a.chunk)

@@ -10,17 +10,23 @@ from __future__ import annotations
 import os
 import sys
 
-# OpenMP worker threads sleep after GOMP_SPINCOUNT idle spins; on small VMs waking them costs
-# milliseconds, which made each decode matmul 20x slower than spinning a little longer (measured:
-# Q8_0 GEMV 1.3 -> 40 GB/s on 2 threads). Read when torch loads libgomp, so it must be set before
-# `import torch`; an explicit value in the environment wins.
-if "GOMP_SPINCOUNT" not in os.environ:
-    if "torch" in sys.modules:
-        import warnings
+# Runtime settings read when torch loads (so set before `import torch`; an explicit value in the
+# environment wins):
+# - GOMP_SPINCOUNT: OpenMP worker threads sleep after this many idle spins; on small VMs waking them
+#   costs milliseconds, which made each decode matmul 20x slower than spinning a little longer
+#   (measured: Q8_0 GEMV 1.3 -> 40 GB/s on 2 threads).
+# - THP_MEM_ALLOC_ENABLE: torch's CPU allocator asks for transparent huge pages for large tensors. The
+#   packed weights are streamed once per token; on 4 KiB pages that is ~300k TLB misses and a prefetcher
+#   restart every page (E2B Q4_0 decode step 47-50 -> 41-45 ms), and prefill's bf16 weight copies
+#   fault in 512x fewer pages.
+_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "100000", "THP_MEM_ALLOC_ENABLE": "1"}
+if any(key not in os.environ for key in _ENV_DEFAULTS) and "torch" in sys.modules:
+    import warnings
 
-        warnings.warn("gem4 was imported after torch: set GOMP_SPINCOUNT=100000 in the environment (or import "
-                      "gem4 first) for full decode speed", RuntimeWarning, stacklevel=2)
-    os.environ["GOMP_SPINCOUNT"] = "100000"
+    warnings.warn("gem4 was imported after torch: set " + " ".join(f"{k}={v}" for k, v in _ENV_DEFAULTS.items())
+                  + " in the environment (or import gem4 first) for full speed", RuntimeWarning, stacklevel=2)
+for _key, _value in _ENV_DEFAULTS.items():
+    os.environ.setdefault(_key, _value)
 
 __version__ = "0.1.0"
 
