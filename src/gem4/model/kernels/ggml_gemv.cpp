@@ -4,9 +4,9 @@
 //                           Q4_0: fp16 d | u8 qs[16] (lo nibble: j, hi: j + 16)   w = d * (q - 8)
 //
 // The "x16" layout (repack_x16, once at load): each row's blocks in groups of 16, the last group padded
-// with zero blocks. A row is [the groups' quant bytes | the groups' fp16 scales, 16 per group], padded
-// to a multiple of 64 bytes so that every 64-byte load is cache-line aligned (unaligned loads cost a
-// fifth of the Q4_0 speed). A group's quant bytes are Q/4 vectors of 64 bytes (Q = 32 for Q8_0, 16 for
+// with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
+// quant bytes], so that every 64-byte load is cache-line aligned (unaligned loads cost a fifth of the
+// Q4_0 speed) and a row is read front to back. A group's quant bytes are Q/4 vectors of 64 bytes (Q = 32 for Q8_0, 16 for
 // Q4_0): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b at bytes 4b..4b+3. So a 32-bit
 // lane of any vector belongs to one block, and so does that lane of the integer accumulator: a group
 // needs one float conversion and one scale multiply, not 16.
@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -43,7 +44,7 @@ struct Format {
     int64_t block_bytes;   // GGML block
     int64_t quant_bytes;   // quant bytes per block
     int64_t groups;        // x16 groups per row
-    int64_t scales_at;     // offset of the scales in an x16 row
+    int64_t quants_at;     // offset of the first group's quants in an x16 row (the scales come first)
     int64_t row_bytes;     // x16 row
 };
 
@@ -51,8 +52,8 @@ Format format_of(int64_t ggml_type, int64_t k_in) {
     TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE, "only Q8_0 (8) and Q4_0 (2) have kernels");
     TORCH_CHECK(k_in > 0 && k_in % QK == 0, "k_in must be a positive multiple of 32");
     const int64_t q = ggml_type == Q8_0_TYPE ? 32 : 16, G = groups_of(k_in);
-    const int64_t scales_at = G * GROUP * q;
-    return {2 + q, q, G, scales_at, (scales_at + G * GROUP * 2 + 63) / 64 * 64};
+    const int64_t quants_at = (G * GROUP * 2 + 63) / 64 * 64;
+    return {2 + q, q, G, quants_at, quants_at + G * GROUP * q};
 }
 
 // GGML [N, K/32 blocks] -> x16 [N, groups * group_bytes]
@@ -69,9 +70,9 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
             for (int64_t b = 0; b < nb; ++b) {
                 const uint8_t* blk = src + (n * nb + b) * f.block_bytes;
                 uint8_t* row = dst + n * f.row_bytes;
-                uint8_t* grp = row + (b / GROUP) * GROUP * f.quant_bytes;
+                uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
                 const int64_t lane = b % GROUP;
-                std::memcpy(row + f.scales_at + 2 * b, blk, 2);                                     // d
+                std::memcpy(row + 2 * b, blk, 2);                                                   // d
                 for (int64_t v = 0; v < f.quant_bytes / 4; ++v)
                     std::memcpy(grp + v * 64 + 4 * lane, blk + 2 + 4 * v, 4);
             }
@@ -139,7 +140,7 @@ void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, cons
         __m512 acc[MC];
         for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; ++g) {
-            const uint8_t* grp = row + g * GB;
+            const uint8_t* grp = row + f.quants_at + g * GB;
             const int16_t* xs = stream + g * GROUP_ELEMS;
             __m512i dot[MC];
             for (int i = 0; i < MC; ++i) dot[i] = TYPE == Q4_0_TYPE ? _mm512_loadu_si512(corr + i * G * GROUP + g * GROUP)
@@ -161,7 +162,7 @@ void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, cons
                     for (int i = 0; i < MC; ++i)
                         dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_loadu_si512(xs + i * stride + (v * steps + s) * 32));
             }
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + f.scales_at + g * GROUP * 2)));
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * GROUP * 2)));
             for (int i = 0; i < MC; ++i)
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_loadu_ps(dx + i * G * GROUP + g * GROUP)), acc[i]);
         }
@@ -187,33 +188,43 @@ void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
 
 // x [M, k_in] prepared once (activation stream, scales, Q4_0 corrections) for any number of weights of
 // one type that share it as input.
+// A 64-byte aligned array: the kernels load 64 bytes at a time, and a load that straddles two cache
+// lines costs two (with malloc's 16-byte alignment Q4_0 ran at 27 or 44 GB/s depending on the address).
+template <typename T>
+struct Aligned {
+    T* data = nullptr;
+    explicit Aligned(int64_t n) : data(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {
+        TORCH_CHECK(data != nullptr, "out of memory");
+    }
+    ~Aligned() { std::free(data); }
+    Aligned(const Aligned&) = delete;
+    Aligned& operator=(const Aligned&) = delete;
+};
+
 struct Prepared {
     Format f;
     int64_t type, M, per_row;             // per_row: stream elements of one row of x
-    std::vector<int16_t> stream;
-    std::vector<float> dx;
-    std::vector<int32_t> corr;
+    Aligned<int16_t> stream;
+    Aligned<float> dx;
+    Aligned<int32_t> corr;
 
-    Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type) : f(format_of(ggml_type, k_in)), type(ggml_type) {
+    Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
+        : f(format_of(ggml_type, k_in)), type(ggml_type), M(x.dim() == 2 ? x.size(0) : 0), per_row(f.groups * GROUP_ELEMS),
+          stream(M * per_row), dx(M * f.groups * GROUP), corr(M * f.groups * GROUP) {
         TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
                     "x must be contiguous float32 [M, k_in]");
-        M = x.size(0);
-        per_row = f.groups * GROUP_ELEMS;
-        stream.resize(M * per_row);
-        dx.resize(M * f.groups * GROUP);
-        corr.resize(M * f.groups * GROUP);
         for (int64_t m = 0; m < M; ++m)
-            prepare_row(x.data_ptr<float>() + m * k_in, k_in, type, stream.data() + m * per_row,
-                        dx.data() + m * f.groups * GROUP, corr.data() + m * f.groups * GROUP);
+            prepare_row(x.data_ptr<float>() + m * k_in, k_in, type, stream.data + m * per_row,
+                        dx.data + m * f.groups * GROUP, corr.data + m * f.groups * GROUP);
     }
 
     // y[m * ldy + n] for rows n in [n0, n1) of the x16 weight w, every row m of x
     void rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
-            const int16_t* s = stream.data() + m0 * per_row;
-            const float* sx = dx.data() + m0 * f.groups * GROUP;
-            const int32_t* c = corr.data() + m0 * f.groups * GROUP;
+            const int16_t* s = stream.data + m0 * per_row;
+            const float* sx = dx.data + m0 * f.groups * GROUP;
+            const int32_t* c = corr.data + m0 * f.groups * GROUP;
             if (type == Q8_0_TYPE) gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, f, w, y + m0 * ldy, ldy, n0, n1);
             else gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, f, w, y + m0 * ldy, ldy, n0, n1);
         }
@@ -291,12 +302,12 @@ torch::Tensor dequant_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t 
         for (int64_t n = n0; n < n1; ++n)
             for (int64_t b = 0; b < nb; ++b) {
                 const uint8_t* row = wp + n * f.row_bytes;
-                const uint8_t* grp = row + (b / GROUP) * GROUP * f.quant_bytes;
+                const uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
                 const int64_t lane = b % GROUP;
                 alignas(32) uint8_t q[32];                       // the block's quant bytes in GGML order
                 for (int64_t v = 0; v < f.quant_bytes / 4; ++v) std::memcpy(q + 4 * v, grp + v * 64 + 4 * lane, 4);
                 uint16_t dbits;
-                std::memcpy(&dbits, row + f.scales_at + 2 * b, 2);
+                std::memcpy(&dbits, row + 2 * b, 2);
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
                 __m512 w0, w1;
                 if (ggml_type == Q8_0_TYPE) {
