@@ -71,10 +71,24 @@ def test_shared_layer_reads_the_donor_of_its_type():
     st = cache.begin(2)
     k0, _ = cache.write(0, kv([0, 1]), kv([0, 1]))
     k1, _ = cache.write(1, kv([0, 1]), kv([0, 1]) * 10)
-    assert cache.read(0)[0] is k0
+    read0 = cache.read(0)[0]
+    assert read0.data_ptr() == k0.data_ptr() and read0.shape == k0.shape == (2, 1, 2)   # the donor's rows, no copy
     assert torch.equal(cache.read(1)[1][:, 0, 0], torch.tensor([0.0, 10.0]))
     cache.commit(st)
     assert set(cache._k) == {0, 1}                                 # shared layers own no storage
+
+
+def test_sliding_keys_stop_at_the_rows_written_until_the_ring_wraps():
+    cache = KVCache(config(types=(S,)), max_chunk=4, dtype=torch.float32)     # ring = window + 4 rows
+    seen = []
+    for n in (3, 4, 4, 4):
+        st = cache.begin(n)
+        keys, _ = cache.write(0, kv(list(range(cache.length, cache.length + n))), kv([0] * n))
+        assert st.masks[S].shape == (n, keys.shape[0])
+        seen.append(keys.shape[0])
+        cache.commit(st)
+    ring = cache.ring
+    assert seen == [min(ring, end) for end in (3, 7, 11, 15)]
 
 
 def test_kv_bytes_per_token_counts_only_owners():
