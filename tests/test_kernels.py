@@ -107,9 +107,10 @@ def greedy(model, ids, n):
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_fast_mode_tracks_the_float32_path(variants, qtype):
     # The same GGUF: float32 reference (dequantized, float32 activations) vs the fast mode (packed
-    # kernels; bf16 KV cache and bf16 prefill GEMM). NMSE is asserted per variant. Greedy agreement over
-    # 32 tokens is reported: these random models have flat logits (top-2 margins ~0.01), so the bf16 KV
-    # cache and prefill flip some near-ties (with both in float32 all 4 variants agree); issue 6 tracks it.
+    # kernels; bf16 KV cache and bf16 prefill GEMM). NMSE is asserted per variant, for prefill and decode.
+    # Greedy output over 32 tokens must equal the float32 path's on at least 3 of the 4 variants (issue 6);
+    # all are reported. These random models have flat logits (top-2 margins ~0.01), so the bf16 KV cache
+    # and prefill GEMM flip a near-tie in one variant per type (with both in float32 all 4 agree).
     same_greedy = {}
     for name in VARIANTS:
         path = variants[name].gguf[qtype]
@@ -132,6 +133,7 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
         else:
             assert max(drift, decode_drift) <= 1e-3
     print(f"{qtype}: greedy 32 tokens equal on {sum(same_greedy.values())}/4 variants")
+    assert sum(same_greedy.values()) >= 3, same_greedy
 
 
 def test_q8_0_activation_blocks_of_zeros_and_extremes():
