@@ -6,8 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("GOMP_SPINCOUNT", "100000")   # as gem4/__init__ sets them, before torch loads
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+os.environ.setdefault("GOMP_SPINCOUNT", "100000")   # as gem4/__init__ sets it, before torch loads
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

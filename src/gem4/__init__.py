@@ -15,11 +15,9 @@ import sys
 # - GOMP_SPINCOUNT: OpenMP worker threads sleep after this many idle spins; on small VMs waking them
 #   costs milliseconds, which made each decode matmul 20x slower than spinning a little longer
 #   (measured: Q8_0 GEMV 1.3 -> 40 GB/s on 2 threads).
-# - THP_MEM_ALLOC_ENABLE: torch's CPU allocator asks for transparent huge pages for large tensors. The
-#   packed weights are streamed once per token; on 4 KiB pages that is ~300k TLB misses and a prefetcher
-#   restart every page (E2B Q4_0 decode step 47-50 -> 41-45 ms), and prefill's bf16 weight copies
-#   fault in 512x fewer pages.
-_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "100000", "THP_MEM_ALLOC_ENABLE": "1"}
+# (The packed weights ask for transparent huge pages themselves, in kernels/ggml_gemv.cpp; torch's
+# THP_MEM_ALLOC_ENABLE, which does it for every large tensor, made prefill's temporaries fault slowly.)
+_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "100000"}
 if any(key not in os.environ for key in _ENV_DEFAULTS) and "torch" in sys.modules:
     import warnings
 

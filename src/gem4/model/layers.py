@@ -72,8 +72,8 @@ class QuantLinear(nn.Module):
       activation dtype.
     - "packed" (fast path, `pack()`): `packed` holds Q8_0 / Q4_0 weights in the compiled kernels' layout,
       rearranged once at load. Up to GEMV_ROWS input rows (decode, small batches) run the kernel that
-      reads it directly; longer inputs (prefill chunks) turn it into bf16 once per call and run one
-      bf16 GEMM. Both equal dequantize + float matmul up to float rounding (tested).
+      reads it directly; longer inputs (prefill chunks) turn it into bf16 a cache-sized tile of rows at
+      a time and run one bf16 GEMM per tile. Both equal dequantize + float matmul up to float rounding (tested).
     - "blocks" (`keep_blocks()`): `raw` holds GGML blocks of any type exactly as the file has them, for a
       table that is only ever read by rows (the per-layer token embedding); it stays in the mmap.
     """
@@ -132,8 +132,7 @@ class QuantLinear(nn.Module):
         if x2.shape[0] <= self.GEMV_ROWS:
             y = kernels.gemv(x2.float().contiguous(), self.packed, self.out_features, self.in_features, self.ggml_type)
         else:
-            w = kernels.dequant(self.packed, self.in_features, self.ggml_type, torch.bfloat16)   # [out, in]
-            y = F.linear(x2.to(torch.bfloat16), w)
+            y = kernels.linear(x2.to(torch.bfloat16), self.packed, self.out_features, self.in_features, self.ggml_type)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
@@ -153,9 +152,12 @@ def project(x: torch.Tensor, linears: list[QuantLinear]) -> list[torch.Tensor]:
 
 
 def glu(x: torch.Tensor, gate: QuantLinear, up: QuantLinear) -> torch.Tensor:
-    """gelu_tanh(gate(x)) * up(x): one kernel pass when both are packed in one type and x is decode-sized."""
+    """gelu_tanh(gate(x)) * up(x): one kernel pass when both are packed in one type and x is decode-sized;
+    for longer packed inputs (prefill) the activation and product are one vector pass over the two GEMMs."""
     if _one_pass(x, (gate, up)):
         return kernels.gemv_glu(x, gate.packed, up.packed, gate.out_features, gate.in_features, gate.ggml_type)
+    if gate.layout == "packed":
+        return kernels.gelu_mul(gate(x), up(x))
     return gelu_tanh(gate(x)) * up(x)
 
 

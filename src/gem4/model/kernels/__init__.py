@@ -74,6 +74,11 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type
     return _ops().gemv_x16(x, packed, n_out, k_in, int(ggml_type))
 
 
+def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
+    """x [T, k_in] bf16 @ W.T -> [T, n_out] bf16 (prefill): W turned into bf16 a cache-sized tile at a time."""
+    return _ops().linear_x16(x.contiguous(), packed, n_out, k_in, int(ggml_type))
+
+
 def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.dtype) -> torch.Tensor:
     """Rows of a packed x16 weight [R, packed_row_bytes] -> [R, k_in] in float32 (exact) or bfloat16."""
     if dtype not in (torch.float32, torch.bfloat16):
