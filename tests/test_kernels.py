@@ -49,6 +49,17 @@ def test_long_inputs_take_one_bf16_gemm(ggml_type):
     torch.testing.assert_close(layer(x), x @ dense.T, rtol=0.05, atol=0.05 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("ggml_type", PACKED, ids=lambda t: t.name)
+def test_prefill_gemm_over_several_weight_tiles(ggml_type):
+    # prefill turns ~4 MB of weight rows into bf16 at a time: with 65536 inputs that is 32 rows a tile,
+    # so these 80 rows take three tiles, the last one partial
+    g = torch.Generator().manual_seed(12)
+    layer, dense = packed_linear(torch.randn(80, 65536, generator=g), ggml_type)
+    x = torch.randn(9, 65536, generator=g)
+    ref = torch.nn.functional.linear(x.bfloat16(), dense.bfloat16()).float()
+    torch.testing.assert_close(layer(x), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
 def test_rows_of_a_packed_table_are_exact():
     g = torch.Generator().manual_seed(4)
     layer, dense = packed_linear(torch.randn(50, 64, generator=g), GGMLType.Q4_0)
