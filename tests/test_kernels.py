@@ -171,6 +171,8 @@ def test_rms_norm_kernel_equals_reference(D):
         out = kernels.rms_norm(x, weight, 1e-6)
         assert out.shape == x.shape and out.dtype == torch.float32
         torch.testing.assert_close(out, rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+    residual = torch.randn(5, 3, D, generator=g)                  # a block's output norm plus the residual add
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6, residual), residual + rms_norm(x, w, 1e-6), rtol=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("d", [64, 16])

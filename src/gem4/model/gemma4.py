@@ -141,7 +141,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: Step, cache: KVCache) -> torch.Tensor:
         # attention block
         attn = self.self_attn(self.input_layernorm(x), rope, step, cache)
-        x = x + self.post_attention_layernorm(attn)
+        x = self.post_attention_layernorm.add_to(x, attn)
         # feed-forward block
         r = x
         m = self.mlp(self.pre_feedforward_layernorm(r))
@@ -149,11 +149,11 @@ class DecoderLayer(nn.Module):
             idx, weights = self.router(r)
             routed = self.experts(self.pre_feedforward_layernorm_2(r), idx, weights)
             m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
-        x = r + self.post_feedforward_layernorm(m)
+        x = self.post_feedforward_layernorm.add_to(r, m)
         if ple is not None:                    # E2B/E4B: ple [T, P] is this layer's slice
             gate = self.per_layer_input_gate(x)
             gated = kernels.gelu_mul(gate, ple) if self.fused else gelu_tanh(gate) * ple
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            x = self.post_per_layer_input_norm.add_to(x, self.per_layer_projection(gated))
         return x * self.layer_scalar
 
 

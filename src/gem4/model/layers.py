@@ -34,6 +34,12 @@ class RMSNorm(nn.Module):
             return kernels.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + norm(x): a block's output norm and residual add."""
+        if self.fused:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return residual + rms_norm(x, self.weight, self.eps)
+
     def with_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q/k norm then RoPE: x [T, heads, d], cos/sin [T, 1, d]."""
         if self.fused:

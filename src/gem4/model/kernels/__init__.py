@@ -107,9 +107,10 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return _ops().softcap(x.contiguous(), cap)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [..., D] float32 -> x * (mean(x^2) + eps)^-1/2 [* weight] (layers.rms_norm, one call)."""
-    return _ops().rms_norm(x.contiguous(), weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., D] float32 -> x * (mean(x^2) + eps)^-1/2 [* weight] [+ residual] (layers.rms_norm, one call)."""
+    return _ops().rms_norm(x.contiguous(), weight, eps, None if residual is None else residual.contiguous())
 
 
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

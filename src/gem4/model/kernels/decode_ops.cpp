@@ -2,7 +2,7 @@
 //
 // All math is float32 and follows the reference functions in model/layers.py operation for operation;
 // only the order of float additions differs (vector partial sums):
-//   rms_norm(x, w?, eps)                  x * (mean(x^2) + eps)^-1/2 [* w] over the last dim
+//   rms_norm(x, w?, eps, residual?)       x * (mean(x^2) + eps)^-1/2 [* w] over the last dim [+ residual]
 //   rms_norm_rope(x, w, eps, cos, sin)    rms_norm, then NeoX RoPE (pair i, i + d/2) -- q/k norm + rope
 //   attend(q, k, v, mask)                 softmax(q k^T) v for a few query rows against a bf16 KV cache
 //   gelu_mul(a, b)                        gelu_tanh(a) * b
@@ -36,13 +36,19 @@ void check_rows(const torch::Tensor& x, const char* what) {
                 what, " must be contiguous float32 with a non-empty last dim");
 }
 
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps) {
+// rms_norm(x) [* w] [+ residual]: the residual add after a block's output norm, in the same pass.
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps, std::optional<torch::Tensor> residual) {
     check_rows(x, "x");
     const int64_t D = x.size(-1), rows = x.numel() / D;
-    const float* wp = nullptr;
+    const float *wp = nullptr, *rp = nullptr;
     if (w) {
         TORCH_CHECK(w->dtype() == torch::kFloat32 && w->is_contiguous() && w->numel() == D, "w must be float32 [D]");
         wp = w->data_ptr<float>();
+    }
+    if (residual) {
+        TORCH_CHECK(residual->dtype() == torch::kFloat32 && residual->is_contiguous() && residual->sizes() == x.sizes(),
+                    "residual must be contiguous float32 of x's shape");
+        rp = residual->data_ptr<float>();
     }
     auto out = torch::empty_like(x);
     const float* xp = x.data_ptr<float>();
@@ -56,6 +62,7 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double e
                 const __mmask16 k = live(i, D);
                 __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, xr + i), s);
                 if (wp) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, wp + i));
+                if (rp) v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, rp + r * D + i), v);
                 _mm512_mask_storeu_ps(orow + i, k, v);
             }
         }
@@ -247,7 +254,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
-    m.def("rms_norm(Tensor x, Tensor? w, float eps) -> Tensor", &rms_norm);
+    m.def("rms_norm(Tensor x, Tensor? w, float eps, Tensor? residual=None) -> Tensor", &rms_norm);
     m.def("rms_norm_rope(Tensor x, Tensor w, float eps, Tensor cos, Tensor sin) -> Tensor", &rms_norm_rope);
     m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor", &attend);
     m.def("gelu_mul(Tensor a, Tensor b) -> Tensor", &gelu_mul);

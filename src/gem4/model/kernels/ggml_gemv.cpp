@@ -6,19 +6,21 @@
 // The "x16" layout (repack_x16, once at load): each row's blocks in groups of 16, the last group padded
 // with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
 // quant bytes], so that every 64-byte load is cache-line aligned (unaligned loads cost a fifth of the
-// Q4_0 speed) and a row is read front to back. A group's quant bytes are Q/4 vectors of 64 bytes (Q = 32 for Q8_0, 16 for
-// Q4_0): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b at bytes 4b..4b+3. So a 32-bit
-// lane of any vector belongs to one block, and so does that lane of the integer accumulator: a group
-// needs one float conversion and one scale multiply, not 16.
+// Q4_0 speed) and a row is read front to back. A group's quant bytes are Q/4 vectors of 64 bytes
+// (Q = 32 for Q8_0, 16 for Q4_0): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b at
+// bytes 4b..4b+3. So a 32-bit lane of any vector belongs to one block, and so does that lane of the
+// integer accumulator: a group needs one float conversion and one scale multiply, not 16. The buffer
+// asks for transparent huge pages: it is streamed once per decoded token.
 //
 // gemv_x16: y[m, n] = sum_k x[m, k] W[n, k]. Activations are quantized per 32-block to int16 (relative
 // error <= 2^-16 of the block's largest value, far below bf16's 2^-9) and laid out in the order the
 // kernel reads them; each 16-bit half of a weight lane is one weight, so one vpdpwssd takes two weights
 // of every block of the group, with exact integer products and sums. Q4_0's "- 8" is applied once per
 // block as -8 * sum(activation block). The weights are read once per call for up to 4 rows of x at a
-// time; rows of W are split across torch's intra-op threads.
-// dequant_x16 turns (rows of) a weight back into float32 or bf16: prefill chunks run one bf16 GEMM,
-// and token tables are looked up by rows.
+// time; rows of W are split across torch's intra-op threads. gemv_x16_multi (several weights, one x)
+// and gemv_x16_glu (gelu(x Gate^T) * x Up^T) share one preparation of x and one parallel pass.
+// dequant_x16 turns (rows of) a weight back into float32 or bf16 (token tables are looked up by rows);
+// linear_x16 is prefill's GEMM: bf16 tiles of a few MB of weight rows, each multiplied while in cache.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -216,7 +218,7 @@ struct Prepared {
     Aligned<int32_t> corr;
 
     Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
-        : f(format_of(ggml_type, k_in)), type(ggml_type), M(x.dim() == 2 ? x.size(0) : 0), per_row(f.groups * GROUP_ELEMS),
+        : f(format_of(ggml_type, k_in)), type(ggml_type), M(x.dim() == 2 ? x.size(0) : 0), per_row(f.groups * GROUP_ELEMS),  // M checked below
           stream(M * per_row), dx(M * f.groups * GROUP), corr(M * f.groups * GROUP) {
         TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
                     "x must be contiguous float32 [M, k_in]");
