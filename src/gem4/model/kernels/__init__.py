@@ -1,10 +1,10 @@
 """Compiled CPU kernels of the fast mode, built once per machine on first use.
 
 - `repack(raw, n_out, k_in, ggml_type)`: Q8_0 / Q4_0 GGML blocks -> the kernels' "x16" layout (once at
-  load, same size give or take the padding of a row's last 16 blocks); `gemv(x, packed, ...)`:
-  y = x @ W.T read straight from it; `dequant(packed, ...)`: W (or some of its rows) in float32 / bf16,
-  for prefill GEMMs and token tables (`ggml_gemv.cpp`, which describes the layout).
-  `gemv_multi` (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x.
+  load, same size give or take the padding of a row's last 16 blocks; `ggml_gemv.cpp` describes it).
+  `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode); `gemv_multi` (Q, K, V from one
+  input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's GEMM
+  (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
 - `rms_norm`, `rms_norm_rope`, `attend`, `gelu_mul`, `softcap`: the decode step's small operations,
   one call each instead of several torch ops (`decode_ops.cpp`; shared SIMD helpers in `simd.h`).
 
