@@ -124,16 +124,12 @@ def derive_vocab(gguf_path: str | os.PathLike, out: str | os.PathLike = VOCAB_FI
     `n_chars` by id from the character block (starting at '▁', real id 236743) plus any printable
     ASCII character not among them.
     """
-    from gem4.weights.gguf import GGUFReader
+    from gem4.tokenizer import Tokenizer
 
-    reader = GGUFReader(gguf_path)
-    try:
-        md = reader.metadata
-        tokens = list(md["tokenizer.ggml.tokens"])
-        types = [int(t) for t in md["tokenizer.ggml.token_type"]]
-        merges = list(md["tokenizer.ggml.merges"])
-    finally:
-        reader.close()
+    real = Tokenizer.from_gguf(gguf_path)                 # the one reader of the GGUF tokenizer keys
+    tokens = list(real.tokens)
+    types = [int(t) for t in real.types]
+    merges = [f"{a} {b}" for a, b in real.merges]
     first_char = tokens.index("\u2581")
     chars = [i for i in range(first_char, len(tokens)) if len(tokens[i]) == 1][:n_chars]
     have = {tokens[i] for i in chars}
