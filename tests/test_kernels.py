@@ -43,7 +43,7 @@ def test_gemv_equals_dequantize_then_matmul(ggml_type, rows):
 def test_long_inputs_take_one_bf16_gemm(ggml_type):
     g = torch.Generator().manual_seed(3)
     layer, dense = packed_linear(torch.randn(64, 128, generator=g), ggml_type)
-    x = torch.randn(2, 20, 128, generator=g)                              # 40 rows > GEMV_ROWS, batched shape
+    x = torch.randn(2, 20, 128, generator=g)                              # 40 rows > DECODE_ROWS, batched shape
     ref = torch.nn.functional.linear(x.bfloat16(), dense.bfloat16()).float()
     torch.testing.assert_close(layer(x), ref, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(layer(x), x @ dense.T, rtol=0.05, atol=0.05 * ref.abs().max().item())
@@ -228,7 +228,7 @@ def test_fused_projections_equal_separate_calls():
             assert torch.equal(out, lin(x))                         # same kernel, same rows: bit-identical
         gate, up = layers[1], layers[2]
         ref = gelu_tanh(gate(x)) * up(x)
-        torch.testing.assert_close(glu(x, gate, up), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+        torch.testing.assert_close(glu(x, gate, up, fused=True), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
     # mixed types or too many rows: one call each, same results
     mixed = [packed_linear(torch.randn(32, 64, generator=g), t)[0] for t in PACKED]
     x = torch.randn(2, 64, generator=g)

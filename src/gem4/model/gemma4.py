@@ -22,14 +22,13 @@ from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, Step
 from gem4.model import kernels
 from gem4.model.layers import (
-    QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_tanh, glu, project,
+    DECODE_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu, project,
     rms_norm, rope_cos_sin, softcap,
 )
 
 
 class Attention(nn.Module):
     fused = False          # fast mode (Model.use_kernels): v-norm and decode attention run compiled kernels
-    FUSED_ROWS = 8         # query rows up to which kernels.attend runs (decode); longer chunks use batched matmuls
 
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -62,7 +61,7 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(spec.kv_source)                             # donor wrote this step already
         mask = step.masks[spec.layer_type]                                        # [T, S]
-        if self.fused and T <= self.FUSED_ROWS:
+        if self.fused and T <= DECODE_ROWS:                                        # longer chunks: batched matmuls
             out = kernels.attend(q, keys, values, mask)                           # [T, nh*d]
         else:
             out = attention(q, keys, values, mask)
@@ -70,6 +69,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused = False          # fast mode (Model.use_kernels): the gelu gate runs kernels.gelu_mul
+
     def __init__(self, hidden: int, inner: int):
         super().__init__()
         self.gate_proj = QuantLinear(hidden, inner)
@@ -77,7 +78,7 @@ class MLP(nn.Module):
         self.down_proj = QuantLinear(inner, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(x, self.gate_proj, self.up_proj))
+        return self.down_proj(glu(x, self.gate_proj, self.up_proj, self.fused))
 
 
 class Router(nn.Module):
@@ -151,8 +152,7 @@ class DecoderLayer(nn.Module):
             m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
         x = self.post_feedforward_layernorm.add_to(r, m)
         if ple is not None:                    # E2B/E4B: ple [T, P] is this layer's slice
-            gate = self.per_layer_input_gate(x)
-            gated = kernels.gelu_mul(gate, ple) if self.fused else gelu_tanh(gate) * ple
+            gated = gelu_mul(self.per_layer_input_gate(x), ple, self.fused)
             x = self.post_per_layer_input_norm.add_to(x, self.per_layer_projection(gated))
         return x * self.layer_scalar
 

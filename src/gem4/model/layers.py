@@ -51,6 +51,11 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def gelu_mul(a: torch.Tensor, b: torch.Tensor, fused: bool) -> torch.Tensor:
+    """gelu_tanh(a) * b; `fused` (fast mode): one compiled vector pass."""
+    return kernels.gelu_mul(a, b) if fused else gelu_tanh(a) * b
+
+
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
@@ -69,6 +74,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+DECODE_ROWS = 8        # inputs of up to this many rows (decode, small batches) take the compiled decode kernels
+
+
 class QuantLinear(nn.Module):
     """y = x @ W.T with W [out, in]. The one linear layer of the model.
 
@@ -77,14 +85,12 @@ class QuantLinear(nn.Module):
       The input is rounded to W's dtype, products accumulate in float32, the result comes back in the
       activation dtype.
     - "packed" (fast path, `pack()`): `packed` holds Q8_0 / Q4_0 weights in the compiled kernels' layout,
-      rearranged once at load. Up to GEMV_ROWS input rows (decode, small batches) run the kernel that
+      rearranged once at load. Up to DECODE_ROWS input rows (decode, small batches) run the kernel that
       reads it directly; longer inputs (prefill chunks) turn it into bf16 a cache-sized tile of rows at
       a time and run one bf16 GEMM per tile. Both equal dequantize + float matmul up to float rounding (tested).
     - "blocks" (`keep_blocks()`): `raw` holds GGML blocks of any type exactly as the file has them, for a
       table that is only ever read by rows (the per-layer token embedding); it stays in the mmap.
     """
-
-    GEMV_ROWS = 8
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -123,8 +129,8 @@ class QuantLinear(nn.Module):
         return dequantize(self.raw[ids].contiguous(), self.ggml_type, (ids.numel(), self.in_features))
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """True when forward(x) is one call of the packed kernel: x float32 [M <= GEMV_ROWS, in], contiguous."""
-        return (self.layout == "packed" and x.dim() == 2 and x.shape[0] <= self.GEMV_ROWS
+        """True when forward(x) is one call of the packed kernel: x float32 [M <= DECODE_ROWS, in], contiguous."""
+        return (self.layout == "packed" and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
                 and x.dtype == torch.float32 and x.is_contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +141,7 @@ class QuantLinear(nn.Module):
         if self.layout == "blocks":
             raise RuntimeError("this weight is kept in GGML blocks as a lookup table; it has no matmul")
         x2 = x.reshape(-1, self.in_features)                      # [M, in]
-        if x2.shape[0] <= self.GEMV_ROWS:
+        if x2.shape[0] <= DECODE_ROWS:
             y = kernels.gemv(x2.float().contiguous(), self.packed, self.out_features, self.in_features, self.ggml_type)
         else:
             y = kernels.linear(x2.to(torch.bfloat16), self.packed, self.out_features, self.in_features, self.ggml_type)
@@ -157,14 +163,11 @@ def project(x: torch.Tensor, linears: list[QuantLinear]) -> list[torch.Tensor]:
     return [lin(x) for lin in linears]
 
 
-def glu(x: torch.Tensor, gate: QuantLinear, up: QuantLinear) -> torch.Tensor:
-    """gelu_tanh(gate(x)) * up(x): one kernel pass when both are packed in one type and x is decode-sized;
-    for longer packed inputs (prefill) the activation and product are one vector pass over the two GEMMs."""
+def glu(x: torch.Tensor, gate: QuantLinear, up: QuantLinear, fused: bool) -> torch.Tensor:
+    """gelu_tanh(gate(x)) * up(x): one kernel pass when both are packed in one type and x is decode-sized."""
     if _one_pass(x, (gate, up)):
         return kernels.gemv_glu(x, gate.packed, up.packed, gate.out_features, gate.in_features, gate.ggml_type)
-    if gate.layout == "packed":
-        return kernels.gelu_mul(gate(x), up(x))
-    return gelu_tanh(gate(x)) * up(x)
+    return gelu_mul(gate(x), up(x), fused)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
