@@ -46,7 +46,6 @@ class KVCache:
         # position held by each ring row (-1 = empty); shared by all sliding layers, which write the same positions
         self._ring_pos = torch.full((self.ring,), -1, dtype=torch.long, device=self.device)
         self._pending: torch.Tensor | None = None        # positions of the step in flight
-        self._ring_used = 0                              # ring rows written so far, through the step in flight
         for spec in config.layers:
             if spec.owns_kv:
                 rows = self.ring if spec.is_sliding else max(64, max_chunk)
@@ -65,10 +64,8 @@ class KVCache:
         # full: every committed position plus the causal part of this chunk
         keys = torch.arange(start + n_tokens, device=self.device)[None, :]  # [1, S]
         masks[FULL] = keys <= q
-        # sliding: ring rows as they will be after this chunk is written. Position p goes to row p % ring, so
-        # until the ring wraps only rows [0, start + n) hold keys: attention stops there.
-        self._ring_used = min(self.ring, start + n_tokens)
-        ring_pos = self._ring_pos[: self._ring_used].clone()
+        # sliding: ring rows as they will be after this chunk is written
+        ring_pos = self._ring_pos[: self._ring_rows()].clone()
         ring_pos[positions % self.ring] = positions
         masks[SLIDING] = (ring_pos[None, :] >= 0) & (ring_pos[None, :] <= q) & (q - ring_pos[None, :] < self.window)
         return Step(positions=positions, masks=masks)
@@ -83,8 +80,8 @@ class KVCache:
             rows = positions % self.ring
             self._k[layer][rows] = k
             self._v[layer][rows] = v
-            return self._k[layer][: self._ring_used], self._v[layer][: self._ring_used]
-        end = int(positions[-1]) + 1
+            return self._k[layer][: self._ring_rows()], self._v[layer][: self._ring_rows()]
+        end = self._end()
         if end > self._k[layer].shape[0]:
             self._grow(layer, end)
         start = end - positions.numel()
@@ -95,9 +92,17 @@ class KVCache:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V that `layer` (a KV owner) holds after this step's write."""
         if self.config.layers[layer].is_sliding:
-            return self._k[layer][: self._ring_used], self._v[layer][: self._ring_used]
-        end = self.length + (0 if self._pending is None else self._pending.numel())
-        return self._k[layer][:end], self._v[layer][:end]
+            return self._k[layer][: self._ring_rows()], self._v[layer][: self._ring_rows()]
+        return self._k[layer][: self._end()], self._v[layer][: self._end()]
+
+    def _end(self) -> int:
+        """Tokens in the sequence through the step in flight."""
+        return self.length + (0 if self._pending is None else self._pending.numel())
+
+    def _ring_rows(self) -> int:
+        """Ring rows holding keys through the step in flight: position p lives in row p % ring, so until
+        the ring wraps only rows [0, end) do, and attention stops there."""
+        return min(self.ring, self._end())
 
     def commit(self, step: Step) -> None:
         positions = step.positions
