@@ -14,6 +14,7 @@ from tqdm import tqdm
 from gem4.model.gemma4 import Model
 from gem4.model import kernels
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from gem4.weights.quants import GGMLType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PLE_TABLE = "embed_tokens_per_layer.weight"
@@ -56,8 +57,7 @@ def _block_storage(name: str, entry, packed_kernels: bool) -> str | None:
         return None
     if name == PLE_TABLE:
         return "blocks"
-    _, ggml_type = entry.raw()
-    if packed_kernels and len(entry.shape) == 2 and ggml_type in kernels.PACKED_TYPES:
+    if packed_kernels and len(entry.shape) == 2 and GGMLType[entry.stored] in kernels.PACKED_TYPES:
         return "packed"
     return None
 
