@@ -210,6 +210,12 @@ struct Aligned {
     Aligned& operator=(const Aligned&) = delete;
 };
 
+int64_t rows_of(const torch::Tensor& x, int64_t k_in) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
+                "x must be contiguous float32 [M, k_in]");
+    return x.size(0);
+}
+
 struct Prepared {
     Format f;
     int64_t type, M, per_row;             // per_row: stream elements of one row of x
@@ -218,10 +224,8 @@ struct Prepared {
     Aligned<int32_t> corr;
 
     Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
-        : f(format_of(ggml_type, k_in)), type(ggml_type), M(x.dim() == 2 ? x.size(0) : 0), per_row(f.groups * GROUP_ELEMS),  // M checked below
+        : f(format_of(ggml_type, k_in)), type(ggml_type), M(rows_of(x, k_in)), per_row(f.groups * GROUP_ELEMS),
           stream(M * per_row), dx(M * f.groups * GROUP), corr(M * f.groups * GROUP) {
-        TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
-                    "x must be contiguous float32 [M, k_in]");
         for (int64_t m = 0; m < M; ++m)
             prepare_row(x.data_ptr<float>() + m * k_in, k_in, type, stream.data + m * per_row,
                         dx.data + m * f.groups * GROUP, corr.data + m * f.groups * GROUP);
