@@ -245,3 +245,25 @@ def test_gelu_mul_and_softcap_kernels_equal_reference():
     torch.testing.assert_close(kernels.gelu_mul(a, b), gelu_tanh(a) * b, rtol=1e-5, atol=1e-6)
     logits = torch.randn(2, 777, generator=g) * 50
     torch.testing.assert_close(kernels.softcap(logits, 30.0), softcap(logits, 30.0), rtol=1e-5, atol=1e-5)
+
+
+def test_keep_heap_serves_large_blocks_from_the_heap(tmp_path):
+    """After keep_heap() a 24 MiB tensor lies in the [heap] mapping; by default glibc maps it fresh
+    (and prefill faults such blocks in again on every call). Each case in its own process."""
+    import subprocess
+    import sys
+    script = tmp_path / "where.py"
+    script.write_text(
+        "import sys, torch\n"
+        "from gem4.model import kernels\n"
+        "if sys.argv[1] == 'keep':\n"
+        "    assert kernels.keep_heap()\n"
+        "block = torch.empty(24 << 20, dtype=torch.uint8)\n"
+        "ptr = block.data_ptr()\n"
+        "for line in open('/proc/self/maps'):\n"
+        "    lo, hi = (int(a, 16) for a in line.split()[0].split('-'))\n"
+        "    if lo <= ptr < hi:\n"
+        "        print('heap' if line.rstrip().endswith('[heap]') else 'mapping')\n")
+    where = {case: subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, check=True).stdout.strip()
+             for case in ("default", "keep")}
+    assert where == {"default": "mapping", "keep": "heap"}

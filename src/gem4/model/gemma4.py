@@ -225,7 +225,9 @@ class Model(nn.Module):
     def use_kernels(self) -> None:
         """Fast mode (bfloat16 on CPU with the compiled kernels), set once at load: every module that has
         a compiled alternative (class attribute `fused`) switches to it -- norms, q/k norm + RoPE, decode
-        attention, gelu gates, the softcap. The same float32 math as the reference, up to rounding."""
+        attention, gelu gates, the softcap. The same float32 math as the reference, up to rounding.
+        The process's heap keeps freed prefill temporaries from then on (kernels.keep_heap)."""
+        kernels.keep_heap()
         for module in self.modules():
             if hasattr(type(module), "fused"):
                 module.fused = True
