@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import gem4
-from gem4.model import kernels
-from gem4.model.layers import QuantLinear
+from gem4.model import gemma4, kernels
+from gem4.model.layers import DECODE_ROWS, QuantLinear
 from gem4.weights.quants import GGMLType, dequantize, quantize
 from model_fixtures import VARIANTS
 
@@ -130,19 +130,23 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
         ids = variants[name].ids
         ref_logits = ref_model.logits(ids)
         drift = nmse(fast_model.logits(ids), ref_logits)
+        with pytest.MonkeyPatch.context() as patch:        # prompts this short attend in float32; take the bf16 GEMMs
+            patch.setattr(gemma4, "GEMM_ATTENTION_ROWS", DECODE_ROWS + 1)
+            gemm_drift = nmse(fast_model.logits(ids), ref_logits)
         # the decode path (GEMV kernels, fused Q/K/V and gate/up, decode attention) on the same positions
         decoded = decode_logits(fast_model, ids, 30)
         decode_drift = nmse(decoded, ref_logits[30:])
         per_position = sorted(nmse(d, r) for d, r in zip(decoded, ref_logits[30:]))
         same_greedy[name] = greedy(fast_model, ids[:20], 32) == greedy(ref_model, ids[:20], 32)
-        print(f"{qtype} {name}: fast-mode NMSE vs float32 = {drift:.2e} (prefill), {decode_drift:.2e} (decode), "
+        print(f"{qtype} {name}: fast-mode NMSE vs float32 = {drift:.2e} (prefill), {gemm_drift:.2e} (prefill, "
+              f"bf16-GEMM attention), {decode_drift:.2e} (decode), "
               f"greedy 32 equal: {same_greedy[name]}")
         if name == "moe":
             # top-2 routing flips on near-tied experts make MoE drift heavy-tailed (test_model.test_bfloat16_mode_drift):
             # a flip costs one position ~1e-2 (the dense bf16 path shows the same), a bug would cost every position
-            assert drift <= 5e-3 and per_position[len(per_position) // 2] <= 1e-3
+            assert max(drift, gemm_drift) <= 5e-3 and per_position[len(per_position) // 2] <= 1e-3
         else:
-            assert max(drift, decode_drift) <= 1e-3
+            assert max(drift, gemm_drift, decode_drift) <= 1e-3
     print(f"{qtype}: greedy 32 tokens equal on {sum(same_greedy.values())}/4 variants")
     assert sum(same_greedy.values()) >= 3, same_greedy
 
@@ -200,6 +204,45 @@ def test_attend_kernel_equals_reference_attention(T, S, nh, nkv, d):
     torch.testing.assert_close(out, attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
+def _chunk_masks(kind: str, T: int, S: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "causal":                                        # a chunk after S - T cached tokens
+        return torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    mask = torch.rand(T, S, generator=g) < 0.4                  # scattered visible rows, as in a wrapped sliding ring
+    mask[1] = False                                             # a row that sees nothing
+    return mask
+
+
+@pytest.mark.parametrize("T,S,nh,nkv,d,kind", [(512, 512, 8, 1, 256, "causal"), (40, 75, 8, 1, 512, "causal"),
+                                               (33, 101, 8, 2, 64, "scattered"), (70, 70, 4, 4, 32, "causal"),
+                                               (9, 300, 12, 3, 128, "scattered")])
+def test_attend_chunk_kernel_equals_attention_with_bf16_q_and_probabilities(T, S, nh, nkv, d, kind):
+    """attend_chunk takes q as two bf16 terms, rounds the probabilities to bf16 and sums in float32: equal to
+    that computed in float64 up to float32 sums, and within 1e-5 NMSE of the float32 reference (normalised
+    q, k as in the model). A row that sees no key gets zeros."""
+    from gem4.model.layers import attention, rms_norm
+    g = torch.Generator().manual_seed(T * S + d)
+    q = rms_norm(torch.randn(T, nh, d, generator=g), None, 1e-6)
+    k = rms_norm(torch.randn(S, nkv, d, generator=g), None, 1e-6).bfloat16()
+    v = torch.randn(S, nkv, d, generator=g).bfloat16()
+    mask = _chunk_masks(kind, T, S, g)
+    out = kernels.attend_chunk(q, k, v, mask)
+    assert out.shape == (T, nh * d) and out.dtype == torch.float32
+    # the same rounding, in float64
+    grp = nh // nkv
+    q_hi = q.bfloat16().float()
+    qh = (q_hi.double() + (q - q_hi).bfloat16().double()).view(T, nkv, grp, d)        # q as two bf16 terms
+    scores = torch.einsum("tkgd,skd->tkgs", qh, k.double()).masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).float().bfloat16().double()
+    emulated = torch.einsum("tkgs,skd->tkgd", probs, v.double()).reshape(T, nh * d).float()
+    # float32 vs float64 sums can round a probability to the neighbouring bf16 (2^-8 relative), so not
+    # elementwise; a wrong product or mask would be off by > 1e-4
+    assert ((out - emulated) ** 2).mean() / (emulated ** 2).mean() < 1e-7
+    seen = mask.any(dim=1)
+    assert torch.equal(out[~seen], torch.zeros_like(out[~seen]))
+    ref = attention(q, k, v, mask)[seen]
+    assert ((out[seen] - ref) ** 2).mean() / (ref ** 2).mean() < 1e-5
+
+
 def test_attend_kernel_gives_zeros_to_a_row_that_sees_nothing():
     g = torch.Generator().manual_seed(8)
     q, k, v = torch.randn(2, 4, 32, generator=g), torch.randn(5, 1, 32, generator=g).bfloat16(), torch.randn(5, 1, 32, generator=g).bfloat16()
@@ -209,12 +252,17 @@ def test_attend_kernel_gives_zeros_to_a_row_that_sees_nothing():
     assert torch.isfinite(out[1]).all()
 
 
-def test_attend_kernel_refuses_wrong_inputs():
+@pytest.mark.parametrize("attend", ["attend", "attend_chunk"])
+def test_attend_kernels_refuse_wrong_inputs(attend):
+    attend = getattr(kernels, attend)
     q, k = torch.randn(1, 8, 64), torch.randn(10, 1, 64).bfloat16()
     with pytest.raises(RuntimeError, match="bf16"):
-        kernels.attend(q, k.float(), k.float(), torch.ones(1, 10, dtype=torch.bool))
+        attend(q, k.float(), k.float(), torch.ones(1, 10, dtype=torch.bool))
     with pytest.raises(RuntimeError, match="mask"):
-        kernels.attend(q, k, k, torch.ones(1, 9, dtype=torch.bool))
+        attend(q, k, k, torch.ones(1, 9, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="head shapes"):
+        attend(torch.randn(1, 3, 64), k.expand(10, 2, 64).contiguous(), k.expand(10, 2, 64).contiguous(),
+               torch.ones(1, 10, dtype=torch.bool))                 # 3 query heads on 2 KV heads
 
 
 def test_fused_projections_equal_separate_calls():

@@ -22,13 +22,13 @@ from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, Step
 from gem4.model import kernels
 from gem4.model.layers import (
-    DECODE_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu, project,
+    GEMM_ATTENTION_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu, project,
     rms_norm, rope_cos_sin, softcap,
 )
 
 
 class Attention(nn.Module):
-    fused = False          # fast mode (Model.use_kernels): v-norm and decode attention run compiled kernels
+    fused = False          # fast mode (Model.use_kernels): v-norm and attention run compiled kernels
 
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -61,10 +61,12 @@ class Attention(nn.Module):
         else:
             keys, values = cache.read(spec.kv_source)                             # donor wrote this step already
         mask = step.masks[spec.layer_type]                                        # [T, S]
-        if self.fused and T <= DECODE_ROWS:                                        # longer chunks: batched matmuls
-            out = kernels.attend(q, keys, values, mask)                           # [T, nh*d]
-        else:
-            out = attention(q, keys, values, mask)
+        if not self.fused:
+            out = attention(q, keys, values, mask)                                # [T, nh*d]
+        elif T < GEMM_ATTENTION_ROWS:                                             # decode, short chunks: float32 dots
+            out = kernels.attend(q, keys, values, mask)
+        else:                                                                     # prefill: bf16 GEMMs per query block
+            out = kernels.attend_chunk(q, keys, values, mask)
         return self.o_proj(out)
 
 

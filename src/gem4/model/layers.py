@@ -75,6 +75,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 DECODE_ROWS = 8        # inputs of up to this many rows (decode, small batches) take the compiled decode kernels
+GEMM_ATTENTION_ROWS = 64   # fast mode: chunks of at least this many tokens attend with bf16 GEMMs
+                           # (kernels.attend_chunk), shorter ones with float32 dot products (kernels.attend):
+                           # at E2B's head shapes the two cost the same at ~64 rows (measured, 2 threads)
 
 
 class QuantLinear(nn.Module):

@@ -7,6 +7,8 @@
   (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
 - `rms_norm`, `rms_norm_rope`, `attend`, `gelu_mul`, `softcap`: the decode step's small operations,
   one call each instead of several torch ops (`decode_ops.cpp`; shared SIMD helpers in `simd.h`).
+- `attend_chunk`: a prefill chunk's attention with bf16 GEMMs, skipping key blocks no query of a block
+  sees (`chunk_attention.cpp`).
 
 torch's cpp_extension compiles the C++ sources beside this file with the host's own instruction set
 (-march=native, AVX-512 required) into TORCH_EXTENSIONS_DIR. Where that is impossible `available()`
@@ -24,7 +26,7 @@ import torch
 
 from gem4.weights.quants import GGMLType
 
-SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "decode_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c"}   # what the sources use
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # formats the compiled kernels read
@@ -144,3 +146,9 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [T, nh, d] float32, k/v [S, nkv, d] bf16, mask [T, S] bool -> [T, nh*d] float32 (layers.attention)."""
     return _ops().attend(q.contiguous(), k, v, mask.contiguous())
+
+
+def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """attend() for a prefill chunk, on bf16 dot products with float32 sums: q as two bf16 terms (hi + lo),
+    the probabilities rounded to bf16; per block of query rows, the key rows no query of it sees are skipped."""
+    return _ops().attend_chunk(q.contiguous(), k, v, mask.contiguous())
