@@ -61,16 +61,18 @@ def randomize(model: torch.nn.Module, seed: int = 1234) -> None:
             p.copy_(p.to(torch.bfloat16).float())
 
 
-def build_hf(variant: str, seed: int = 1234):
-    """-> (causal_lm, conditional_generation) with identical text weights, eval mode, eager attention."""
+def build_hf(variant: str, seed: int = 1234, **overrides):
+    """-> (causal_lm, conditional_generation) with identical text weights, eval mode, eager attention.
+    `overrides`: config fields that differ from VARIANTS[variant]."""
     from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
-    text = Gemma4TextConfig(**VARIANTS[variant])
+    fields = dict(VARIANTS[variant], **overrides)
+    text = Gemma4TextConfig(**fields)
     causal = Gemma4ForCausalLM(text).eval()
     randomize(causal, seed)
     causal.config._attn_implementation = "eager"
     mm = Gemma4ForConditionalGeneration(
-        Gemma4Config(text_config=Gemma4TextConfig(**VARIANTS[variant]), vision_config=None, audio_config=None)).eval()
+        Gemma4Config(text_config=Gemma4TextConfig(**fields), vision_config=None, audio_config=None)).eval()
     state = {k.replace("model.", "model.language_model.", 1): v for k, v in causal.state_dict().items()}
     missing, unexpected = mm.load_state_dict(state, strict=False)
     assert not unexpected and all("rotary" in m or "embed_scale" in m or m == "lm_head.weight" for m in missing), missing

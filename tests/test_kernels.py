@@ -315,3 +315,33 @@ def test_keep_heap_serves_large_blocks_from_the_heap(tmp_path):
     where = {case: subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, check=True).stdout.strip()
              for case in ("default", "keep")}
     assert where == {"default": "mapping", "keep": "heap"}
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_decode_layer_is_the_layer_it_replaces(tmp_path, qtype):
+    """kernels.decode_layer runs a decode step's layer in one call: bit-identical logits to the Python layer
+    over prefill, one-token and three-token steps, on the E2B-like (PLE + KV sharing; PLE width 32 so its
+    projections are packed too), k_eq_v and plain dense variants. MoE layers keep the Python layer."""
+    from model_fixtures import build_hf
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.gguf_model import write_gguf
+
+    def steps(model):
+        cache = model.new_cache(max_chunk=20)
+        out = [model.forward(torch.arange(3, 23), cache, last_only=True)]
+        out += [model.forward(torch.tensor([t]), cache) for t in (5, 9, 100, 7, 3, 11, 40, 41, 42)]
+        out.append(model.forward(torch.tensor([1, 2, 3]), cache))
+        return torch.cat(out)
+
+    for name, overrides in [("ple_kvshare", dict(hidden_size_per_layer_input=32)), ("dense_keqv", {}),
+                            ("dense_plain", {}), ("moe", {})]:
+        causal, _ = build_hf(name, **overrides)
+        causal.save_pretrained(tmp_path / name)
+        write_gguf(open_checkpoint(tmp_path / name), tmp_path / f"{name}.gguf", qtype)
+        model = gem4.load(tmp_path / f"{name}.gguf", dtype="bfloat16")
+        planned = [layer.plan is not None for layer in model.layers]
+        assert planned == [name != "moe"] * len(model.layers), (name, planned)
+        one_call = steps(model)
+        for layer in model.layers:
+            layer.plan = None
+        assert torch.equal(one_call, steps(model)), name

@@ -78,6 +78,27 @@ def test_shared_layer_reads_the_donor_of_its_type():
     assert set(cache._k) == {0, 1}                                 # shared layers own no storage
 
 
+def test_slot_names_the_rows_a_kernel_writes_and_the_span_it_attends_to():
+    cfg = config(types=(S, F, S, F), shared=2, window=3)
+    cache = KVCache(cfg, max_chunk=2, dtype=torch.float32)             # ring = 3 + 2 rows
+    for _ in range(3):                                                 # positions 0..5; the ring wrapped
+        st = cache.begin(2)
+        pos = st.positions.tolist()
+        for i in (0, 1):
+            k_store, v_store, rows, span = cache.slot(i)
+            k_store[rows] = kv(pos)                                    # what a kernel does
+            assert span == (min(cache.ring, pos[-1] + 1) if i == 0 else pos[-1] + 1)
+        shared = cache.slot(2)
+        assert shared[0] is cache._k[0] and shared[2] is None and shared[3] == min(cache.ring, pos[-1] + 1)
+        with pytest.raises(RuntimeError, match="KV-shared"):
+            cache.write(2, kv(pos), kv(pos))
+        cache.commit(st)
+    assert cache._k[0][:, 0, 0].tolist() == [5.0, 1.0, 2.0, 3.0, 4.0]   # position p in row p % 5
+    assert cache._k[1][:6, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    with pytest.raises(RuntimeError, match="outside begin"):
+        cache.slot(0)
+
+
 def test_sliding_keys_stop_at_the_rows_written_until_the_ring_wraps():
     cache = KVCache(config(types=(S,)), max_chunk=4, dtype=torch.float32)     # ring = window + 4 rows
     seen = []

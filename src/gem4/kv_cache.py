@@ -7,6 +7,8 @@ The only module that knows the cache layout. Per forward step the model calls:
     K, V = cache.read(src)              # layer i is KV-shared: the K/V its donor `src` wrote in this same step
     cache.commit(step)                  # the tokens are now part of the sequence
 
+A kernel that writes and reads the cache itself (fast-mode decode) asks `cache.slot(i)` instead.
+
 Layout (GEMMA4.md §2.5-§2.6):
 - full layers: rows [0, length) in position order, grown by doubling.
 - sliding layers: a ring of `window + max_chunk` rows; position p lives in row p % ring. A query at p may
@@ -72,28 +74,36 @@ class KVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v: [T, nkv, d] of the step in flight -> (K, V) [S, nkv, d] this layer attends to (cache dtype)."""
-        positions = self._pending
-        if positions is None:
-            raise RuntimeError("KVCache.write outside begin()/commit()")
-        k, v = k.to(self.dtype), v.to(self.dtype)
-        if self.config.layers[layer].is_sliding:
-            rows = positions % self.ring
-            self._k[layer][rows] = k
-            self._v[layer][rows] = v
-            return self._k[layer][: self._ring_rows()], self._v[layer][: self._ring_rows()]
-        end = self._end()
-        if end > self._k[layer].shape[0]:
-            self._grow(layer, end)
-        start = end - positions.numel()
-        self._k[layer][start:end] = k
-        self._v[layer][start:end] = v
-        return self._k[layer][:end], self._v[layer][:end]
+        k_store, v_store, rows, span = self.slot(layer)
+        if rows is None:
+            raise RuntimeError(f"layer {layer} is KV-shared: it reads its donor's K/V and writes none")
+        k_store[rows] = k.to(self.dtype)
+        v_store[rows] = v.to(self.dtype)
+        return k_store[:span], v_store[:span]
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V that `layer` (a KV owner) holds after this step's write."""
-        if self.config.layers[layer].is_sliding:
-            return self._k[layer][: self._ring_rows()], self._v[layer][: self._ring_rows()]
-        return self._k[layer][: self._end()], self._v[layer][: self._end()]
+        k_store, v_store, _, span = self.slot(layer)
+        return k_store[:span], v_store[:span]
+
+    def slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+        """(K store, V store, rows, span) of `layer` for the step in flight: the whole [R, nkv, d] tensors of
+        its KV source, the rows [T] this step's k/v go to (None for a KV-shared layer, whose donor writes
+        them), and the span: attention sees rows [0, span). For a kernel that writes and reads the cache itself."""
+        positions = self._pending
+        if positions is None:
+            raise RuntimeError("KVCache used outside begin()/commit()")
+        spec = self.config.layers[layer]
+        src = spec.kv_source
+        if spec.is_sliding:
+            span = self._ring_rows()
+            rows = positions % self.ring if spec.owns_kv else None
+        else:
+            span = self._end()
+            if span > self._k[src].shape[0]:
+                self._grow(src, span)
+            rows = torch.arange(span - positions.numel(), span, device=self.device) if spec.owns_kv else None
+        return self._k[src], self._v[src], rows, span
 
     def _end(self) -> int:
         """Tokens in the sequence through the step in flight."""

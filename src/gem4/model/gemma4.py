@@ -22,7 +22,7 @@ from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, Step
 from gem4.model import kernels
 from gem4.model.layers import (
-    GEMM_ATTENTION_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu, project,
+    DECODE_ROWS, GEMM_ATTENTION_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu, project,
     rms_norm, rope_cos_sin, softcap,
 )
 
@@ -123,6 +123,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.spec = spec
+        self.eps = eps
+        self.plan: tuple[list[torch.Tensor], list[int]] | None = None   # fast mode: see decode_plan
         self.self_attn = Attention(config, spec)
         self.mlp = MLP(H, spec.intermediate_size)
         self.input_layernorm = RMSNorm(H, eps)
@@ -141,7 +143,38 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = QuantLinear(config.ple_dim, H)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
 
+    def decode_plan(self) -> tuple[list[torch.Tensor], list[int]] | None:
+        """Fast mode, once at load: the weights and dims with which kernels.decode_layer runs this whole layer
+        for a decode step, or None where it does not cover the layer (26B-A4B's MoE layers; a weight not
+        packed; Q/K/V or gate/up in different types)."""
+        attn, mlp, spec = self.self_attn, self.mlp, self.spec
+        if hasattr(self, "experts"):
+            return None
+        linears = [attn.q_proj, getattr(attn, "k_proj", None), getattr(attn, "v_proj", None), attn.o_proj,
+                   mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                   getattr(self, "per_layer_input_gate", None), getattr(self, "per_layer_projection", None)]
+        present = [lin for lin in linears if lin is not None]
+        if any(lin.layout != "packed" for lin in present):
+            return None
+        qkv = [lin for lin in linears[:3] if lin is not None]
+        if len({lin.ggml_type for lin in qkv}) > 1 or mlp.gate_proj.ggml_type != mlp.up_proj.ggml_type:
+            return None
+        norms = [self.input_layernorm, attn.q_norm, getattr(attn, "k_norm", None), self.post_attention_layernorm,
+                 self.pre_feedforward_layernorm, self.post_feedforward_layernorm,
+                 getattr(self, "post_per_layer_input_norm", None)]
+        none = torch.empty(0)
+        weights = ([none if n is None else n.weight for n in norms] + [self.layer_scalar]
+                   + [none if lin is None else lin.packed for lin in linears])
+        dims = [spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.owns_kv), int(spec.k_eq_v)]
+        for lin in linears:
+            dims += [0, 0, 0] if lin is None else [lin.out_features, lin.in_features, int(lin.ggml_type)]
+        return weights, dims
+
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: Step, cache: KVCache) -> torch.Tensor:
+        if self.plan is not None and x.shape[0] <= DECODE_ROWS:       # fast-mode decode: the layer in one call
+            k_store, v_store, rows, span = cache.slot(self.spec.index)
+            return kernels.decode_layer(x, ple, *rope, step.masks[self.spec.layer_type], k_store, v_store, rows, span,
+                                        *self.plan, self.eps)
         # attention block
         attn = self.self_attn(self.input_layernorm(x), rope, step, cache)
         x = self.post_attention_layernorm.add_to(x, attn)
@@ -228,11 +261,14 @@ class Model(nn.Module):
         """Fast mode (bfloat16 on CPU with the compiled kernels), set once at load: every module that has
         a compiled alternative (class attribute `fused`) switches to it -- norms, q/k norm + RoPE, decode
         attention, gelu gates, the softcap. The same float32 math as the reference, up to rounding.
-        The process's heap keeps freed prefill temporaries from then on (kernels.keep_heap)."""
+        A decode step then runs each decoder layer kernels.decode_layer covers as one call (the same kernels
+        in the same order). The process's heap keeps freed prefill temporaries from then on (kernels.keep_heap)."""
         kernels.keep_heap()
         for module in self.modules():
             if hasattr(type(module), "fused"):
                 module.fused = True
+        for layer in self.layers:
+            layer.plan = layer.decode_plan()
 
     @property
     def device(self) -> torch.device:

@@ -9,6 +9,8 @@
   one call each instead of several torch ops (`decode_ops.cpp`; shared SIMD helpers in `simd.h`).
 - `attend_chunk`: a prefill chunk's attention with bf16 GEMMs, skipping key blocks no query of a block
   sees (`chunk_attention.cpp`).
+- `decode_layer`: a whole decoder layer of a decode step in one call, the kernels above in the order the
+  Python layer calls them (`decode_layer.cpp`, declarations shared through `ops.h`).
 
 torch's cpp_extension compiles the C++ sources beside this file with the host's own instruction set
 (-march=native, AVX-512 required) into TORCH_EXTENSIONS_DIR. Where that is impossible `available()`
@@ -26,8 +28,8 @@ import torch
 
 from gem4.weights.quants import GGMLType
 
-SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp")]
-HEADERS = [Path(__file__).with_name("simd.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c"}   # what the sources use
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # formats the compiled kernels read
 
@@ -152,3 +154,11 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     """attend() for a prefill chunk, on bf16 dot products with float32 sums: q as two bf16 terms (hi + lo),
     the probabilities rounded to bf16; per block of query rows, the key rows no query of it sees are skipped."""
     return _ops().attend_chunk(q.contiguous(), k, v, mask.contiguous())
+
+
+def decode_layer(x: torch.Tensor, ple: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                 k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor | None, span: int,
+                 weights: list[torch.Tensor], dims: list[int], eps: float) -> torch.Tensor:
+    """One decoder layer for a decode-sized x [T, H] float32 (decode_layer.cpp lists the arguments); writes
+    this step's k/v into the cache stores at `rows` when the layer owns its KV."""
+    return _ops().decode_layer(x, ple, cos, sin, mask, k_store, v_store, rows, span, weights, dims, eps)

@@ -15,9 +15,10 @@
 #include <cmath>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
-namespace {
+namespace gem4_ops {
 
 using namespace gem4_simd;
 
@@ -251,7 +252,9 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     return out;
 }
 
-}  // namespace
+}  // namespace gem4_ops
+
+using namespace gem4_ops;
 
 TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
     m.def("rms_norm(Tensor x, Tensor? w, float eps, Tensor? residual=None) -> Tensor", &rms_norm);

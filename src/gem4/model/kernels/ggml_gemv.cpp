@@ -30,9 +30,10 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
-namespace {
+namespace gem4_ops {
 
 constexpr int QK = 32;                 // weights per GGML block
 constexpr int GROUP = 16;              // blocks per x16 group
@@ -377,7 +378,9 @@ torch::Tensor linear_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_
     return y;
 }
 
-}  // namespace
+}  // namespace gem4_ops
+
+using namespace gem4_ops;
 
 TORCH_LIBRARY(gem4_kernels, m) {
     m.def("repack_x16(Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &repack_x16);

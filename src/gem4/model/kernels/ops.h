@@ -1,0 +1,21 @@
+// The kernels one C++ caller may combine (decode_layer.cpp); each is also a torch op of its own.
+#pragma once
+#include <torch/extension.h>
+#include <optional>
+#include <vector>
+
+namespace gem4_ops {
+
+// ggml_gemv.cpp
+torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type);
+std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> n_outs,
+                                          int64_t k_in, int64_t ggml_type);
+torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
+
+// decode_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps, std::optional<torch::Tensor> residual);
+torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask);
+torch::Tensor gelu_mul(torch::Tensor a, torch::Tensor b);
+
+}  // namespace gem4_ops
