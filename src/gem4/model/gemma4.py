@@ -259,8 +259,8 @@ class Model(nn.Module):
 
     def use_kernels(self) -> None:
         """Fast mode (bfloat16 on CPU with the compiled kernels), set once at load: every module that has
-        a compiled alternative (class attribute `fused`) switches to it -- norms, q/k norm + RoPE, decode
-        attention, gelu gates, the softcap. The same float32 math as the reference, up to rounding.
+        a compiled alternative (class attribute `fused`) switches to it -- norms, q/k norm + RoPE, attention
+        (decode rows and prefill chunks), gelu gates, the softcap. The same float32 math as the reference, up to rounding.
         A decode step then runs each decoder layer kernels.decode_layer covers as one call (the same kernels
         in the same order). The process's heap keeps freed prefill temporaries from then on (kernels.keep_heap)."""
         kernels.keep_heap()
