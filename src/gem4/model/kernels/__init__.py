@@ -46,7 +46,7 @@ def _cpu_flags() -> set[str]:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True once the kernels are compiled and loaded (compiles on the first call, ~30 s)."""
+    """True once the kernels are compiled and loaded (compiles on the first call, ~1 min on 2 cores)."""
     if os.environ.get("GEM4_NO_KERNELS") or not CPU_FLAGS <= _cpu_flags():
         return False
     from torch.utils.cpp_extension import load
