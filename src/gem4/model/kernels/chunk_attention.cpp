@@ -22,11 +22,13 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
 
 using namespace gem4_simd;
+using gem4_ops::check_attention_inputs;
 
 constexpr int64_t BLOCK_ROWS = 256;    // query rows (tokens x heads of a group) per task: the scores stay in L2
 constexpr int TILE_ROWS = 8;           // C tile: 8 rows x 32 columns, 16 accumulators
@@ -146,13 +148,8 @@ void softmax_row(float* sr, const bool* mrow, int64_t span, uint16_t* p, int64_t
 }
 
 torch::Tensor attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask) {
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
-    TORCH_CHECK(k.dtype() == torch::kBFloat16 && v.dtype() == torch::kBFloat16 && k.is_contiguous() && v.is_contiguous()
-                && k.dim() == 3 && k.sizes() == v.sizes(), "k, v must be contiguous bf16 [S, kv_heads, d] of one shape");
+    check_attention_inputs(q, k, v, mask);
     const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
-    TORCH_CHECK(k.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
-    TORCH_CHECK(mask.dtype() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
-                "mask must be contiguous bool [T, S]");
     const int64_t g = nh / nkv, S2 = (S + 1) / 2;
     const int64_t tokens_per_block = std::max<int64_t>(1, BLOCK_ROWS / g);
     const int64_t blocks = (T + tokens_per_block - 1) / tokens_per_block, tasks = blocks * nkv;

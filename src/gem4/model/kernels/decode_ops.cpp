@@ -136,6 +136,17 @@ torch::Tensor softcap(torch::Tensor x, double cap) {
     return out;
 }
 
+// The inputs of attend / attend_chunk: q [T, nh, d] float32, k / v [S, nkv, d] bf16, mask [T, S] bool.
+void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask) {
+    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
+    TORCH_CHECK(k.dtype() == torch::kBFloat16 && v.dtype() == torch::kBFloat16 && k.is_contiguous() && v.is_contiguous()
+                && k.dim() == 3 && k.sizes() == v.sizes(), "k, v must be contiguous bf16 [S, kv_heads, d] of one shape");
+    const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
+    TORCH_CHECK(k.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
+    TORCH_CHECK(mask.dtype() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
+                "mask must be contiguous bool [T, S]");
+}
+
 constexpr int HB = 8;              // query heads handled together: each K / V row is converted once per HB heads
 constexpr int64_t MIN_SPLIT = 64;  // fewest key rows per task when the keys are split across threads
 
@@ -192,13 +203,8 @@ void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int
 // threads; each part keeps its own max and sum, and the parts are merged as one softmax would weigh them.
 // A query row that sees no key gets zeros.
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask) {
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
-    TORCH_CHECK(k.dtype() == torch::kBFloat16 && v.dtype() == torch::kBFloat16 && k.is_contiguous() && v.is_contiguous()
-                && k.dim() == 3 && k.sizes() == v.sizes(), "k, v must be contiguous bf16 [S, kv_heads, d] of one shape");
+    check_attention_inputs(q, k, v, mask);
     const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
-    TORCH_CHECK(k.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
-    TORCH_CHECK(mask.dtype() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
-                "mask must be contiguous bool [T, S]");
     const int64_t g = nh / nkv;
     // visible key rows of each query row
     const bool* mp = mask.data_ptr<bool>();

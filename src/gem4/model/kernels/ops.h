@@ -1,4 +1,5 @@
-// The kernels one C++ caller may combine (decode_layer.cpp); each is also a torch op of its own.
+// What one kernel source uses of another: the kernels decode_layer.cpp combines (each is also a torch op
+// of its own) and the attention kernels' shared input check.
 #pragma once
 #include <torch/extension.h>
 #include <optional>
@@ -16,6 +17,7 @@ torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps, std::optional<torch::Tensor> residual);
 torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask);
+void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask);
 torch::Tensor gelu_mul(torch::Tensor a, torch::Tensor b);
 
 }  // namespace gem4_ops
