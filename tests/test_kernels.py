@@ -115,7 +115,7 @@ def greedy(model, ids, n):
     return out
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "bf16"])
 def test_fast_mode_tracks_the_float32_path(variants, qtype):
     # The same GGUF: float32 reference (dequantized, float32 activations) vs the fast mode (packed
     # kernels; bf16 KV cache and bf16 prefill GEMM). NMSE is asserted per variant, for prefill and decode.
@@ -124,9 +124,9 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
     # and prefill GEMM flip a near-tie in one variant per type (with both in float32 all 4 agree).
     same_greedy = {}
     for name in VARIANTS:
-        path = variants[name].gguf[qtype]
+        path = variants[name].gguf[qtype] if qtype != "bf16" else variants[name].hf_causal   # bf16: as stored
         ref_model, fast_model = gem4.load(path), gem4.load(path, dtype="bfloat16")
-        assert fast_model.layers[0].mlp.up_proj.ggml_type == GGMLType[qtype.upper()]      # packed, not dense
+        assert fast_model.layers[0].mlp.up_proj.gemv_type == GGMLType[qtype.upper()]      # what the GEMV reads
         ids = variants[name].ids
         ref_logits = ref_model.logits(ids)
         drift = nmse(fast_model.logits(ids), ref_logits)
@@ -317,11 +317,12 @@ def test_keep_heap_serves_large_blocks_from_the_heap(tmp_path):
     assert where == {"default": "mapping", "keep": "heap"}
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "bf16"])
 def test_decode_layer_is_the_layer_it_replaces(tmp_path, qtype):
     """kernels.decode_layer runs a decode step's layer in one call: bit-identical logits to the Python layer
     over prefill, one-token and three-token steps, on the E2B-like (PLE + KV sharing; PLE width 32 so its
-    projections are packed too), k_eq_v and plain dense variants. MoE layers keep the Python layer."""
+    projections are packed too), k_eq_v and plain dense variants; Q8_0 / Q4_0 packed or bf16 as stored.
+    MoE layers keep the Python layer."""
     from model_fixtures import build_hf
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.gguf_model import write_gguf
@@ -345,3 +346,20 @@ def test_decode_layer_is_the_layer_it_replaces(tmp_path, qtype):
         for layer in model.layers:
             layer.plan = None
         assert torch.equal(one_call, steps(model)), name
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 300, 1536), (3, 77, 100), (5, 64, 8), (8, 40, 256)])
+def test_gemv_bf16_takes_x_as_two_bf16_terms(M, N, K):
+    """gemv_bf16 equals x_hi @ W.T + x_lo @ W.T in float64 (x_hi = bf16(x), x_lo = bf16(x - x_hi)) up to float32
+    sums, and so the float64 product x @ W.T within ~1e-5 relative (bf16(x) alone: ~3e-3)."""
+    g = torch.Generator().manual_seed(M * N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g).bfloat16()
+    out = kernels.gemv_bf16(x, w)
+    assert out.shape == (M, N) and out.dtype == torch.float32
+    hi = x.bfloat16().float()
+    emulated = (hi.double() + (x - hi).bfloat16().double()) @ w.double().T
+    torch.testing.assert_close(out.double(), emulated, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ w.double().T
+    assert ((out.double() - exact) ** 2).mean() / (exact ** 2).mean() < 1e-9
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.gemv_bf16(x, w.float())

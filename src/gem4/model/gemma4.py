@@ -145,29 +145,25 @@ class DecoderLayer(nn.Module):
 
     def decode_plan(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """Fast mode, once at load: the weights and dims with which kernels.decode_layer runs this whole layer
-        for a decode step, or None where it does not cover the layer (26B-A4B's MoE layers; a weight not
-        packed; Q/K/V or gate/up in different types)."""
+        for a decode step, or None where it does not cover the layer (26B-A4B's MoE layers; a weight that
+        no GEMV kernel reads, i.e. neither packed nor bf16)."""
         attn, mlp, spec = self.self_attn, self.mlp, self.spec
         if hasattr(self, "experts"):
             return None
         linears = [attn.q_proj, getattr(attn, "k_proj", None), getattr(attn, "v_proj", None), attn.o_proj,
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj,
                    getattr(self, "per_layer_input_gate", None), getattr(self, "per_layer_projection", None)]
-        present = [lin for lin in linears if lin is not None]
-        if any(lin.layout != "packed" for lin in present):
-            return None
-        qkv = [lin for lin in linears[:3] if lin is not None]
-        if len({lin.ggml_type for lin in qkv}) > 1 or mlp.gate_proj.ggml_type != mlp.up_proj.ggml_type:
+        if any(lin is not None and lin.gemv_type is None for lin in linears):
             return None
         norms = [self.input_layernorm, attn.q_norm, getattr(attn, "k_norm", None), self.post_attention_layernorm,
                  self.pre_feedforward_layernorm, self.post_feedforward_layernorm,
                  getattr(self, "post_per_layer_input_norm", None)]
         none = torch.empty(0)
         weights = ([none if n is None else n.weight for n in norms] + [self.layer_scalar]
-                   + [none if lin is None else lin.packed for lin in linears])
+                   + [none if lin is None else lin.packed if lin.layout == "packed" else lin.weight for lin in linears])
         dims = [spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.owns_kv), int(spec.k_eq_v)]
         for lin in linears:
-            dims += [0, 0, 0] if lin is None else [lin.out_features, lin.in_features, int(lin.ggml_type)]
+            dims += [0, 0, 0] if lin is None else [lin.out_features, lin.in_features, int(lin.gemv_type)]
         return weights, dims
 
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: Step, cache: KVCache) -> torch.Tensor:

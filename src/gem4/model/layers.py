@@ -86,7 +86,8 @@ class QuantLinear(nn.Module):
     Three storages (`layout`), one forward:
     - "dense" (reference): `weight` in the weight dtype (GGML block formats dequantized once at load).
       The input is rounded to W's dtype, products accumulate in float32, the result comes back in the
-      activation dtype.
+      activation dtype. In fast mode (`fused`) a bf16 weight takes decode-sized inputs through
+      kernels.gemv_bf16 instead (the input as two bf16 terms: closer to the float32 path, not further).
     - "packed" (fast path, `pack()`): `packed` holds Q8_0 / Q4_0 weights in the compiled kernels' layout,
       rearranged once at load. Up to DECODE_ROWS input rows (decode, small batches) run the kernel that
       reads it directly; longer inputs (prefill chunks) turn it into bf16 a cache-sized tile of rows at
@@ -94,6 +95,8 @@ class QuantLinear(nn.Module):
     - "blocks" (`keep_blocks()`): `raw` holds GGML blocks of any type exactly as the file has them, for a
       table that is only ever read by rows (the per-layer token embedding); it stays in the mmap.
     """
+
+    fused = False          # fast mode (Model.use_kernels): bf16 weights take decode-sized inputs through gemv_bf16
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -131,13 +134,26 @@ class QuantLinear(nn.Module):
             return kernels.dequant(self.packed[ids], self.in_features, self.ggml_type, torch.float32)
         return dequantize(self.raw[ids].contiguous(), self.ggml_type, (ids.numel(), self.in_features))
 
+    @property
+    def gemv_type(self) -> GGMLType | None:
+        """The weight type a GEMV kernel reads for this layer: its packed type, BF16 for a bf16 weight in fast
+        mode, else None."""
+        if self.layout == "packed":
+            return self.ggml_type
+        if self.fused and self.layout == "dense" and self.weight.dtype == torch.bfloat16:
+            return GGMLType.BF16
+        return None
+
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """True when forward(x) is one call of the packed kernel: x float32 [M <= DECODE_ROWS, in], contiguous."""
-        return (self.layout == "packed" and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
+        """True when forward(x) is one GEMV kernel call: x float32 [M <= DECODE_ROWS, in], contiguous, and a
+        kernel reads this weight (gemv_type)."""
+        return (self.gemv_type is not None and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
                 and x.dtype == torch.float32 and x.is_contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_gemv(x):                                    # decode: the common case first
+            if self.layout == "dense":
+                return kernels.gemv_bf16(x, self.weight)
             return kernels.gemv(x, self.packed, self.out_features, self.in_features, self.ggml_type)
         if self.layout == "dense":
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
@@ -153,7 +169,8 @@ class QuantLinear(nn.Module):
 
 def _one_pass(x: torch.Tensor, linears) -> bool:
     """Several packed layers of one type can take x in one kernel pass."""
-    return all(lin.takes_gemv(x) for lin in linears) and len({lin.ggml_type for lin in linears}) == 1
+    return (all(lin.layout == "packed" and lin.takes_gemv(x) for lin in linears)
+            and len({lin.ggml_type for lin in linears}) == 1)
 
 
 def project(x: torch.Tensor, linears: list[QuantLinear]) -> list[torch.Tensor]:

@@ -5,6 +5,7 @@
   `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode); `gemv_multi` (Q, K, V from one
   input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's GEMM
   (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
+- `gemv_bf16(x, w)`: the same product for bf16 weights as they are stored (`bf16_gemv.cpp`).
 - `rms_norm`, `rms_norm_rope`, `attend`, `gelu_mul`, `softcap`: the decode step's small operations,
   one call each instead of several torch ops (`decode_ops.cpp`; shared SIMD helpers in `simd.h`).
 - `attend_chunk`: a prefill chunk's attention with bf16 GEMMs, skipping key blocks no query of a block
@@ -28,7 +29,7 @@ import torch
 
 from gem4.weights.quants import GGMLType
 
-SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
 CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "f16c"}   # what the sources use
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # formats the compiled kernels read
@@ -99,6 +100,12 @@ def gemv(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type
     """x [M, k_in] float32, packed x16 weight -> x @ W.T [M, n_out] float32 (activations quantized per
     32-block to int16: relative error <= 2^-16 of the block's largest value)."""
     return _ops().gemv_x16(x, packed, n_out, k_in, int(ggml_type))
+
+
+def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ w.T for a bf16 weight w [N, K] -> [M, N] float32; x enters as two bf16 terms
+    (hi + lo, ~16 bits), products summed in float32."""
+    return _ops().gemv_bf16(x, w)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:

@@ -8,10 +8,12 @@
 // mask [T, span] bool. k_store / v_store [R, nkv, d] bf16 are the cache rows this layer attends to: a
 // KV-owning layer first writes its k / v to `rows` [T] (int64), a KV-shared layer (rows None) reads what
 // its donor wrote; attention sees rows [0, span).
-// weights, in this order (an undefined tensor where a variant has none):
+// weights, in this order (an empty tensor where a variant has none):
 //   norms:    input, q, k, post-attention, pre-feedforward, post-feedforward, post-per-layer-input, layer scalar
-//   x16:      q, k, v, o, gate, up, down, per-layer-input gate, per-layer projection
-// dims: n_heads, n_kv_heads, head_dim, owns_kv, k_eq_v, then (n_out, k_in, ggml_type) of each x16 weight.
+//   linears:  q, k, v, o, gate, up, down, per-layer-input gate, per-layer projection
+// dims: n_heads, n_kv_heads, head_dim, owns_kv, k_eq_v, then (n_out, k_in, type) of each linear. A linear is
+// Q8_0 / Q4_0 in the x16 layout (type 8 / 2) or bf16 [n_out, k_in] as stored (type 30, GGML's BF16); Q/K/V
+// and gate/up take one fused pass when they are x16 of one type, one call each otherwise (as in Python).
 // 26B-A4B's MoE layers are not covered (the Python layer runs them).
 #include <torch/extension.h>
 
@@ -24,6 +26,7 @@ using namespace gem4_ops;
 enum Norm { IN_NORM, Q_NORM, K_NORM, POST_ATTN, PRE_FFN, POST_FFN, POST_PLE, SCALAR, N_NORMS };
 enum Linear { Q, K, V, O, GATE, UP, DOWN, PLE_GATE, PLE_PROJ, N_LINEARS };
 enum Dim { N_HEADS, N_KV_HEADS, HEAD_DIM, OWNS_KV, K_EQ_V, LINEAR_DIMS };
+constexpr int64_t BF16_TYPE = 30;      // GGML type id
 
 struct Layer {
     const std::vector<torch::Tensor>& w;
@@ -34,7 +37,29 @@ struct Layer {
     int64_t n_out(Linear l) const { return dims[LINEAR_DIMS + 3 * l]; }
     int64_t k_in(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 1]; }
     int64_t type(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 2]; }
-    torch::Tensor apply(Linear l, const torch::Tensor& x) const { return gemv_x16(x, packed(l), n_out(l), k_in(l), type(l)); }
+    torch::Tensor apply(Linear l, const torch::Tensor& x) const {
+        return type(l) == BF16_TYPE ? gemv_bf16(x, packed(l)) : gemv_x16(x, packed(l), n_out(l), k_in(l), type(l));
+    }
+    // layers.project: x through several linears, one pass when all are x16 of one type
+    std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<Linear>& ls) const {
+        bool one_pass = ls.size() > 1 && type(ls[0]) != BF16_TYPE;
+        for (Linear l : ls) one_pass = one_pass && type(l) == type(ls[0]);
+        std::vector<torch::Tensor> out;
+        if (!one_pass) {
+            for (Linear l : ls) out.push_back(apply(l, x));
+            return out;
+        }
+        std::vector<torch::Tensor> ws;
+        std::vector<int64_t> n_outs;
+        for (Linear l : ls) ws.push_back(packed(l)), n_outs.push_back(n_out(l));
+        return gemv_x16_multi(x, ws, n_outs, k_in(ls[0]), type(ls[0]));
+    }
+    // layers.glu: gelu_tanh(gate(x)) * up(x)
+    torch::Tensor glu(const torch::Tensor& x) const {
+        if (type(GATE) != BF16_TYPE && type(GATE) == type(UP))
+            return gemv_x16_glu(x, packed(GATE), packed(UP), n_out(GATE), k_in(GATE), type(GATE));
+        return gelu_mul(apply(GATE, x), apply(UP, x));
+    }
 };
 
 torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, torch::Tensor cos, torch::Tensor sin,
@@ -49,15 +74,9 @@ torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, to
 
     // attention block
     const torch::Tensor h = rms_norm(x, L.norm(IN_NORM), eps, std::nullopt);
-    std::vector<torch::Tensor> qkv;
-    if (!owns_kv) {
-        qkv = {L.apply(Q, h)};
-    } else if (k_eq_v) {                                         // V is the raw K projection
-        qkv = gemv_x16_multi(h, {L.packed(Q), L.packed(K)}, {L.n_out(Q), L.n_out(K)}, L.k_in(Q), L.type(Q));
-    } else {
-        qkv = gemv_x16_multi(h, {L.packed(Q), L.packed(K), L.packed(V)}, {L.n_out(Q), L.n_out(K), L.n_out(V)},
-                             L.k_in(Q), L.type(Q));
-    }
+    // k_eq_v layers: V is the raw K projection
+    const std::vector<torch::Tensor> qkv = L.project(h, !owns_kv ? std::vector<Linear>{Q} : k_eq_v ? std::vector<Linear>{Q, K}
+                                                                                                   : std::vector<Linear>{Q, K, V});
     const torch::Tensor q = rms_norm_rope(qkv[0].view({T, nh, d}), L.norm(Q_NORM), eps, cos, sin);   // [T, nh, d]
     if (owns_kv) {
         const torch::Tensor k_raw = qkv[1].view({T, nkv, d});
@@ -71,8 +90,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, to
     x = rms_norm(L.apply(O, attn), L.norm(POST_ATTN), eps, x);
     // feed-forward block
     const torch::Tensor f = rms_norm(x, L.norm(PRE_FFN), eps, std::nullopt);
-    const torch::Tensor gated = gemv_x16_glu(f, L.packed(GATE), L.packed(UP), L.n_out(GATE), L.k_in(GATE), L.type(GATE));
-    x = rms_norm(L.apply(DOWN, gated), L.norm(POST_FFN), eps, x);
+    x = rms_norm(L.apply(DOWN, L.glu(f)), L.norm(POST_FFN), eps, x);
     if (ple) {                                                   // E2B/E4B: per-layer input
         const torch::Tensor p = gelu_mul(L.apply(PLE_GATE, x), ple->contiguous());
         x = rms_norm(L.apply(PLE_PROJ, p), L.norm(POST_PLE), eps, x);

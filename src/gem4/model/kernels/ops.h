@@ -13,6 +13,9 @@ std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Te
                                           int64_t k_in, int64_t ggml_type);
 torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
 
+// bf16_gemv.cpp
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
+
 // decode_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps, std::optional<torch::Tensor> residual);
 torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor cos, torch::Tensor sin);
