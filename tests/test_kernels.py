@@ -127,6 +127,8 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
         path = variants[name].gguf[qtype] if qtype != "bf16" else variants[name].hf_causal   # bf16: as stored
         ref_model, fast_model = gem4.load(path), gem4.load(path, dtype="bfloat16")
         assert fast_model.layers[0].mlp.up_proj.gemv_type == GGMLType[qtype.upper()]      # what the GEMV reads
+        if name == "moe" and qtype != "bf16":                                              # experts packed too
+            assert set(fast_model.layers[0].experts.packed_types.values()) == {GGMLType[qtype.upper()]}
         ids = variants[name].ids
         ref_logits = ref_model.logits(ids)
         drift = nmse(fast_model.logits(ids), ref_logits)
@@ -363,3 +365,27 @@ def test_gemv_bf16_takes_x_as_two_bf16_terms(M, N, K):
     assert ((out.double() - exact) ** 2).mean() / (exact ** 2).mean() < 1e-9
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.gemv_bf16(x, w.float())
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_0])
+@pytest.mark.parametrize("T", [1, 3, 20])
+def test_packed_experts_equal_their_dequantized_weights(ggml_type, T):
+    """26B-A4B experts packed as [E * rows, k] (Experts.pack): expert e's products read its own rows, through
+    the GEMV (T <= DECODE_ROWS) and the tiled GEMM; equal to the dense dequantized experts within the
+    kernels' rounding (int16 / bf16 activations)."""
+    from gem4.config import MoEConfig
+    from gem4.model.gemma4 import Experts
+    from types import SimpleNamespace
+    E, H, Im, K = 6, 64, 32, 2
+    config = SimpleNamespace(hidden_size=H, moe=MoEConfig(num_experts=E, top_k=K, intermediate_size=Im))
+    g = torch.Generator().manual_seed(T)
+    dense, packed = Experts(config), Experts(config)
+    for name, (rows, k) in dense.dims.items():
+        raw = quantize(torch.randn(E, rows, k, generator=g) * 0.1, ggml_type)
+        setattr(dense, name, torch.nn.Parameter(dequantize(raw, ggml_type, (E, rows, k)), requires_grad=False))
+        packed.pack(name, raw, ggml_type)
+    x = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])             # [T, K] distinct experts
+    w = torch.rand(T, K, generator=g)
+    ref, out = dense(x, idx, w), packed(x, idx, w)
+    assert ((out - ref) ** 2).mean() / (ref ** 2).mean() < 1e-4

@@ -16,15 +16,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, Step
 from gem4.model import kernels
 from gem4.model.layers import (
-    DECODE_ROWS, GEMM_ATTENTION_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu, project,
-    rms_norm, rope_cos_sin, softcap,
+    DECODE_ROWS, GEMM_ATTENTION_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu,
+    packed_linear, project, rms_norm, rope_cos_sin, softcap,
 )
+from gem4.weights.quants import GGMLType
 
 
 class Attention(nn.Module):
@@ -106,14 +108,39 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
+    """26B-A4B routed experts: gate_up_proj [E, 2*Im, H] and down_proj [E, H, Im], dense in the weight dtype,
+    or (fast mode, `pack`) Q8_0 / Q4_0 packed as [E * rows, ...] in the kernels' layout: expert e is the row
+    range [e * rows, (e + 1) * rows) of it, read only when a token is routed to e."""
+
+    fused = False          # fast mode (Model.use_kernels): the gelu gate runs kernels.gelu_mul
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         moe, H = config.moe, config.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, 2 * moe.intermediate_size, H), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, H, moe.intermediate_size), requires_grad=False)
+        self.num_experts = moe.num_experts
+        self.dims = {"gate_up_proj": (2 * moe.intermediate_size, H), "down_proj": (H, moe.intermediate_size)}  # rows, k
+        for name, dims in self.dims.items():
+            setattr(self, name, nn.Parameter(torch.empty(moe.num_experts, *dims), requires_grad=False))
+        self.packed_types: dict[str, GGMLType] = {}                # name -> type, for the packed ones
+
+    def pack(self, name: str, raw: torch.Tensor, ggml_type: GGMLType) -> None:
+        """Load time: GGML bytes of `name` ("gate_up_proj" / "down_proj", [E, rows, k]) -> the kernels' layout."""
+        rows, k = self.dims[name]
+        packed = kernels.repack(raw, self.num_experts * rows, k, ggml_type)
+        delattr(self, name)
+        self.register_buffer(name, packed, persistent=False)
+        self.packed_types[name] = GGMLType(ggml_type)
+
+    def _product(self, name: str):
+        """Expert e's x @ W_e.T for the weight `name`: (e, xs [n, k]) -> [n, rows] float32."""
+        w = getattr(self, name)
+        if name not in self.packed_types:
+            return lambda e, xs: F.linear(xs.to(w.dtype), w[e]).to(xs.dtype)
+        (rows, k), ggml_type = self.dims[name], self.packed_types[name]
+        return lambda e, xs: packed_linear(xs, w[e * rows:(e + 1) * rows], rows, k, ggml_type)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, self.gate_up_proj, self.down_proj, idx, weights)
+        return experts_forward(x, self._product("gate_up_proj"), self._product("down_proj"), idx, weights, self.fused)
 
 
 class DecoderLayer(nn.Module):

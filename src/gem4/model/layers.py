@@ -159,12 +159,16 @@ class QuantLinear(nn.Module):
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         if self.layout == "blocks":
             raise RuntimeError("this weight is kept in GGML blocks as a lookup table; it has no matmul")
-        x2 = x.reshape(-1, self.in_features)                      # [M, in]
-        if x2.shape[0] <= DECODE_ROWS:
-            y = kernels.gemv(x2.float().contiguous(), self.packed, self.out_features, self.in_features, self.ggml_type)
-        else:
-            y = kernels.linear(x2.to(torch.bfloat16), self.packed, self.out_features, self.in_features, self.ggml_type)
+        y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features, self.in_features, self.ggml_type)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
+    """x [M, k_in] @ W.T [M, n_out] float32 for W packed in the kernels' layout: the GEMV kernel for up to
+    DECODE_ROWS rows, bf16 tiles of W and one GEMM each beyond (prefill)."""
+    if x.shape[0] <= DECODE_ROWS:
+        return kernels.gemv(x.float().contiguous(), packed, n_out, k_in, ggml_type)
+    return kernels.linear(x.to(torch.bfloat16), packed, n_out, k_in, ggml_type).float()
 
 
 def _one_pass(x: torch.Tensor, linears) -> bool:
@@ -208,31 +212,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.reshape(nkv, g, T, d).permute(2, 0, 1, 3).reshape(T, nh * d).to(q.dtype)
 
 
-def experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                    expert_idx: torch.Tensor, expert_w: torch.Tensor) -> torch.Tensor:
+def experts_forward(x: torch.Tensor, gate_up, down, expert_idx: torch.Tensor, expert_w: torch.Tensor,
+                    fused: bool = False) -> torch.Tensor:
     """Routed experts (26B-A4B), batched by expert.
 
-    x [T, H]; gate_up [E, 2*Im, H] (rows [0, Im) gate, [Im, 2Im) up); down [E, H, Im];
-    expert_idx, expert_w [T, K]. Returns sum_k w[t,k] * down[e] @ (gelu(g) * u)  -> [T, H].
-    (token, slot) pairs are grouped by expert, so the loop runs over the experts in use, never over tokens.
+    x [T, H]; gate_up(e, xs [n, H]) -> [n, 2*Im] (columns [0, Im) gate, [Im, 2Im) up) and down(e, h [n, Im])
+    -> [n, H]: expert e's products; expert_idx, expert_w [T, K]. Returns sum_k w[t,k] * down_e(gelu(g) * u)
+    -> [T, H]. (token, slot) pairs are grouped by expert, so the loop runs over the experts in use, never
+    over tokens. `fused` (fast mode): the gelu gate runs kernels.gelu_mul.
     """
     T, K = expert_idx.shape
-    im = down.shape[-1]
     flat_expert = expert_idx.reshape(-1)                          # [T*K]
     order = torch.argsort(flat_expert, stable=True)
     token_of = order // K                                         # [T*K] token of each sorted pair
     weight_of = expert_w.reshape(-1)[order]                       # [T*K]
-    counts = torch.bincount(flat_expert, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_expert).tolist()
     out = torch.zeros_like(x)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         tokens = token_of[start:start + n]
-        gu = F.linear(x[tokens].to(gate_up.dtype), gate_up[e]).to(x.dtype)       # [n, 2*Im]
-        h = gelu_tanh(gu[:, :im]) * gu[:, im:]
-        y = F.linear(h.to(down.dtype), down[e]).to(x.dtype) * weight_of[start:start + n, None].to(x.dtype)  # [n, H]
-        out.index_add_(0, tokens, y)
+        gu = gate_up(e, x[tokens])                                # [n, 2*Im]
+        im = gu.shape[-1] // 2
+        y = down(e, gelu_mul(gu[:, :im].contiguous(), gu[:, im:].contiguous(), fused))    # [n, H]
+        out.index_add_(0, tokens, y * weight_of[start:start + n, None].to(x.dtype))
         start += n
     return out
 

@@ -24,6 +24,9 @@ def _weight_dtype(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return torch.float32 if len(shape) == 1 or name.endswith("router.proj.weight") else dtype
 
 
+# 26B-A4B's routed expert weights, one [E, rows, k] tensor each (Experts.pack in fast mode).
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+
 # Tensors a file may omit, with the value llama.cpp's loader assumes (GEMMA4.md §3.2).
 OPTIONAL_ONES = ("layer_scalar", "router.per_expert_scale")
 
@@ -47,18 +50,21 @@ def _check_manifest(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]]) -> N
 
 
 def _block_storage(name: str, entry, packed_kernels: bool) -> str | None:
-    """How a GGML-block tensor is kept instead of being dequantized: "blocks", "packed" or None (dense).
+    """How a GGML-block tensor is kept instead of being dequantized: "blocks", "packed", "experts" or None (dense).
 
     The per-layer embedding table is only read by rows, so it always stays in its blocks, in the mmap.
     Projection weights (and the token table, which is also the tied head) are packed in the fast mode
-    when a compiled kernel reads their format.
+    when a compiled kernel reads their format; so are 26B-A4B's expert weights ("experts": Experts.pack).
     """
     if entry is None or entry.raw is None:
         return None
     if name == PLE_TABLE:
         return "blocks"
-    if packed_kernels and len(entry.shape) == 2 and GGMLType[entry.stored] in kernels.PACKED_TYPES:
-        return "packed"
+    if packed_kernels and GGMLType[entry.stored] in kernels.PACKED_TYPES:
+        if len(entry.shape) == 2:
+            return "packed"
+        if name.endswith(EXPERT_WEIGHTS):                  # 26B-A4B: [E, rows, k], packed as E * rows rows
+            return "experts"
     return None
 
 
@@ -80,11 +86,12 @@ def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress
         storage = _block_storage(name, entry, packed_kernels)
         if storage is not None:
             raw, ggml_type = entry.raw()
-            linear = model.get_submodule(name.rsplit(".", 1)[0])
+            parent, attr = name.rsplit(".", 1)
+            module = model.get_submodule(parent)
             if storage == "blocks":
-                linear.keep_blocks(raw.to(device), ggml_type)
+                module.keep_blocks(raw.to(device), ggml_type)
             else:                                          # a copy in the kernels' layout: the file's pages can go
-                linear.pack(raw, ggml_type)
+                module.pack(attr, raw, ggml_type) if storage == "experts" else module.pack(raw, ggml_type)
                 entry.release()
         elif entry is None:                                # optional scalars default to 1 (OPTIONAL_ONES)
             state[name] = torch.ones(expected[name], dtype=_weight_dtype(name, expected[name], torch_dtype), device=device)
