@@ -172,11 +172,10 @@ class DecoderLayer(nn.Module):
 
     def decode_plan(self) -> tuple[list[torch.Tensor], list[int]] | None:
         """Fast mode, once at load: the weights and dims with which kernels.decode_layer runs this whole layer
-        for a decode step, or None where it does not cover the layer (26B-A4B's MoE layers; a weight that
-        no GEMV kernel reads, i.e. neither packed nor bf16)."""
+        for a decode step (decode_layer.cpp lists them), or None where it does not cover the layer: a
+        projection that no GEMV kernel reads (neither packed nor bf16), or a 26B-A4B router projection that
+        is not a dense float32 matrix."""
         attn, mlp, spec = self.self_attn, self.mlp, self.spec
-        if hasattr(self, "experts"):
-            return None
         linears = [attn.q_proj, getattr(attn, "k_proj", None), getattr(attn, "v_proj", None), attn.o_proj,
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj,
                    getattr(self, "per_layer_input_gate", None), getattr(self, "per_layer_projection", None)]
@@ -191,6 +190,15 @@ class DecoderLayer(nn.Module):
         dims = [spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.owns_kv), int(spec.k_eq_v)]
         for lin in linears:
             dims += [0, 0, 0] if lin is None else [lin.out_features, lin.in_features, int(lin.gemv_type)]
+        if hasattr(self, "experts"):                   # 26B-A4B
+            router, experts = self.router, self.experts
+            if router.proj.layout != "dense" or router.proj.weight.dtype != torch.float32:
+                return None
+            weights += [self.pre_feedforward_layernorm_2.weight, self.post_feedforward_layernorm_1.weight,
+                        self.post_feedforward_layernorm_2.weight, router.scale, router.proj.weight,
+                        router.per_expert_scale, experts.gate_up_proj, experts.down_proj]
+            dims += [experts.num_experts, router.top_k] + [int(experts.packed_types.get(name, 0))
+                                                           for name in ("gate_up_proj", "down_proj")]
         return weights, dims
 
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: Step, cache: KVCache) -> torch.Tensor:

@@ -14,8 +14,12 @@
 // dims: n_heads, n_kv_heads, head_dim, owns_kv, k_eq_v, then (n_out, k_in, type) of each linear. A linear is
 // Q8_0 / Q4_0 in the x16 layout (type 8 / 2) or bf16 [n_out, k_in] as stored (type 30, GGML's BF16); Q/K/V
 // and gate/up take one fused pass when they are x16 of one type, one call each otherwise (as in Python).
-// 26B-A4B's MoE layers are not covered (the Python layer runs them).
+// 26B-A4B layers append to weights: the norms pre-feedforward-2, post-feedforward-1, post-feedforward-2, the
+// router's scale, projection [E, H] (float32) and per-expert scale, the experts' gate_up and down; and to
+// dims: E, top_k, then each expert weight's type (8 / 2: x16 as [E * rows, ...]; 0: dense [E, rows, k]).
 #include <torch/extension.h>
+#include <cmath>
+#include <utility>
 
 #include "ops.h"
 
@@ -26,6 +30,10 @@ using namespace gem4_ops;
 enum Norm { IN_NORM, Q_NORM, K_NORM, POST_ATTN, PRE_FFN, POST_FFN, POST_PLE, SCALAR, N_NORMS };
 enum Linear { Q, K, V, O, GATE, UP, DOWN, PLE_GATE, PLE_PROJ, N_LINEARS };
 enum Dim { N_HEADS, N_KV_HEADS, HEAD_DIM, OWNS_KV, K_EQ_V, LINEAR_DIMS };
+enum MoeWeight { PRE_FFN_2, POST_FFN_1, POST_FFN_2, ROUTER_SCALE, ROUTER_PROJ, EXPERT_SCALE, EXPERTS_GATE_UP, EXPERTS_DOWN,
+                 N_MOE_WEIGHTS };
+enum MoeDim { N_EXPERTS, TOP_K, GATE_UP_TYPE, DOWN_TYPE, N_MOE_DIMS };
+constexpr size_t DENSE_WEIGHTS = N_NORMS + N_LINEARS, DENSE_DIMS = LINEAR_DIMS + 3 * N_LINEARS;
 constexpr int64_t BF16_TYPE = 30;      // GGML type id
 
 struct Layer {
@@ -60,13 +68,62 @@ struct Layer {
             return gemv_x16_glu(x, packed(GATE), packed(UP), n_out(GATE), k_in(GATE), type(GATE));
         return gelu_mul(apply(GATE, x), apply(UP, x));
     }
+
+    // 26B-A4B
+    bool moe() const { return w.size() > DENSE_WEIGHTS; }
+    const torch::Tensor& moe_weight(MoeWeight m) const { return w[DENSE_WEIGHTS + m]; }
+    int64_t moe_dim(MoeDim m) const { return dims[DENSE_DIMS + m]; }
+
+    // Router.forward: r [T, H] (the un-normed residual) -> expert ids [T, K], weights [T, K]
+    std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& r, double eps) const {
+        const torch::Tensor t = at::rms_norm(r, {r.size(-1)}, std::nullopt, eps) * moe_weight(ROUTER_SCALE)
+                                * std::pow(static_cast<double>(r.size(-1)), -0.5);
+        const torch::Tensor probs = at::softmax(at::linear(t, moe_weight(ROUTER_PROJ)), -1);   // over all experts first
+        auto [top, idx] = at::topk(probs, moe_dim(TOP_K), -1);
+        top = top / top.sum(-1, true);                                                      // renormalise the top-K
+        return {idx, top * moe_weight(EXPERT_SCALE).index({idx})};
+    }
+
+    // expert e's xs @ W_e.T for an expert weight [E, rows, k] (dense) or its x16 rows [E * rows, ...]
+    torch::Tensor expert(MoeWeight m, MoeDim type_dim, int64_t e, const torch::Tensor& xs) const {
+        const torch::Tensor& w = moe_weight(m);
+        const int64_t type = moe_dim(type_dim);
+        if (type == 0) return at::linear(xs.to(w.scalar_type()), w[e]).to(xs.scalar_type());
+        const int64_t rows = w.size(0) / moe_dim(N_EXPERTS), k = xs.size(1);
+        return gemv_x16(xs.contiguous(), w.narrow(0, e * rows, rows), rows, k, type);
+    }
+
+    // layers.experts_forward (fast mode): grouped by expert, in ascending expert order
+    torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& weights) const {
+        const int64_t K = idx.size(1);
+        const torch::Tensor flat = idx.reshape(-1);
+        const torch::Tensor order = at::argsort(flat, /*stable=*/true);
+        const torch::Tensor token_of = at::floor_divide(order, K);
+        const torch::Tensor weight_of = weights.reshape(-1).index({order});
+        const torch::Tensor counts = at::bincount(flat).contiguous();
+        torch::Tensor out = at::zeros_like(x);
+        int64_t start = 0;
+        for (int64_t e = 0; e < counts.size(0); ++e) {
+            const int64_t n = counts[e].item<int64_t>();
+            if (n == 0) continue;
+            const torch::Tensor tokens = token_of.narrow(0, start, n);
+            const torch::Tensor gu = expert(EXPERTS_GATE_UP, GATE_UP_TYPE, e, x.index({tokens}));    // [n, 2 Im]
+            const int64_t im = gu.size(1) / 2;
+            const torch::Tensor h = gelu_mul(gu.narrow(1, 0, im).contiguous(), gu.narrow(1, im, im).contiguous());
+            const torch::Tensor y = expert(EXPERTS_DOWN, DOWN_TYPE, e, h);                         // [n, H]
+            out.index_add_(0, tokens, y * weight_of.narrow(0, start, n).unsqueeze(1).to(x.scalar_type()));
+            start += n;
+        }
+        return out;
+    }
 };
 
 torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor mask, torch::Tensor k_store, torch::Tensor v_store, std::optional<torch::Tensor> rows,
                            int64_t span, std::vector<torch::Tensor> weights, std::vector<int64_t> dims, double eps) {
-    TORCH_CHECK(weights.size() == N_NORMS + N_LINEARS && dims.size() == LINEAR_DIMS + 3 * N_LINEARS,
-                "decode_layer: weights / dims do not describe a decoder layer");
+    const bool described = (weights.size() == DENSE_WEIGHTS && dims.size() == DENSE_DIMS)
+                           || (weights.size() == DENSE_WEIGHTS + N_MOE_WEIGHTS && dims.size() == DENSE_DIMS + N_MOE_DIMS);
+    TORCH_CHECK(described, "decode_layer: weights / dims do not describe a decoder layer");
     const Layer L{weights, dims};
     const int64_t T = x.size(0), nh = dims[N_HEADS], nkv = dims[N_KV_HEADS], d = dims[HEAD_DIM];
     const bool owns_kv = dims[OWNS_KV] != 0, k_eq_v = dims[K_EQ_V] != 0;
@@ -90,7 +147,14 @@ torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, to
     x = rms_norm(L.apply(O, attn), L.norm(POST_ATTN), eps, x);
     // feed-forward block
     const torch::Tensor f = rms_norm(x, L.norm(PRE_FFN), eps, std::nullopt);
-    x = rms_norm(L.apply(DOWN, L.glu(f)), L.norm(POST_FFN), eps, x);
+    torch::Tensor m = L.apply(DOWN, L.glu(f));
+    if (L.moe()) {                                               // 26B-A4B: dense branch + routed experts
+        const auto [idx, routing] = L.route(x, eps);
+        const torch::Tensor routed = L.experts(rms_norm(x, L.moe_weight(PRE_FFN_2), eps, std::nullopt), idx, routing);
+        m = rms_norm(m, L.moe_weight(POST_FFN_1), eps, std::nullopt)
+            + rms_norm(routed, L.moe_weight(POST_FFN_2), eps, std::nullopt);
+    }
+    x = rms_norm(m, L.norm(POST_FFN), eps, x);
     if (ple) {                                                   // E2B/E4B: per-layer input
         const torch::Tensor p = gelu_mul(L.apply(PLE_GATE, x), ple->contiguous());
         x = rms_norm(L.apply(PLE_PROJ, p), L.norm(POST_PLE), eps, x);
