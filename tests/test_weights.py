@@ -57,6 +57,25 @@ def test_hub_config_form_equals_per_layer_config_form(variants, tmp_path):
     assert torch.equal(logits(hub, fx.ids), logits(fx.hf_mm, fx.ids))
 
 
+def test_per_layer_config_of_ten_or_more_layers(tmp_path):
+    # transformers zero-pads per_layer_config keys once a model has 10+ layers ("05", "11"): the full
+    # layers' head geometry must still be read (logits equal transformers' own)
+    from model_fixtures import build_hf, prompt_ids
+    types = (["sliding_attention"] * 5 + ["full_attention"]) * 2
+    causal, _ = build_hf("dense_keqv", num_hidden_layers=12, layer_types=types)
+    causal.save_pretrained(tmp_path / "l12")
+    cfg = json.loads((tmp_path / "l12" / "config.json").read_text())
+    assert set(cfg["per_layer_config"]) == {"05", "11"}
+    ids = prompt_ids()
+    with torch.no_grad():
+        ref = causal(torch.tensor([ids])).logits[0].float()
+    out = logits(tmp_path / "l12", ids)
+    assert ((out - ref) ** 2).mean() / (ref ** 2).mean() < 1e-10
+    edit_config(tmp_path / "l12", lambda c: c["per_layer_config"].update({"12": {"head_dim": 32}}))
+    with pytest.raises(CheckpointError, match="outside 0..11"):
+        gem4.load(tmp_path / "l12")
+
+
 def test_sharded_checkpoint_with_index(variants, tmp_path):
     fx = variants["moe"]
     sharded = tmp_path / "sharded"

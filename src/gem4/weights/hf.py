@@ -88,10 +88,17 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
     # per-layer head geometry: per_layer_config (re-saved form) or global_* keys (hub form)
     head_dims, kv_heads = [], []
     per_layer = cfg.get("per_layer_config")
+    if per_layer is not None:                  # keys are layer indices, zero-padded from 10 layers on ("05")
+        try:
+            per_layer = {int(key): value for key, value in per_layer.items()}
+        except ValueError:
+            raise CheckpointError(f"{where}: per_layer_config keys must be layer indices, got {sorted(per_layer)}") from None
+        if not set(per_layer) <= set(range(len(layer_types))):
+            raise CheckpointError(f"{where}: per_layer_config names layers outside 0..{len(layer_types) - 1}")
     for i, t in enumerate(layer_types):
         d, nkv = int(_require(cfg, "head_dim", where)), int(_require(cfg, "num_key_value_heads", where))
         if per_layer is not None:
-            override = per_layer.get(str(i), {})
+            override = per_layer.get(i, {})
             d, nkv = int(override.get("head_dim", d)), int(override.get("num_key_value_heads", nkv))
         elif t == FULL:
             d = int(_require(cfg, "global_head_dim", where))
