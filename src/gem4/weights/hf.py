@@ -4,7 +4,8 @@ Layouts (GEMMA4.md §3.1):
     Gemma4ForCausalLM                 text weights under `model.`
     Gemma4ForConditionalGeneration    text weights under `model.language_model.`; towers ignored
 Config forms (GEMMA4.md §1.2): top-level `global_head_dim` / `num_global_key_value_heads` (hub
-configs) or `per_layer_config` (what transformers 5.23 re-saves). Per-layer embeddings are decided by
+configs) or `per_layer_config` (what transformers 5.23 re-saves; its keys are layer indices, zero-padded
+from 10 layers on: "05"). Per-layer embeddings are decided by
 the tensors present; a config that says otherwise is refused (transformers silently defaults
 `hidden_size_per_layer_input` to 256 when the key is absent).
 """
