@@ -100,11 +100,12 @@ struct Layer {
         const torch::Tensor order = at::argsort(flat, /*stable=*/true);
         const torch::Tensor token_of = at::floor_divide(order, K);
         const torch::Tensor weight_of = weights.reshape(-1).index({order});
-        const torch::Tensor counts = at::bincount(flat).contiguous();
+        const torch::Tensor counts = at::bincount(flat).contiguous();                           // int64 [max id + 1]
+        const int64_t* count = counts.data_ptr<int64_t>();
         torch::Tensor out = at::zeros_like(x);
         int64_t start = 0;
         for (int64_t e = 0; e < counts.size(0); ++e) {
-            const int64_t n = counts[e].item<int64_t>();
+            const int64_t n = count[e];
             if (n == 0) continue;
             const torch::Tensor tokens = token_of.narrow(0, start, n);
             const torch::Tensor gu = expert(EXPERTS_GATE_UP, GATE_UP_TYPE, e, x.index({tokens}));    // [n, 2 Im]
