@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 
 namespace {
 
@@ -27,12 +28,11 @@ void split_rows(const float* x, int64_t M, int64_t K, int64_t Kp, std::vector<ui
     lo.assign(M * Kp, 0);
     for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; k += 16) {
-            const __mmask16 live = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
-            const __m512 v = _mm512_maskz_loadu_ps(live, x + m * K + k);
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
-            const __m512 h_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            _mm256_mask_storeu_epi16(hi.data() + m * Kp + k, live, h);
-            _mm256_mask_storeu_epi16(lo.data() + m * Kp + k, live, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, h_f)));
+            const __mmask16 in = gem4_simd::live(k, K);
+            __m256i h, l;
+            gem4_simd::split_bf16(_mm512_maskz_loadu_ps(in, x + m * K + k), h, l);
+            _mm256_mask_storeu_epi16(hi.data() + m * Kp + k, in, h);
+            _mm256_mask_storeu_epi16(lo.data() + m * Kp + k, in, l);
         }
 }
 

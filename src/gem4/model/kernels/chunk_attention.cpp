@@ -46,24 +46,18 @@ inline void to_bf16(const float* src, uint16_t* dst, int64_t n) {
 inline void to_bf16_split(const float* src, uint16_t* dst, int64_t n) {
     const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     for (int64_t i = 0; i < n; i += 16) {
-        const __m512 x = _mm512_loadu_ps(src + i);
-        const __m256i hi = (__m256i)_mm512_cvtneps_pbh(x);
-        const __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-        const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hi_f));
+        __m256i hi, lo;
+        split_bf16(_mm512_loadu_ps(src + i), hi, lo);
         const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(hi), lo, 1);   // 8 hi pairs, 8 lo pairs
         _mm512_storeu_si512(dst + 2 * i, _mm512_permutexvar_epi32(order, both));
     }
-}
-
-inline __mmask16 lanes(int64_t n) {    // the first n (0..16+) of 16 lanes
-    return n >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
 }
 
 // C[r, j] = sum_p A[r, 2p] B[2p, j] + A[r, 2p+1] B[2p+1, j] for R rows and n <= 32 columns.
 // A: bf16 rows (stride lda), the summed dim contiguous; B: pairs [k2][ldb] (uint32 = bf16 of rows 2p, 2p+1).
 template <int R>
 void tile(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb, int64_t k2, float* c, int64_t ldc, int64_t n) {
-    const __mmask16 m0 = lanes(n), m1 = lanes(n - 16);
+    const __mmask16 m0 = live(0, n), m1 = live(16, n);
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < k2; ++p) {

@@ -10,9 +10,17 @@ inline __m512 load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// Lanes of the 16-float chunk at i that lie inside [0, n).
+// Lanes of the 16-float chunk at i that lie inside [0, n) (none when i >= n).
 inline __mmask16 live(int64_t i, int64_t n) {
-    return n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    return n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= i ? 0 : static_cast<__mmask16>((1u << (n - i)) - 1);
+}
+
+// 16 floats x -> bf16 bits of hi = bf16(x) and lo = bf16(x - hi), round to nearest even (torch's
+// .to(bfloat16)): x to ~16 bits as two bf16 terms, for products on the bf16 dot-product instruction.
+inline void split_bf16(__m512 x, __m256i& hi, __m256i& lo) {
+    hi = (__m256i)_mm512_cvtneps_pbh(x);
+    const __m512 hi_f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+    lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, hi_f));
 }
 
 // e^x: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-7 Taylor polynomial (relative error < 3e-9
