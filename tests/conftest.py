@@ -1,15 +1,13 @@
 """Session fixtures: tiny seeded Gemma 4 models of every variant, in every on-disk form, built once."""
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("GOMP_SPINCOUNT", "100000")   # as gem4/__init__ sets it, before torch loads
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import gem4  # noqa: F401  first: it sets torch's runtime environment (GOMP_SPINCOUNT) before torch loads
+import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_fixtures import VARIANTS, build_hf, prompt_ids  # noqa: E402

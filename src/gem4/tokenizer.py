@@ -161,6 +161,7 @@ class Tokenizer:
                 a, b = m
                 pairs.append((a, b))
         self.merges: list[tuple[str, str]] = pairs  # rank order
+
         def named(explicit: int | None, text: str) -> int | None:
             if explicit is not None:
                 if not 0 <= explicit < n:

@@ -90,9 +90,12 @@ def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress
             module = model.get_submodule(parent)
             if storage == "blocks":
                 module.keep_blocks(raw.to(device), ggml_type)
-            else:                                          # a copy in the kernels' layout: the file's pages can go
-                module.pack(attr, raw, ggml_type) if storage == "experts" else module.pack(raw, ggml_type)
-                entry.release()
+                continue
+            if storage == "experts":                       # Experts holds two weights: name the one
+                module.pack(attr, raw, ggml_type)
+            else:
+                module.pack(raw, ggml_type)
+            entry.release()                                # a copy in the kernels' layout: the file's pages can go
         elif entry is None:                                # optional scalars default to 1 (OPTIONAL_ONES)
             state[name] = torch.ones(expected[name], dtype=_weight_dtype(name, expected[name], torch_dtype), device=device)
         elif name == PLE_TABLE:                            # float table: kept in its stored dtype, read by rows
