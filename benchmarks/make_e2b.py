@@ -35,8 +35,7 @@ from gem4.weights.gguf import GGUFValueType as VT
 from gem4.weights.quants import GGMLType, tensor_nbytes
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB_CANDIDATES = [REPO.parent / "shared/assets/gemma4-vocab/ggml-vocab-gemma-4.gguf",
-                    Path("/work/shared/assets/gemma4-vocab/ggml-vocab-gemma-4.gguf")]
+VOCAB_CANDIDATES = [REPO / "tests/assets/gemma4-vocab/ggml-vocab-gemma-4.gguf"]      # the repository's copy
 
 # ---- E2B text shapes (GEMMA4.md §1.3) ----
 H, NH, NKV, D_SWA, D_FULL = 1536, 8, 1, 256, 512

@@ -1,5 +1,5 @@
 """gem4.chat: rendering equals transformers' apply_chat_template for the three Gemma 4 templates, and
-the built-in renderer equals the official template C.
+a checkpoint without a template gets the official template C that ships in the package.
 
 Oracle inputs. transformers renders messages as given, so the oracle gets the messages the way our
 documented normalisation (gem4.chat module docstring) hands them to the template: string tool-call
@@ -218,7 +218,7 @@ def test_jinja_render_equals_transformers(hf, name, messages, tools, agp, templa
 
 @pytest.mark.parametrize("thinking", [False, True], ids=["think_off", "think_on"])
 @pytest.mark.parametrize("name,messages,tools,agp", CONVERSATIONS, ids=IDS)
-def test_builtin_renderer_equals_official_template(hf, name, messages, tools, agp, thinking):
+def test_fallback_renders_the_official_template(hf, name, messages, tools, agp, thinking):
     ours = render(messages, tools, add_generation_prompt=agp, enable_thinking=thinking, template=None)
     assert ours == reference(hf, messages, tools, "C", agp, thinking)
 
@@ -231,7 +231,7 @@ def test_render_does_not_modify_input():
     assert msgs == before
 
 
-# ---- exact strings (GEMMA4.md §7.4, hand-checked) ------------------------------------------------
+# ---- exact strings (docs/gemma4.md §7.4, hand-checked) ------------------------------------------------
 
 
 @pytest.mark.parametrize("template", [None, "A", "B", "C"])
@@ -274,9 +274,16 @@ def test_tool_declaration_format():
             'parameters:{properties:{city:{description:<|"|>City name, e.g. Paris<|"|>,type:<|"|>STRING<|"|>},'
             'unit:{description:<|"|>Temperature unit<|"|>,enum:[<|"|>c<|"|>,<|"|>f<|"|>],type:<|"|>STRING<|"|>}},'
             'required:[<|"|>city<|"|>],type:<|"|>OBJECT<|"|>}}<tool|>') in out
-    assert chat.format_value({"b": [1, 2.5, None], "A": {"x": True}}) == \
-        '{<|"|>A<|"|>:{<|"|>x<|"|>:true},<|"|>b<|"|>:[1,2.5,None]}'
-    assert chat.format_value({"b": "s"}, escape_keys=False) == '{b:<|"|>s<|"|>}'
+    # argument values: keys bare and sorted case-insensitively, strings quoted, None as the template prints it
+    out = render([{"role": "user", "content": "x"},
+                  {"role": "assistant", "tool_calls": [call("f", {"b": [1, 2.5, None, "s"], "A": {"x": True}})]}],
+                 template=None)
+    assert out.endswith('<|tool_call>call:f{A:{x:true},b:[1,2.5,None,<|"|>s<|"|>]}<tool_call|><|tool_response>')
+
+
+def test_official_template_is_package_data():
+    assert chat.official_template() == templates()["C"]  # src/gem4/templates/, read through importlib.resources
+    assert chat.OPENAI_TOOL_MARKER in chat.official_template()  # no tool-message rewrite for it
 
 
 def test_tool_call_prompt_ends_at_the_stop_token():
@@ -374,8 +381,8 @@ def test_encode_prompt():
     msgs = [{"role": "user", "content": "Hi there"}]
     expected = [2, 105, 2364, 107, 10979, 993, 106, 107, 105, 4368, 107, 100, 45518, 107, 101]
     assert chat.encode_prompt(tok, msgs) == expected  # the GGUF's own template (A)
-    assert chat.encode_prompt(tok, msgs, template=None) == expected  # built-in renderer
-    # llama.cpp's fix-up: a prompt that ends in <turn|>\n gets <|turn>model\n (GEMMA4.md §7.3)
+    assert chat.encode_prompt(tok, msgs, template=None) == expected  # the packaged official template C
+    # llama.cpp's fix-up: a prompt that ends in <turn|>\n gets <|turn>model\n (docs/gemma4.md §7.3)
     conv = CONVERSATIONS[18][1]  # content_with_tool_calls under template C
     text = render(conv, [WEATHER], template=templates()["C"])
     assert text.endswith("Let me check.<turn|>\n")

@@ -250,8 +250,10 @@ arguments = st.dictionaries(keys, json_values, max_size=5)
 
 
 def render_call(name, args):
-    # exactly how the chat template writes a call (GEMMA4.md §7.3)
-    return f"<|tool_call>call:{name}" + chat.format_value(args, escape_keys=False) + "<tool_call|>"
+    # exactly how the official chat template writes a call (docs/gemma4.md §7.3)
+    text = chat.render([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": args}}]}], template=None)
+    return text[text.index("<|tool_call>"):text.index("<tool_call|>") + len("<tool_call|>")]
 
 
 def jsonable(v):

@@ -1,39 +1,33 @@
 """Shared helpers for the text tests (tokenizer, chat, parser): the real Gemma 4 vocab, built once.
 
-The real assets (vocab-only GGUF, golden vectors, official templates) live in
-`shared/assets/gemma4-vocab/` beside or inside the checkout; `GEM4_ASSETS` overrides the location.
-A missing asset directory fails the tests that need it (it is never a silent skip).
+Every asset is read from this repository, never from outside it:
+- `tests/assets/gemma4-vocab/`: llama.cpp's vocab-only Gemma 4 GGUF and its golden tokenizer vectors
+  (test-only; MIT, `LICENSE-llama.cpp` beside them);
+- `src/gem4/templates/`: the two official Gemma 4 chat templates, which ship in the package (B, C).
+A missing asset fails the test that needs it, naming the path (it is never a silent skip).
 """
 from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+ASSETS = REPO / "tests" / "assets" / "gemma4-vocab"
+TEMPLATES = REPO / "src" / "gem4" / "templates"
 
 
-def assets_dir() -> Path:
-    candidates = []
-    if os.environ.get("GEM4_ASSETS"):
-        candidates.append(Path(os.environ["GEM4_ASSETS"]))
-    candidates += [
-        REPO / "shared" / "assets" / "gemma4-vocab",
-        REPO.parent / "shared" / "assets" / "gemma4-vocab",
-        Path("/work/shared/assets/gemma4-vocab"),
-    ]
-    for c in candidates:
-        if (c / "ggml-vocab-gemma-4.gguf").exists():
-            return c
-    pytest.fail("Gemma 4 vocab assets not found; set GEM4_ASSETS to shared/assets/gemma4-vocab "
-                f"(looked in {[str(c) for c in candidates]})")
+def asset(directory: Path, name: str) -> Path:
+    path = directory / name
+    if not path.is_file():
+        pytest.fail(f"test asset missing: {path} (it is part of the repository; is the checkout complete?)")
+    return path
 
 
 def vocab_gguf() -> Path:
-    return assets_dir() / "ggml-vocab-gemma-4.gguf"
+    return asset(ASSETS, "ggml-vocab-gemma-4.gguf")
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,19 +53,17 @@ def vocab_metadata() -> dict:
 @functools.lru_cache(maxsize=None)
 def templates() -> dict[str, str]:
     """The three Gemma 4 templates of GEMMA4.md §7.1: A (GGUF-embedded), B (interleaved), C (official)."""
-    d = assets_dir()
     return {
         "A": vocab_metadata()["tokenizer.chat_template"],
-        "B": (d / "google-gemma-4-31B-it-interleaved.jinja").read_text(encoding="utf-8"),
-        "C": (d / "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8"),
+        "B": asset(TEMPLATES, "google-gemma-4-31B-it-interleaved.jinja").read_text(encoding="utf-8"),
+        "C": asset(TEMPLATES, "google-gemma-4-31B-it.jinja").read_text(encoding="utf-8"),
     }
 
 
 def golden_cases() -> list[tuple[str, list[int]]]:
     """llama.cpp's test vectors (GEMMA4.md §6.4)."""
-    d = assets_dir()
-    texts = (d / "ggml-vocab-gemma-4.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
-    lines = (d / "ggml-vocab-gemma-4.gguf.out").read_text(encoding="utf-8").split("\n")
+    texts = asset(ASSETS, "ggml-vocab-gemma-4.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    lines = asset(ASSETS, "ggml-vocab-gemma-4.gguf.out").read_text(encoding="utf-8").split("\n")
     if lines and lines[-1] == "":
         lines = lines[:-1]
     assert len(texts) == len(lines), (len(texts), len(lines))

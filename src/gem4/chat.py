@@ -1,21 +1,24 @@
 """Chat rendering: OpenAI-shaped messages -> the Gemma 4 prompt text, and the stop ids.
 
-Two renderers produce the prompt (GEMMA4.md §7):
+One renderer produces every prompt (docs/gemma4.md §7): a Jinja template, rendered the way
+transformers 5.23 `apply_chat_template` renders it: a jinja2 `ImmutableSandboxedEnvironment` with
+`trim_blocks`, `lstrip_blocks` and `loopcontrols`; the `raise_exception` and `strftime_now`
+globals; a `tojson` filter that is plain `json.dumps` (no HTML escaping, `ensure_ascii=False`);
+a restricted `dict` and `namespace`; a no-op `{% generation %}` block; `bos_token`, `eos_token`,
+`unk_token`, `pad_token`, `mask_token` as variables; top-level `None` message fields dropped; and
+`reasoning`/`reasoning_content`/`thinking` aliased to one another.
 
-1. **The checkpoint's own Jinja template** (GGUF `tokenizer.chat_template`, or `chat_template.jinja`
-   / `tokenizer_config.json` in an HF directory; `Tokenizer.chat_template`), rendered the way
-   transformers 5.23 `apply_chat_template` renders it: a jinja2 `ImmutableSandboxedEnvironment` with
-   `trim_blocks`, `lstrip_blocks` and `loopcontrols`; the `raise_exception` and `strftime_now`
-   globals; a `tojson` filter that is plain `json.dumps` (no HTML escaping, `ensure_ascii=False`);
-   a restricted `dict` and `namespace`; a no-op `{% generation %}` block; `bos_token`, `eos_token`,
-   `unk_token`, `pad_token`, `mask_token` as variables; top-level `None` message fields dropped; and
-   `reasoning`/`reasoning_content`/`thinking` aliased to one another.
-2. **A built-in renderer** (`render_builtin`, our own code) of the Gemma 4 turn format. It produces
-   the same text as the official template C (`google-gemma-4-31B-it.jinja`, GEMMA4.md §7.1); the
-   tests check this on the whole corpus. It is used when a checkpoint carries no template
-   (`render(..., template=None)`).
+Which template: the checkpoint's own (GGUF `tokenizer.chat_template`, or `chat_template.jinja` /
+`tokenizer_config.json` in an HF directory; `Tokenizer.chat_template`). A checkpoint that carries
+none gets the official Gemma 4 template C (`google-gemma-4-31B-it.jinja`, docs/gemma4.md §7.1),
+which ships in the package (`gem4/templates/`, MIT, from llama.cpp; `official_template()`).
+Choice: the fallback renders that file through the same Jinja path rather than a Python
+re-implementation of it. Template C then owns the Gemma 4 turn and tool syntax alone; a second
+renderer would be a second owner kept equal to it only by tests. (gem4 had such a renderer; the
+switch left every prompt of the tests/test_chat.py corpus unchanged, and those tests check the
+fallback against transformers rendering template C.)
 
-Before either renderer runs, `prepare_messages` normalises OpenAI wire shapes (ours and llama.cpp's
+Before the template runs, `prepare_messages` normalises OpenAI wire shapes (ours and llama.cpp's
 conventions, not transformers'; documented so that tests can reproduce them):
 
 - `tool_calls[].function.arguments` given as a JSON *string* (the OpenAI wire format) is parsed into
@@ -24,7 +27,7 @@ conventions, not transformers'; documented so that tests can reproduce them):
   the GGUF-embedded one, and B; detected as llama.cpp does by the missing
   `{#- OpenAI Chat Completions:` marker), `assistant(tool_calls) -> tool+ -> [assistant(content)]`
   runs are folded into one assistant message with `tool_responses` (`convert_tool_messages`, the
-  rewrite llama.cpp applies, GEMMA4.md §7.1). Responses are matched to calls by `tool_call_id`,
+  rewrite llama.cpp applies, docs/gemma4.md §7.1). Responses are matched to calls by `tool_call_id`,
   then by position.
 
 The stop / end-of-generation ids are `<eos>`, `<turn|>` and `<|tool_response>` (`stop_token_ids`).
@@ -40,13 +43,14 @@ import json
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
+from importlib import resources
 from typing import Any, Sequence
 
 __all__ = [
     "ChatTemplateError",
     "render",
     "render_jinja",
-    "render_builtin",
+    "official_template",
     "prepare_messages",
     "convert_tool_messages",
     "stop_token_ids",
@@ -66,15 +70,10 @@ DEFAULT_SPECIAL_TOKENS = {
     "mask_token": "<mask>",
 }
 
-# Gemma 4 format pieces (GEMMA4.md §7.2-7.3)
-BOS = "<bos>"
+# the turn markers of llama.cpp's prompt fix-up (docs/gemma4.md §7.3)
 TURN_START, TURN_END = "<|turn>", "<turn|>"
-CHANNEL_START, CHANNEL_END = "<|channel>", "<channel|>"
-TOOL_START, TOOL_END = "<|tool>", "<tool|>"
-CALL_START, CALL_END = "<|tool_call>", "<tool_call|>"
-RESPONSE_START, RESPONSE_END = "<|tool_response>", "<tool_response|>"
-QUOTE = '<|"|>'
-THINK = "<|think|>"
+
+OFFICIAL_TEMPLATE = "google-gemma-4-31B-it.jinja"  # template C, package data in gem4/templates/
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
@@ -100,19 +99,13 @@ def render(
     """Render a conversation to the prompt text (it starts with `<bos>`; tokenize it with
     `tokenizer.encode(text, add_bos=False, parse_special=True)`).
 
-    template: Jinja source (typically `tokenizer.chat_template`); None uses the built-in renderer.
+    template: Jinja source (typically `tokenizer.chat_template`); None uses the official template C
+    shipped in the package (`official_template()`).
     kwargs: extra template variables (e.g. `bos_token=...` to override the special token strings).
     """
-    prepared = prepare_messages(messages, template)
     if template is None:
-        specials = {**DEFAULT_SPECIAL_TOKENS, **{k: v for k, v in kwargs.items() if k in DEFAULT_SPECIAL_TOKENS}}
-        return render_builtin(
-            prepared,
-            tools,
-            add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking,
-            bos_token=specials["bos_token"],
-        )
+        template = official_template()
+    prepared = prepare_messages(messages, template)
     return render_jinja(
         template,
         prepared,
@@ -125,7 +118,7 @@ def render(
 
 def stop_token_ids(tokenizer) -> frozenset[int]:
     """End-of-generation ids: `<eos>` (1), `<turn|>` (106) and `<|tool_response>` (50): the model
-    emits the last one right after its tool calls to hand control back (GEMMA4.md §6.1, §7.2)."""
+    emits the last one right after its tool calls to hand control back (docs/gemma4.md §6.1, §7.2)."""
     s = tokenizer.special
     return frozenset(i for i in (s.eos, s.turn_end, s.tool_response_start) if i is not None)
 
@@ -142,11 +135,11 @@ def encode_prompt(
 ) -> list[int]:
     """Render with the tokenizer's template and tokenize: the ids to prefill.
 
-    template: True uses `tokenizer.chat_template` (the built-in renderer if it has none), a string
-    is Jinja source, None forces the built-in renderer. The special token strings come from the
+    template: True uses `tokenizer.chat_template` (the official template C if it has none), a string
+    is Jinja source, None or False forces the official template C. The special token strings come from the
     tokenizer. If a generation prompt was asked for and the rendered text ends with `<turn|>\\n`
     (template C after a model turn that has tool responses and content), `<|turn>model\\n` is
-    appended, as llama.cpp does (GEMMA4.md §7.3).
+    appended, as llama.cpp does (docs/gemma4.md §7.3).
     """
     if template is True:
         template = tokenizer.chat_template
@@ -170,6 +163,16 @@ def encode_prompt(
 
 def is_gemma4_template(template: str | None) -> bool:
     return template is not None and GEMMA4_TEMPLATE_MARKER in template
+
+
+@lru_cache(maxsize=1)
+def official_template() -> str:
+    """The official Gemma 4 chat template (template C), read once from the package data."""
+    path = resources.files("gem4") / "templates" / OFFICIAL_TEMPLATE
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ChatTemplateError(f"the packaged chat template {OFFICIAL_TEMPLATE} cannot be read: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +259,7 @@ def convert_tool_messages(messages: list[dict]) -> list[dict]:
     `assistant(tool_calls) -> tool+ -> [assistant(content, no tool_calls)]` becomes one
     `assistant` message with `tool_calls`, `tool_responses=[{name, response}]` (a string response
     that parses as JSON is parsed), the final `content` and the first message's `reasoning_content`
-    (GEMMA4.md §7.1; same result as llama.cpp's `convert_tool_responses_gemma4`, except that a
+    (docs/gemma4.md §7.1; same result as llama.cpp's `convert_tool_responses_gemma4`, except that a
     response is matched to its call by `tool_call_id` first, position second).
     """
     result: list[dict] = []
@@ -407,300 +410,3 @@ def render_jinja(
         raise ChatTemplateError(f"chat template error: {e}") from e
     except (TypeError, KeyError, AttributeError, IndexError) as e:
         raise ChatTemplateError(f"chat template failed on these messages: {e!r}") from e
-
-
-# ---------------------------------------------------------------------------------------------
-# Built-in renderer: the Gemma 4 turn format (template C semantics), our own code
-# ---------------------------------------------------------------------------------------------
-
-_MISSING = object()  # a key the template would see as undefined
-
-
-def _get(d: Any, key: str) -> Any:
-    return d.get(key, _MISSING) if isinstance(d, Mapping) else _MISSING
-
-
-def _truthy(v: Any) -> bool:
-    return v is not _MISSING and bool(v)
-
-
-def _text(v: Any) -> str:
-    # Jinja's `{{ v }}`: undefined prints nothing, everything else is str()
-    return "" if v is _MISSING else str(v)
-
-
-def _upper(v: Any) -> str:
-    return _text(v).upper()
-
-
-def _sorted_items(d: Mapping) -> list:
-    # Jinja's `dictsort`: by key, case-insensitively; stable for equal keys
-    return sorted(d.items(), key=lambda kv: kv[0].lower() if isinstance(kv[0], str) else kv[0])
-
-
-def _concat(*parts: Any) -> str:
-    # Jinja `+` on strings: a non-string operand is an error in the template, and here too
-    for p in parts:
-        if not isinstance(p, str):
-            raise ChatTemplateError(f"expected a string in the chat format, got {p!r}")
-    return "".join(parts)
-
-
-def format_value(value: Any, escape_keys: bool = True) -> str:
-    """Gemma 4 value syntax (GEMMA4.md §7.3): `<|"|>`-quoted strings, bare numbers and booleans,
-    `[a,b]` lists, `{key:value}` maps with keys sorted case-insensitively (quoted if escape_keys)."""
-    if isinstance(value, str):
-        return QUOTE + value + QUOTE
-    if value is True or value is False:
-        return "true" if value else "false"
-    if isinstance(value, Mapping):
-        parts = []
-        for k, v in _sorted_items(value):
-            key = _concat(QUOTE, k, QUOTE) if escape_keys else _text(k)
-            parts.append(key + ":" + format_value(v, escape_keys))
-        return "{" + ",".join(parts) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(format_value(v, escape_keys) for v in value) + "]"
-    return _text(value)  # numbers; None prints as 'None', as in the template
-
-
-def _quoted_list(items: Any) -> str:
-    return "[" + ",".join(QUOTE + _text(x) + QUOTE for x in items) + "]"
-
-
-def _format_parameters(properties: Mapping) -> str:
-    """Template C's `format_parameters`: the properties of an OBJECT schema, keys sorted."""
-    standard = ("description", "type", "properties", "required", "nullable")
-    out = []
-    first = True
-    for key, value in _sorted_items(properties):
-        if key in standard:
-            continue
-        if not first:
-            out.append(",")
-        first = False
-        fields = []  # joined with ',' (the template's add_comma logic)
-        description = _get(value, "description")
-        if _truthy(description):
-            fields.append("description:" + QUOTE + _text(description) + QUOTE)
-        vtype = _upper(_get(value, "type"))
-        if vtype == "STRING":
-            enum = _get(value, "enum")
-            if _truthy(enum):
-                fields.append("enum:" + format_value(enum))
-        elif vtype == "ARRAY":
-            items = _get(value, "items")
-            if isinstance(items, Mapping) and items:
-                parts = []
-                for ikey, ivalue in _sorted_items(items):
-                    if ivalue is None:
-                        continue
-                    if ikey == "properties":
-                        inner = _format_parameters(ivalue) if isinstance(ivalue, Mapping) else ""
-                        parts.append("properties:{" + inner + "}")
-                    elif ikey == "required":
-                        parts.append("required:" + _quoted_list(ivalue))
-                    elif ikey == "type":
-                        if isinstance(ivalue, str):
-                            parts.append("type:" + format_value(ivalue.upper()))
-                        else:
-                            parts.append("type:" + format_value([_upper(x) for x in ivalue]))
-                    else:
-                        parts.append(_text(ikey) + ":" + format_value(ivalue))
-                fields.append("items:{" + ",".join(parts) + "}")
-        if _truthy(_get(value, "nullable")):
-            fields.append("nullable:true")
-        if vtype == "OBJECT":
-            props = _get(value, "properties")
-            if props is not _MISSING and isinstance(props, Mapping):
-                fields.append("properties:{" + _format_parameters(props) + "}")
-            elif isinstance(value, Mapping):
-                fields.append("properties:{" + _format_parameters(value) + "}")
-            required = _get(value, "required")
-            if _truthy(required):
-                fields.append("required:" + _quoted_list(required))
-        fields.append("type:" + QUOTE + vtype + QUOTE)
-        out.append(_text(key) + ":{" + ",".join(fields) + "}")
-    return "".join(out)
-
-
-def _format_declaration(tool: Mapping) -> str:
-    """Template C's `format_function_declaration` (GEMMA4.md §7.3)."""
-    fn = _get(tool, "function")
-    if not isinstance(fn, Mapping):
-        raise ChatTemplateError(f"a tool must be {{'type': 'function', 'function': {{...}}}}, got {tool!r}")
-    out = ["declaration:", _text(_get(fn, "name")), "{description:", QUOTE, _text(_get(fn, "description")), QUOTE]
-    params = _get(fn, "parameters")
-    if _truthy(params):
-        out.append(",parameters:{")
-        props = _get(params, "properties")
-        if _truthy(props):
-            out.append("properties:{" + _format_parameters(props) + "},")
-        required = _get(params, "required")
-        if _truthy(required):
-            out.append("required:" + _quoted_list(required) + ",")
-        ptype = _get(params, "type")
-        if _truthy(ptype):
-            # (the template leaves `parameters:{` unclosed when there is no type; so do we)
-            out.append("type:" + QUOTE + _upper(ptype) + QUOTE + "}")
-    if "response" in fn:
-        response = fn["response"]
-        out.append(",response:{")
-        rdesc = _get(response, "description")
-        if _truthy(rdesc):
-            out.append("description:" + QUOTE + _text(rdesc) + QUOTE + ",")
-        if _upper(_get(response, "type")) == "OBJECT":
-            out.append("type:" + QUOTE + _upper(_get(response, "type")) + QUOTE + "}")
-    out.append("}")
-    return "".join(out)
-
-
-def _strip_thinking(text: str) -> str:
-    """Drop every `<|channel>...<channel|>` block of an earlier model turn, then trim."""
-    result = []
-    for part in text.split(CHANNEL_END):
-        result.append(part.split(CHANNEL_START)[0] if CHANNEL_START in part else part)
-    return "".join(result).strip()
-
-
-def _tool_response_block(name: Any, response: Any) -> str:
-    if isinstance(response, Mapping):
-        body = ",".join(_text(k) + ":" + format_value(v, escape_keys=False) for k, v in _sorted_items(response))
-        return _concat(RESPONSE_START, "response:", name, "{") + body + "}" + RESPONSE_END
-    return _concat(RESPONSE_START, "response:", name, "{value:") + format_value(response, escape_keys=False) + "}" + RESPONSE_END
-
-
-def _render_content(content: Any, is_model: bool) -> tuple[str, str | None]:
-    """Text of a message's content, and the media kind of its last media part (if any)."""
-    if isinstance(content, str):
-        return (_strip_thinking(content) if is_model else content.strip()), None
-    out, last_media = [], None
-    if isinstance(content, (list, tuple)):
-        for item in content:
-            kind = _get(item, "type")
-            if kind == "text":
-                text = _get(item, "text")
-                text = _text(text)
-                out.append(_strip_thinking(text) if is_model else text.strip())
-            elif kind in ("image", "audio", "video"):
-                out.append("<|" + kind + "|>")
-                last_media = kind
-    return "".join(out), last_media
-
-
-def render_builtin(
-    messages: Sequence[Mapping[str, Any]],
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    *,
-    add_generation_prompt: bool = True,
-    enable_thinking: bool = False,
-    bos_token: str = BOS,
-) -> str:
-    """The Gemma 4 turn format (GEMMA4.md §7.2-7.3), equal to template C on prepared messages.
-
-    Layout: `<bos>`, an optional system turn (`<|think|>\\n` when thinking, the first
-    system/developer message, one `<|tool>declaration:...<tool|>` per tool), then one
-    `<|turn>ROLE\\n...<turn|>\\n` per message (`assistant` -> `model`; consecutive assistant messages
-    share a turn; tool calls `<|tool_call>call:NAME{...}<tool_call|>`; the following `role:"tool"`
-    messages as `<|tool_response>response:NAME{...}<tool_response|>` inside the same model turn),
-    then the generation prompt `<|turn>model\\n` (+ an empty thought channel when thinking is off).
-    """
-    messages = [dict(m) for m in messages]
-    if not messages:
-        raise ChatTemplateError("cannot render an empty conversation")
-    out: list[str] = [_text(bos_token)]
-    prev_type: str | None = None  # the template's ns.prev_message_type
-    loop = messages
-    first_role = messages[0].get("role")
-
-    # ---- system turn: thinking switch, system/developer text, tool declarations
-    if enable_thinking or tools or first_role in ("system", "developer"):
-        out.append(TURN_START + "system\n")
-        if enable_thinking:
-            out.append(THINK + "\n")
-            prev_type = "think"
-        if first_role in ("system", "developer"):
-            out.append(_text(messages[0].get("content", _MISSING)).strip())
-            loop = messages[1:]
-        if tools:
-            for tool in tools:
-                out.append(TOOL_START + _format_declaration(tool).strip() + TOOL_END)
-            prev_type = "tool"
-        out.append(TURN_END + "\n")
-
-    # reasoning of a tool-calling model turn is kept only after the last user message
-    last_user = max((i for i, m in enumerate(loop) if m.get("role") == "user"), default=-1)
-
-    for idx, message in enumerate(loop):
-        raw_role = message.get("role")
-        if raw_role == "tool":
-            continue  # rendered inside the preceding model turn
-        prev_type = None
-        role = "model" if raw_role == "assistant" else raw_role
-        prev_role = next((loop[j].get("role") for j in range(idx - 1, -1, -1) if loop[j].get("role") != "tool"), None)
-        if not (role == "model" and prev_role == "assistant"):
-            out.append(_concat(TURN_START, role, "\n"))
-
-        thinking = message.get("reasoning") or message.get("reasoning_content")
-        if thinking and idx > last_user and message.get("tool_calls"):
-            out.append(_concat(CHANNEL_START, "thought\n", thinking, "\n", CHANNEL_END))
-
-        calls = message.get("tool_calls")
-        if calls:
-            for call in calls:
-                fn = call["function"]
-                out.append(_concat(CALL_START, "call:", fn["name"], "{"))
-                args = fn.get("arguments", _MISSING)
-                if isinstance(args, Mapping):
-                    out.append(",".join(_text(k) + ":" + format_value(v, escape_keys=False) for k, v in _sorted_items(args)))
-                elif isinstance(args, str):
-                    out.append(args)
-                out.append("}" + CALL_END)
-            prev_type = "tool_call"
-
-        responded = False
-        if message.get("tool_responses"):
-            # Gemma-native: responses carried on the assistant message
-            for tr in message["tool_responses"]:
-                out.append(_tool_response_block(tr.get("name", "unknown"), tr.get("response", "")))
-                responded = True
-                prev_type = "tool_response"
-        elif calls:
-            # OpenAI: the role:"tool" messages that follow, named by tool_call_id
-            for follow in loop[idx + 1 :]:
-                if follow.get("role") != "tool":
-                    break
-                name = follow.get("name")
-                for tc in calls:
-                    if tc.get("id") == follow.get("tool_call_id"):
-                        name = tc["function"]["name"]
-                body = follow.get("content")
-                if isinstance(body, Mapping):
-                    raise ChatTemplateError("a tool message's content must be a string or a list of parts")
-                if isinstance(body, (list, tuple)):
-                    text = ""
-                    for part in body:
-                        if isinstance(part, Mapping) and part.get("type") == "text":
-                            text = _concat(text, part.get("text", ""))
-                    body = text
-                out.append(_tool_response_block(name, body))
-                responded = True
-                prev_type = "tool_response"
-
-        content = message.get("content", _MISSING)
-        if content is not _MISSING:
-            text, media = _render_content(content, role == "model")
-            out.append(text)
-            if media is not None:
-                prev_type = media
-
-        if prev_type == "tool_call" and not responded:
-            out.append(RESPONSE_START)  # the model's stop point after a call
-        elif not (responded and not _truthy(content)):
-            out.append(TURN_END + "\n")
-
-    if add_generation_prompt and prev_type not in ("tool_response", "tool_call"):
-        out.append(TURN_START + "model\n")
-        if not enable_thinking:
-            out.append(CHANNEL_START + "thought\n" + CHANNEL_END)
-    return "".join(out)
