@@ -1,4 +1,4 @@
-"""Write an E2B-shaped Gemma 4 GGUF with seeded random weights, tensor by tensor (GEMMA4.md §1.3, §3, §4).
+"""Write an E2B-shaped Gemma 4 GGUF with seeded random weights, tensor by tensor (docs/gemma4.md §1.3, §3, §4).
 
     python benchmarks/make_e2b.py --type q4_0 --out benchmarks/out            # -> benchmarks/out/e2b-q4_0.gguf
     python benchmarks/make_e2b.py --type bf16 --out benchmarks/out --hf       # + benchmarks/out/e2b-bf16-hf/
@@ -37,7 +37,7 @@ from gem4.weights.quants import GGMLType, tensor_nbytes
 REPO = Path(__file__).resolve().parents[1]
 VOCAB_CANDIDATES = [REPO / "tests/assets/gemma4-vocab/ggml-vocab-gemma-4.gguf"]      # the repository's copy
 
-# ---- E2B text shapes (GEMMA4.md §1.3) ----
+# ---- E2B text shapes (docs/gemma4.md §1.3) ----
 H, NH, NKV, D_SWA, D_FULL = 1536, 8, 1, 256, 512
 FF, P, VOCAB, WINDOW, SOFTCAP = 6144, 256, 262144, 512, 30.0
 STD = 0.02                     # weights ~N(0, STD) after dequantization
@@ -137,7 +137,7 @@ RANDOM = {GGMLType.Q8_0: random_q8_0, GGMLType.Q4_0: random_q4_0, GGMLType.BF16:
 
 def vector(init: str, n: int, g: torch.Generator) -> np.ndarray:
     """The F32 1-D tensors."""
-    if init == "rope":                            # 64 rotated pairs of 256, the rest off (GEMMA4.md §2.7)
+    if init == "rope":                            # 64 rotated pairs of 256, the rest off (docs/gemma4.md §2.7)
         return np.array([1.0] * (D_FULL // 8) + [1e30] * (n - D_FULL // 8), dtype=np.float32)
     if init == "one":
         return np.ones(n, dtype=np.float32)
@@ -278,7 +278,7 @@ def hf_config(arch: Arch) -> dict:
 
 
 def write_hf(gguf: Path, out: Path, arch: Arch) -> None:
-    """Stream the BF16 GGUF's tensors (byte-identical, GEMMA4.md §3.3) into out/model.safetensors."""
+    """Stream the BF16 GGUF's tensors (byte-identical, docs/gemma4.md §3.3) into out/model.safetensors."""
     out.mkdir(parents=True, exist_ok=True)
     with GGUFReader(gguf) as r:
         header, names, offset = {}, [], 0

@@ -1,4 +1,4 @@
-"""Tiny seeded random Gemma 4 models of the four variant shapes (GEMMA4.md §8.3), built with transformers.
+"""Tiny seeded random Gemma 4 models of the four variant shapes (docs/gemma4.md §8.3), built with transformers.
 
 transformers 5.23.0 is the numerical oracle; these builders are used by tests only.
 """
@@ -48,7 +48,7 @@ def randomize(model: torch.nn.Module, seed: int = 1234) -> None:
                 p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     # attention has scale 1.0 on RMS-normed q/k: without this the random model's attention is
-                    # a chaotic argmax and bf16 rounding of one weight flips it (GEMMA4.md §2.5, issue #6 §4)
+                    # a chaotic argmax and bf16 rounding of one weight flips it (docs/gemma4.md §2.5, issue #6 §4)
                     p.mul_(p.shape[-1] ** -0.25)
             elif name.endswith("router.proj.weight"):
                 # a trained router is decisive; 0.08 N(0,1) would give near-uniform expert probabilities

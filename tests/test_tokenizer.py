@@ -102,10 +102,10 @@ def test_vocabulary_lookups(tok):
 
 
 def test_known_encodings(tok):
-    # GEMMA4.md §6.3: identical to llama.cpp on the real 31B GGUF
+    # docs/gemma4.md §6.3: identical to llama.cpp on the real 31B GGUF
     assert tok.encode("Hello world! Café déjà vu — 123 😊", add_bos=False) == [
         9259, 1902, 236888, 62367, 29234, 11042, 2192, 236743, 236770, 236778, 236800, 103453]
-    # GEMMA4.md §7.4: a rendered prompt, parsed with specials
+    # docs/gemma4.md §7.4: a rendered prompt, parsed with specials
     prompt = "<bos><|turn>user\nHi there<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
     assert tok.encode(prompt, add_bos=False, parse_special=True) == [
         2, 105, 2364, 107, 10979, 993, 106, 107, 105, 4368, 107, 100, 45518, 107, 101]
@@ -215,7 +215,7 @@ def test_detokenizer_holds_incomplete_characters(tok):
 
 @pytest.fixture(scope="module")
 def hf_full(tmp_path_factory) -> Tokenizer:
-    """tokenizer.json written from the GGUF vocab with the `tokenizers` library (GEMMA4.md §6.3)."""
+    """tokenizer.json written from the GGUF vocab with the `tokenizers` library (docs/gemma4.md §6.3)."""
     md = vocab_metadata()
     d = write_hf_dir(tmp_path_factory.mktemp("hf-tok"), md["tokenizer.ggml.tokens"],
                      [int(t) for t in md["tokenizer.ggml.token_type"]], md["tokenizer.ggml.merges"],

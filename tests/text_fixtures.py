@@ -52,7 +52,7 @@ def vocab_metadata() -> dict:
 
 @functools.lru_cache(maxsize=None)
 def templates() -> dict[str, str]:
-    """The three Gemma 4 templates of GEMMA4.md §7.1: A (GGUF-embedded), B (interleaved), C (official)."""
+    """The three Gemma 4 templates of docs/gemma4.md §7.1: A (GGUF-embedded), B (interleaved), C (official)."""
     return {
         "A": vocab_metadata()["tokenizer.chat_template"],
         "B": asset(TEMPLATES, "google-gemma-4-31B-it-interleaved.jinja").read_text(encoding="utf-8"),
@@ -61,7 +61,7 @@ def templates() -> dict[str, str]:
 
 
 def golden_cases() -> list[tuple[str, list[int]]]:
-    """llama.cpp's test vectors (GEMMA4.md §6.4)."""
+    """llama.cpp's test vectors (docs/gemma4.md §6.4)."""
     texts = asset(ASSETS, "ggml-vocab-gemma-4.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
     lines = asset(ASSETS, "ggml-vocab-gemma-4.gguf.out").read_text(encoding="utf-8").split("\n")
     if lines and lines[-1] == "":
@@ -71,7 +71,7 @@ def golden_cases() -> list[tuple[str, list[int]]]:
 
 
 def build_hf_tokenizer(tokens, types, merges):
-    """The GEMMA4.md §6.3 construction with the `tokenizers` library (independent of gem4)."""
+    """The docs/gemma4.md §6.3 construction with the `tokenizers` library (independent of gem4)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
@@ -105,7 +105,7 @@ def write_hf_dir(directory: Path, tokens, types, merges, chat_template: str | No
 
 def tiny_vocab(n: int = 512):
     """The first n real tokens (all specials, the byte tokens, common pieces) and the merges
-    that stay inside them (GEMMA4.md §8.3 step 4)."""
+    that stay inside them (docs/gemma4.md §8.3 step 4)."""
     md = vocab_metadata()
     tokens = list(md["tokenizer.ggml.tokens"][:n])
     types = [int(t) for t in md["tokenizer.ggml.token_type"][:n]]

@@ -2,10 +2,10 @@
 
 Built only by `weights/` from what a checkpoint says (GGUF metadata or config.json, checked against
 its tensors); nothing here has a default that could stand in for a missing fact. `build_config`
-derives what both formats share: the KV-sharing donor of each layer (GEMMA4.md §2.6, the general
+derives what both formats share: the KV-sharing donor of each layer (docs/gemma4.md §2.6, the general
 HF rule) and the per-layer MLP width.
 
-Variants (GEMMA4.md §1.3):
+Variants (docs/gemma4.md §1.3):
     E2B/E4B   per-layer embeddings (ple_dim > 0), KV sharing, double-wide MLP on shared layers (E2B)
     12B/31B   dense, k_eq_v on full layers
     26B-A4B   dense MLP + routed experts on every layer (moe), k_eq_v
@@ -41,7 +41,7 @@ class LayerSpec:
     n_heads: int              # query heads
     n_kv_heads: int
     head_dim: int             # same for q, k and v
-    k_eq_v: bool              # 12B/31B/26B full layers: V is the raw K projection (GEMMA4.md §2.5)
+    k_eq_v: bool              # 12B/31B/26B full layers: V is the raw K projection (docs/gemma4.md §2.5)
     kv_source: int            # layer whose K/V this layer attends to; == index when it computes its own
     intermediate_size: int    # dense MLP width (doubled on E2B's shared layers)
 
@@ -92,7 +92,7 @@ class ModelConfig:
         return "dense"
 
 
-# ---- RoPE: every parameterisation becomes one inv_freq vector of length head_dim/2 (GEMMA4.md §2.7) ----
+# ---- RoPE: every parameterisation becomes one inv_freq vector of length head_dim/2 (docs/gemma4.md §2.7) ----
 
 def rope_default(theta: float, head_dim: int) -> tuple[float, ...]:
     """f_i = theta^(-2i/d), i < d/2; float32 arithmetic as the reference computes it."""
@@ -123,7 +123,7 @@ def rope_with_factors(theta: float, n_rot: int, freq_factors: Sequence[float] | 
 # ---- derivation shared by both formats ----
 
 def kv_sources(layer_types: Sequence[str], num_kv_shared_layers: int) -> list[int]:
-    """Per layer, the index of the layer whose K/V it attends to (GEMMA4.md §2.6, general HF rule).
+    """Per layer, the index of the layer whose K/V it attends to (docs/gemma4.md §2.6, general HF rule).
 
     Layers >= first = L - shared reuse the K/V of the LAST layer below `first` of their own type.
     """

@@ -9,7 +9,7 @@ The only module that knows the cache layout. Per forward step the model calls:
 
 A kernel that writes and reads the cache itself (fast-mode decode) asks `cache.slot(i)` instead.
 
-Layout (GEMMA4.md §2.5-§2.6):
+Layout (docs/gemma4.md §2.5-§2.6):
 - full layers: rows [0, length) in position order, grown by doubling.
 - sliding layers: a ring of `window + max_chunk` rows; position p lives in row p % ring. A query at p may
   attend to key position j iff j <= p and p - j < window. The ring is large enough that writing a chunk of

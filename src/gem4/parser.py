@@ -1,6 +1,6 @@
 """Streaming parser of Gemma 4 model output: token ids -> reasoning, content and tool calls.
 
-One incremental state machine over the generated token ids (GEMMA4.md §7.2-7.5). Structural tokens
+One incremental state machine over the generated token ids (docs/gemma4.md §7.2-7.5). Structural tokens
 are recognised by id (`<|channel>` 100, `<channel|>` 101, `<|tool_call>` 48, `<tool_call|>` 49,
 `<|"|>` 52, the stop tokens 1 / 106 / 50 ...), so a delimiter can never be half-seen and never
 leaks into text; ordinary tokens go through the incremental detokenizer, so text is only ever

@@ -2,18 +2,18 @@
 
 Built on the `tokenizers` library from the vocabulary of a checkpoint: the GGUF keys
 `tokenizer.ggml.{tokens,token_type,merges}` or an HF directory's `tokenizer.json`. The construction
-is the one verified in GEMMA4.md §6.3 (46/46 llama.cpp golden vectors):
+is the one verified in docs/gemma4.md §6.3 (46/46 llama.cpp golden vectors):
 
-- BPE over the characters of the text, `byte_fallback=True`, `ignore_merges=False` (GEMMA4.md §6.3:
+- BPE over the characters of the text, `byte_fallback=True`, `ignore_merges=False` (docs/gemma4.md §6.3:
   `ignore_merges=True` is wrong), no pre-tokenizer; the normalizer only turns `' '` into `'▁'`.
 - CONTROL tokens (`<bos>`, `<|turn>`, `<turn|>`, ...) are *special* added tokens: matched in the
   text only with `parse_special=True`.
 - USER_DEFINED tokens (the seven "visible" ones: `<|channel>`, `<channel|>`, `<|tool_call>`,
   `<tool_call|>`, `<|tool_response>`, `<tool_response|>`, `<|"|>`) are *non-special* added tokens:
-  llama.cpp matches them in the text even with `parse_special=False` (GEMMA4.md §6.2), and so do we.
+  llama.cpp matches them in the text even with `parse_special=False` (docs/gemma4.md §6.2), and so do we.
 - NORMAL placeholders such as `<unused0>` are never matched as units; BPE spells them out.
 
-Decoding follows llama.cpp's `token_to_piece` (GEMMA4.md §6.2): a NORMAL token is its text with
+Decoding follows llama.cpp's `token_to_piece` (docs/gemma4.md §6.2): a NORMAL token is its text with
 `'▁'` turned into `' '`, a BYTE token `<0xXX>` is that raw byte, USER_DEFINED tokens are always their
 text, CONTROL tokens are their text unless `skip_special=True`. The pieces' bytes are concatenated
 and read as UTF-8, an invalid byte sequence becoming U+FFFD (Python's `errors="replace"`). This is
@@ -64,7 +64,7 @@ class TokenType(enum.IntEnum):
 SPACE = "\u2581"  # '▁': how the vocabulary spells a space
 
 # Forced to USER_DEFINED by llama.cpp's converter so that they are always rendered as text for the
-# chat parser (GEMMA4.md §6.1, LC/conversion/gemma.py). We apply the same rule to HF directories.
+# chat parser (docs/gemma4.md §6.1, LC/conversion/gemma.py). We apply the same rule to HF directories.
 VISIBLE_TOKENS = frozenset(
     ["<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>", '<|"|>']
 )
@@ -74,7 +74,7 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 @dataclass(frozen=True)
 class SpecialIds:
-    """Ids of the special and structural tokens, by role (GEMMA4.md §6.1). None when absent."""
+    """Ids of the special and structural tokens, by role (docs/gemma4.md §6.1). None when absent."""
 
     pad: int | None
     eos: int | None
@@ -181,7 +181,7 @@ class Tokenizer:
         self.add_bos = bool(add_bos)
         self.chat_template: str | None = chat_template
 
-        # GEMMA4.md §6.3. The BPE model is shared by the two front ends below.
+        # docs/gemma4.md §6.3. The BPE model is shared by the two front ends below.
         unk_token = tokens[self.special.unk] if self.special.unk is not None else None
         bpe = models.BPE(
             vocab=self._vocab,
@@ -201,7 +201,7 @@ class Tokenizer:
             tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
             tk.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
             # True reproduces llama.cpp's parse_special=false: CONTROL tokens are spelled out as text,
-            # USER_DEFINED ones are still matched (GEMMA4.md §6.3).
+            # USER_DEFINED ones are still matched (docs/gemma4.md §6.3).
             tk.encode_special_tokens = encode_special_tokens
             return tk
 
@@ -231,7 +231,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
-        """Read `tokenizer.ggml.*` and `tokenizer.chat_template` from a GGUF file (GEMMA4.md §6.1)."""
+        """Read `tokenizer.ggml.*` and `tokenizer.chat_template` from a GGUF file (docs/gemma4.md §6.1)."""
         from gem4.weights.gguf import GGUFError, GGUFReader
 
         try:
@@ -271,7 +271,7 @@ class Tokenizer:
             pad_id=opt_id("tokenizer.ggml.padding_token_id"),
             unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
             mask_id=opt_id("tokenizer.ggml.mask_token_id"),
-            # llama.cpp forces add_bos for gemma4 whatever the file says (GEMMA4.md §6.1).
+            # llama.cpp forces add_bos for gemma4 whatever the file says (docs/gemma4.md §6.1).
             add_bos=bool(md.get("tokenizer.ggml.add_bos_token", True)),
             chat_template=template if isinstance(template, str) else None,
             source=str(path),
@@ -280,7 +280,7 @@ class Tokenizer:
     @classmethod
     def from_hf(cls, path: str | os.PathLike) -> "Tokenizer":
         """An HF directory (or its tokenizer.json). Only the vocabulary, merges and added tokens are
-        taken from tokenizer.json; the tokenizer is rebuilt the GEMMA4.md §6.3 way so that it
+        taken from tokenizer.json; the tokenizer is rebuilt the docs/gemma4.md §6.3 way so that it
         tokenizes like llama.cpp whatever pre-tokenizer the file declares.
 
         Token types follow llama.cpp's converter (`LlamaHfVocab` + the Gemma 4 override):

@@ -168,7 +168,7 @@ def random_state(config: dict, seed: int = SEED) -> dict:
         if name.endswith("layer_scalar"):
             t = torch.ones(shape)
         elif name.endswith(("q_norm.weight", "k_norm.weight")):
-            # attention scale is 1 on RMS-normed q/k (GEMMA4.md §2.5): keep scores moderate
+            # attention scale is 1 on RMS-normed q/k (docs/gemma4.md §2.5): keep scores moderate
             t = (1.0 + 0.2 * torch.randn(shape, generator=gen)) * shape[-1] ** -0.25
         elif name == "norm.weight":
             # final norm x4: logits [V] get a spread (std ~2) that sampling can tell apart

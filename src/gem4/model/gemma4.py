@@ -1,4 +1,4 @@
-"""The Gemma 4 text decoder (GEMMA4.md §2), one explicit layer loop for every variant.
+"""The Gemma 4 text decoder (docs/gemma4.md §2), one explicit layer loop for every variant.
 
 Parameter names are the canonical tensor names every loader maps to (HF names without the
 `model.` prefix, e.g. `layers.3.self_attn.q_proj.weight`); the module tree is the one owner of
@@ -86,7 +86,7 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """26B-A4B router (GEMMA4.md §2.9): reads the un-normed residual."""
+    """26B-A4B router (docs/gemma4.md §2.9): reads the un-normed residual."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -250,7 +250,7 @@ class Model(nn.Module):
     # ---- the forward ----
 
     def per_layer_inputs(self, ids: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-        """E2B/E4B (GEMMA4.md §2.3): ids [T], scaled embedding x0 [T, H] -> [T, L, P]."""
+        """E2B/E4B (docs/gemma4.md §2.3): ids [T], scaled embedding x0 [T, H] -> [T, L, P]."""
         L, P, H = self.config.num_layers, self.config.ple_dim, self.config.hidden_size
         tok = self.embed_tokens_per_layer.rows(ids) * math.sqrt(P)                # [T, L*P]
         proj = self.per_layer_model_projection(x0) * H ** -0.5                   # [T, L*P]
@@ -269,7 +269,7 @@ class Model(nn.Module):
             i = layer.spec.index
             if last_only and i == first_shared and x.shape[0] > 1:
                 # E2B/E4B: KV-shared layers write no cache, so only the rows whose logits are needed
-                # must go on (GEMMA4.md §2.6). Their queries keep their own positions and masks.
+                # must go on (docs/gemma4.md §2.6). Their queries keep their own positions and masks.
                 x, ple = x[-1:], None if ple is None else ple[-1:]
                 step = Step(step.positions[-1:], {t: m[-1:] for t, m in step.masks.items()})
                 ropes = {t: (c[-1:], s[-1:]) for t, (c, s) in ropes.items()}

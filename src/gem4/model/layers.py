@@ -1,4 +1,4 @@
-"""Building blocks of the Gemma 4 forward (GEMMA4.md §2): norms, RoPE, linear layers, attention, experts.
+"""Building blocks of the Gemma 4 forward (docs/gemma4.md §2): norms, RoPE, linear layers, attention, experts.
 
 Everything here computes; nothing here knows a file format. Weights arrive already in their
 compute dtype (or, for lookup tables, in a row-addressable stored form) from `weights/loader.py`.
@@ -17,7 +17,7 @@ from gem4.weights.quants import GGMLType, dequantize, tensor_nbytes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x * (mean(x^2) + eps)^-1/2 [* weight], in float32, cast back (GEMMA4.md §2.1: weight used as is)."""
+    """x * (mean(x^2) + eps)^-1/2 [* weight], in float32, cast back (docs/gemma4.md §2.1: weight used as is)."""
     return F.rms_norm(x.float(), x.shape[-1:], None if weight is None else weight.float(), eps).to(x.dtype)
 
 
@@ -195,7 +195,7 @@ def glu(x: torch.Tensor, gate: QuantLinear, up: QuantLinear, fused: bool) -> tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [T, nh, d], k/v [S, nkv, d], mask [T, S] bool -> [T, nh*d]. Scale 1.0 (GEMMA4.md §2.5).
+    """q [T, nh, d], k/v [S, nkv, d], mask [T, S] bool -> [T, nh*d]. Scale 1.0 (docs/gemma4.md §2.5).
 
     GQA without repeating K/V: query head h = kv * g + j uses KV head kv, so the g query heads of a KV
     head are stacked as rows of one matmul against that head's keys. Float32 throughout (the cache may

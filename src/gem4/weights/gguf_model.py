@@ -1,7 +1,7 @@
 """Gemma 4 on top of the GGUF container: llama.cpp's tensor names and metadata keys, both ways.
 
 `gguf.py` is the format (strict, model-agnostic); this module is the Gemma 4 vocabulary spoken in it
-(GEMMA4.md §3-§4): reading a file into canonical tensors + ModelConfig, and writing one for
+(docs/gemma4.md §3-§4): reading a file into canonical tensors + ModelConfig, and writing one for
 `gem4 convert`.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from gem4.weights.quants import GGMLType, dequantize, ggml_dtype_view, quantize
 
 ARCH = "gemma4"
 
-# llama.cpp name -> canonical name (GEMMA4.md §3.2)
+# llama.cpp name -> canonical name (docs/gemma4.md §3.2)
 GLOBAL_NAMES = {
     "token_embd.weight": "embed_tokens.weight",
     "output_norm.weight": "norm.weight",
@@ -45,7 +45,7 @@ LAYER_NAMES = {
     "layer_output_scale.weight": "layer_scalar",
     "ffn_gate_inp.weight": "router.proj.weight",            # 26B-A4B
     "ffn_gate_inp.scale": "router.scale",
-    "ffn_down_exps.scale": "router.per_expert_scale",       # renamed by the converter (GEMMA4.md §3.2)
+    "ffn_down_exps.scale": "router.per_expert_scale",       # renamed by the converter (docs/gemma4.md §3.2)
     "ffn_gate_up_exps.weight": "experts.gate_up_proj",
     "ffn_down_exps.weight": "experts.down_proj",
     "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
@@ -57,7 +57,7 @@ LAYER_NAMES = {
 }
 CANONICAL_TO_GGUF = {v: k for k, v in GLOBAL_NAMES.items()}
 LAYER_CANONICAL_TO_GGUF = {v: k for k, v in LAYER_NAMES.items()}
-VESTIGIAL_KV = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")     # on KV-shared layers (GEMMA4.md §3.4)
+VESTIGIAL_KV = ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight")     # on KV-shared layers (docs/gemma4.md §3.4)
 NOT_YET = {"attn_qkv.weight": "fused QKV (--fuse-qkv)", "ffn_gate_exps.weight": "split expert gate/up tensors",
            "ffn_up_exps.weight": "split expert gate/up tensors"}
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
@@ -123,7 +123,7 @@ class _Meta:
 
 
 def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> ModelConfig:
-    """GGUF metadata (+ tensor shapes for what the metadata leaves to them) -> ModelConfig (GEMMA4.md §4.2)."""
+    """GGUF metadata (+ tensor shapes for what the metadata leaves to them) -> ModelConfig (docs/gemma4.md §4.2)."""
     m, where = _Meta(reader), reader.path
     arch = m.get("general.architecture", required=True)
     if arch != ARCH:

@@ -1,9 +1,9 @@
 """HF checkpoints: a directory with config.json and *.safetensors (single file or sharded with an index).
 
-Layouts (GEMMA4.md §3.1):
+Layouts (docs/gemma4.md §3.1):
     Gemma4ForCausalLM                 text weights under `model.`
     Gemma4ForConditionalGeneration    text weights under `model.language_model.`; towers ignored
-Config forms (GEMMA4.md §1.2): top-level `global_head_dim` / `num_global_key_value_heads` (hub
+Config forms (docs/gemma4.md §1.2): top-level `global_head_dim` / `num_global_key_value_heads` (hub
 configs) or `per_layer_config` (what transformers 5.23 re-saves; its keys are layer indices, zero-padded
 from 10 layers on: "05"). Per-layer embeddings are decided by
 the tensors present; a config that says otherwise is refused (transformers silently defaults
@@ -190,7 +190,7 @@ def open_hf(directory: Path) -> Checkpoint:
     if config.tie_word_embeddings and "lm_head.weight" in canonical:
         ignored.append(canonical.pop("lm_head.weight"))   # tied: the head is embed_tokens
 
-    # vestigial K/V weights of KV-shared layers (GEMMA4.md §3.4) are not loaded
+    # vestigial K/V weights of KV-shared layers (docs/gemma4.md §3.4) are not loaded
     for spec in config.layers:
         if not spec.owns_kv:
             for suffix in VESTIGIAL_KV:

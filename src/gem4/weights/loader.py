@@ -27,7 +27,7 @@ def _weight_dtype(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torc
 # 26B-A4B's routed expert weights, one [E, rows, k] tensor each (Experts.pack in fast mode).
 EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 
-# Tensors a file may omit, with the value llama.cpp's loader assumes (GEMMA4.md §3.2).
+# Tensors a file may omit, with the value llama.cpp's loader assumes (docs/gemma4.md §3.2).
 OPTIONAL_ONES = ("layer_scalar", "router.per_expert_scale")
 
 
