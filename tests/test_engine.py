@@ -53,7 +53,7 @@ def test_greedy_matches_transformers_generate(variants, name):
 
 
 def test_seeded_sampling_is_reproducible_alone_and_interleaved(variants):
-    model = gem4.load(variants["dense_plain"].hf_causal)
+    model = gem4.load(variants["dense_plain"].hf_causal, dtype="float32")
     seeded = SamplingParams(temperature=1.0, seed=11, max_tokens=20)
     alone = [e.token_id for e in Engine(model).generate(variants["dense_plain"].ids[:10], seeded)]
     assert alone == [e.token_id for e in Engine(model).generate(variants["dense_plain"].ids[:10], seeded)]

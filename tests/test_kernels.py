@@ -125,7 +125,7 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
     same_greedy = {}
     for name in VARIANTS:
         path = variants[name].gguf[qtype] if qtype != "bf16" else variants[name].hf_causal   # bf16: as stored
-        ref_model, fast_model = gem4.load(path), gem4.load(path, dtype="bfloat16")
+        ref_model, fast_model = gem4.load(path, dtype="float32"), gem4.load(path, dtype="bfloat16")
         assert fast_model.layers[0].mlp.up_proj.gemv_type == GGMLType[qtype.upper()]      # what the GEMV reads
         if name == "moe" and qtype != "bf16":                                              # experts packed too
             assert set(fast_model.layers[0].experts.packed_types.values()) == {GGMLType[qtype.upper()]}

@@ -31,7 +31,7 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> N
 def test_logits_match_transformers(variants, name, source):
     fx = variants[name]
     path = fx.gguf["f32"] if source == "gguf_f32" else getattr(fx, source)
-    model = gem4.load(path)
+    model = gem4.load(path, dtype="float32")
     out = model.logits(fx.ids)
     print(f"{name} {source}: max|diff|/max|ref| = {rel_err(out, fx.ref_logits):.2e}")
     assert_matches(out, fx.ref_logits)
@@ -40,7 +40,7 @@ def test_logits_match_transformers(variants, name, source):
 @pytest.mark.parametrize("name", NAMES)
 def test_chunked_prefill_then_decode_equals_full_pass(variants, name):
     fx = variants[name]
-    model = gem4.load(fx.gguf["f32"])
+    model = gem4.load(fx.gguf["f32"], dtype="float32")
     full = model.logits(fx.ids)
     cache = model.new_cache(max_chunk=13)
     ids = torch.tensor(fx.ids)
@@ -57,7 +57,7 @@ def test_chunked_prefill_then_decode_equals_full_pass(variants, name):
 def test_last_only_prefill_equals_last_row(variants, name):
     # E2B/E4B: KV-shared layers run only the last position when only its logits are needed
     fx = variants[name]
-    model = gem4.load(fx.hf_causal)
+    model = gem4.load(fx.hf_causal, dtype="float32")
     cache = model.new_cache(max_chunk=len(fx.ids) - 1)
     last = model.forward(torch.tensor(fx.ids[:-1]), cache, last_only=True)
     assert last.shape == (1, 512)
@@ -69,7 +69,7 @@ def test_last_only_prefill_equals_last_row(variants, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_bfloat16_mode_drift(variants, name):
     fx = variants[name]
-    f32 = gem4.load(fx.hf_causal).logits(fx.ids)
+    f32 = gem4.load(fx.hf_causal, dtype="float32").logits(fx.ids)
     bf16 = gem4.load(fx.hf_causal, dtype="bfloat16").logits(fx.ids)
     drift = nmse(bf16, f32)
     print(f"{name}: bfloat16 NMSE vs float32 = {drift:.2e}")
@@ -94,8 +94,8 @@ def test_bfloat16_mode_drift(variants, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_quantized_gguf_logits(variants, name, qtype):
     fx = variants[name]
-    out = gem4.load(fx.gguf[qtype]).logits(fx.ids)
-    ref = gem4.load(fx.gguf["f32"]).logits(fx.ids)
+    out = gem4.load(fx.gguf[qtype], dtype="float32").logits(fx.ids)
+    ref = gem4.load(fx.gguf["f32"], dtype="float32").logits(fx.ids)
     drift = nmse(out, ref)
     print(f"{name} {qtype}: NMSE vs float32 = {drift:.2e}")
     assert torch.isfinite(out).all()
@@ -106,13 +106,13 @@ def test_quantized_gguf_logits(variants, name, qtype):
 
 def test_q8_0_tracks_float_better_than_q4_0(variants):
     fx = variants["dense_plain"]
-    ref = gem4.load(fx.gguf["f32"]).logits(fx.ids)
-    errs = {t: nmse(gem4.load(fx.gguf[t]).logits(fx.ids), ref) for t in ("q8_0", "q4_0")}
+    ref = gem4.load(fx.gguf["f32"], dtype="float32").logits(fx.ids)
+    errs = {t: nmse(gem4.load(fx.gguf[t], dtype="float32").logits(fx.ids), ref) for t in ("q8_0", "q4_0")}
     assert errs["q8_0"] * 10 < errs["q4_0"]
 
 
 def test_logits_rejects_bad_ids(variants):
-    model = gem4.load(variants["dense_plain"].hf_causal)
+    model = gem4.load(variants["dense_plain"].hf_causal, dtype="float32")
     with pytest.raises(ValueError, match="empty"):
         model.logits([])
     with pytest.raises(ValueError, match=r"\[0, 512\)"):

@@ -1019,3 +1019,35 @@ def test_serve_demo(tmp_path):
                                            extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
     assert "RANDOM weights" in (tmp_path / "stderr.txt").read_text()
+
+
+def test_serve_a_gguf_by_its_names_with_a_summary_and_request_log(tiny_dir, tmp_path):
+    """A GGUF is served as its file stem and its file name (plus MODEL as typed); one startup summary line
+    comes before the ready line and nothing claims readiness earlier; each request gets a log line, and
+    traffic gets a periodic throughput line."""
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.gguf_model import write_gguf
+
+    model = tmp_path / "tiny-q8_0.gguf"
+    write_gguf(open_checkpoint(tiny_dir), model, "q8_0")
+    log = tmp_path / "stderr.txt"
+    with gem4_serve([str(model), "--dtype", "float32", "--log-interval", "0.5", "--max-num-seqs", "2"], log) as url:
+        assert httpx.get(url + "/health").status_code == 200        # ready means ready
+        client = client_for(url, key="unused")
+        assert [m.id for m in client.models.list().data] == ["tiny-q8_0"]
+        for name in ("tiny-q8_0", "tiny-q8_0.gguf", str(model)):
+            r = client.completions.create(model=name, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+            assert r.model == "tiny-q8_0" and r.usage.completion_tokens == 3
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+        wait_for(lambda: "Avg generation throughput" in log.read_text())
+    text = log.read_text()
+    assert "Uvicorn running on" not in text and "Application startup complete" not in text
+    (summary,) = [line for line in text.splitlines() if line.startswith("gem4: model ")]
+    assert re.fullmatch(r"gem4: model tiny-q8_0: Gemma 4 dense, \d+ layers, float32, compiled kernels off, \d+ threads, "
+                        r"max_model_len \d+, KV cache up to [\d.]+ GiB \(2 sequences\)", summary), summary
+    requests = re.findall(r"request cmpl-\w+: prompt (\d+) tokens, output (\d+) tokens, TTFT \d+ ms, "
+                          r"decode [\d.]+ tok/s, finish length", text)
+    assert len(requests) == 3 and all(out == "3" for _, out in requests)
+    assert re.search(r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ tokens/s, "
+                     r"Running: \d+ reqs, Waiting: \d+ reqs", text)

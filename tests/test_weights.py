@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -37,7 +38,7 @@ def edit_tensors(directory: Path, fn) -> None:
 
 
 def logits(path, ids):
-    return gem4.load(path).logits(ids)
+    return gem4.load(path, dtype="float32").logits(ids)
 
 
 # ---- HF checkpoints ----
@@ -73,7 +74,7 @@ def test_per_layer_config_of_ten_or_more_layers(tmp_path):
     assert ((out - ref) ** 2).mean() / (ref ** 2).mean() < 1e-10
     edit_config(tmp_path / "l12", lambda c: c["per_layer_config"].update({"12": {"head_dim": 32}}))
     with pytest.raises(CheckpointError, match="outside 0..11"):
-        gem4.load(tmp_path / "l12")
+        gem4.load(tmp_path / "l12", dtype="float32")
 
 
 def test_sharded_checkpoint_with_index(variants, tmp_path):
@@ -92,7 +93,7 @@ def test_sharded_checkpoint_with_index(variants, tmp_path):
     assert torch.equal(logits(sharded, fx.ids), logits(fx.hf_causal, fx.ids))
     (sharded / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(CheckpointError, match="shard model-00002-of-00002.safetensors is missing"):
-        gem4.load(sharded)
+        gem4.load(sharded, dtype="float32")
 
 
 def test_ple_decided_by_tensors_not_the_config_default(variants, tmp_path):
@@ -100,39 +101,39 @@ def test_ple_decided_by_tensors_not_the_config_default(variants, tmp_path):
     fx = variants["dense_plain"]
     absent = copy_hf(fx.hf_causal, tmp_path / "absent")
     edit_config(absent, lambda c: c.pop("hidden_size_per_layer_input"))
-    assert gem4.load(absent).config.ple_dim == 0
+    assert gem4.load(absent, dtype="float32").config.ple_dim == 0
     assert torch.equal(logits(absent, fx.ids), logits(fx.hf_causal, fx.ids))
 
     claims = copy_hf(fx.hf_causal, tmp_path / "claims")
     edit_config(claims, lambda c: c.update(hidden_size_per_layer_input=256))
     with pytest.raises(CheckpointError, match="hidden_size_per_layer_input=256 but the checkpoint has no embed_tokens_per_layer"):
-        gem4.load(claims)
+        gem4.load(claims, dtype="float32")
 
     ple = copy_hf(variants["ple_kvshare"].hf_causal, tmp_path / "ple")
     edit_config(ple, lambda c: c.update(hidden_size_per_layer_input=0))
     with pytest.raises(CheckpointError, match=r"hidden_size_per_layer_input=0 contradicts embed_tokens_per_layer.weight \(512, 48\)"):
-        gem4.load(ple)
+        gem4.load(ple, dtype="float32")
 
 
 def test_missing_tensor_is_refused_by_name(variants, tmp_path):
     d = copy_hf(variants["dense_plain"].hf_causal, tmp_path / "m")
     edit_tensors(d, lambda t: t.pop("model.layers.1.self_attn.q_proj.weight"))
     with pytest.raises(CheckpointError, match=r"missing required tensor 'layers.1.self_attn.q_proj.weight' \(expected shape \(64, 64\)\)"):
-        gem4.load(d)
+        gem4.load(d, dtype="float32")
 
 
 def test_tensor_disagreeing_with_config_is_refused(variants, tmp_path):
     d = copy_hf(variants["dense_plain"].hf_causal, tmp_path / "s")
     edit_config(d, lambda c: c.update(num_key_value_heads=1))
     with pytest.raises(CheckpointError, match=r"tensor 'layers.0.self_attn.k_proj.weight' has shape \(32, 64\), the model's metadata needs \(16, 64\)"):
-        gem4.load(d)
+        gem4.load(d, dtype="float32")
 
 
 def test_unexpected_tensor_is_refused(variants, tmp_path):
     d = copy_hf(variants["dense_plain"].hf_causal, tmp_path / "u")
     edit_tensors(d, lambda t: t.update({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}))
     with pytest.raises(CheckpointError, match="unexpected tensor 'layers.0.mlp.extra_proj.weight'"):
-        gem4.load(d)
+        gem4.load(d, dtype="float32")
 
 
 def test_vestigial_kv_of_shared_layers_and_towers_are_ignored(variants, tmp_path):
@@ -155,15 +156,15 @@ def test_config_without_layer_types_is_refused(variants, tmp_path):
     d = copy_hf(variants["dense_plain"].hf_causal, tmp_path / "lt")
     edit_config(d, lambda c: c.pop("layer_types"))
     with pytest.raises(CheckpointError, match="config.json lacks 'layer_types'"):
-        gem4.load(d)
+        gem4.load(d, dtype="float32")
 
 
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="no such file or directory"):
-        gem4.load(tmp_path / "nothing")
+        gem4.load(tmp_path / "nothing", dtype="float32")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(CheckpointError, match="is not a Gemma 4 text model"):
-        gem4.load(tmp_path)
+        gem4.load(tmp_path, dtype="float32")
 
 
 def test_bad_dtype(variants):
@@ -211,38 +212,38 @@ def rewrite_gguf(src: Path, dst: Path, *, drop_keys=(), set_keys=None, drop_tens
 def test_gguf_missing_tensor(variants, tmp_path):
     bad = rewrite_gguf(variants["dense_plain"].gguf["f32"], tmp_path / "m.gguf", drop_tensors={"blk.3.ffn_up.weight"})
     with pytest.raises(CheckpointError, match=r"m.gguf: missing required tensor 'layers.3.mlp.up_proj.weight'"):
-        gem4.load(bad)
+        gem4.load(bad, dtype="float32")
 
 
 def test_gguf_shape_mismatch_vs_metadata(variants, tmp_path):
     bad = rewrite_gguf(variants["dense_plain"].gguf["f32"], tmp_path / "s.gguf",
                        set_keys={"gemma4.feed_forward_length": (96, GGUFValueType.UINT32)})
     with pytest.raises(CheckpointError, match=r"tensor 'layers.0.mlp.gate_proj.weight' has shape \(128, 64\), the model's metadata needs \(96, 64\)"):
-        gem4.load(bad)
+        gem4.load(bad, dtype="float32")
 
 
 def test_gguf_missing_required_key(variants, tmp_path):
     bad = rewrite_gguf(variants["dense_plain"].gguf["f32"], tmp_path / "k.gguf",
                        drop_keys={"gemma4.attention.sliding_window"})
     with pytest.raises(CheckpointError, match="missing required metadata key 'gemma4.attention.sliding_window'"):
-        gem4.load(bad)
+        gem4.load(bad, dtype="float32")
 
 
 def test_gguf_wrong_architecture_and_unknown_tensor(variants, tmp_path):
     src = variants["dense_plain"].gguf["f32"]
     bad = rewrite_gguf(src, tmp_path / "a.gguf", set_keys={"general.architecture": ("llama", GGUFValueType.STRING)})
-    with pytest.raises(CheckpointError, match="general.architecture is 'llama'"):
-        gem4.load(bad)
+    with pytest.raises(CheckpointError, match="the architecture is 'llama'; gem4 runs Gemma 4"):
+        gem4.load(bad, dtype="float32")
     renamed = rewrite_gguf(src, tmp_path / "t.gguf", rename={"blk.2.attn_q.weight": "blk.2.attn_mystery.weight"})
     with pytest.raises(CheckpointError, match="unknown tensor 'blk.2.attn_mystery.weight'"):
-        gem4.load(renamed)
+        gem4.load(renamed, dtype="float32")
 
 
 def test_gguf_container_error_surfaces_as_checkpoint_error(tmp_path):
     path = tmp_path / "junk.gguf"
     path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 8)
     with pytest.raises(CheckpointError, match="junk.gguf"):
-        gem4.load(path)
+        gem4.load(path, dtype="float32")
 
 
 def test_gguf_vestigial_kv_on_shared_layer_is_ignored(variants, tmp_path):
@@ -257,8 +258,6 @@ def test_gguf_vestigial_kv_on_shared_layer_is_ignored(variants, tmp_path):
 
 @pytest.mark.parametrize("out_type", ["f32", "bf16", "q8_0"])
 def test_convert_is_read_back_by_the_gguf_package(variants, tmp_path, out_type):
-    import gguf
-
     fx = variants["ple_kvshare"]
     out = tmp_path / f"{out_type}.gguf"
     assert cli_main(["convert", str(fx.hf_mm), str(out), "--type", out_type]) == 0
@@ -329,3 +328,11 @@ def test_convert_carries_the_tokenizer_and_chat_template(variants, tmp_path):
             assert from_gguf.encode(text, parse_special=special) == from_hf.encode(text, parse_special=special)
     assert [from_gguf.token_type(i) for i in range(512)] == [from_hf.token_type(i) for i in range(512)]
     assert torch.equal(logits(out, variants["dense_plain"].ids), logits(d, variants["dense_plain"].ids))
+    # the special ids under llama.cpp's key names, read back by gem4 and by the gguf package
+    special = {k: getattr(from_hf.special, k) for k in ("bos", "eos", "unk", "pad")}
+    assert None not in special.values()
+    assert {k: getattr(from_gguf.special, k) for k in special} == special
+    fields = gguf.GGUFReader(out).fields
+    read = {k: int(fields[f"tokenizer.ggml.{key}_token_id"].parts[-1][0])
+            for k, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+    assert read == special

@@ -40,6 +40,7 @@ same code (`ChatOutput`), so they give the same message for the same seed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -98,13 +99,15 @@ class EngineLike(Protocol):
 
 @dataclass
 class ServerConfig:
-    served_model_name: str
+    served_model_name: str                     # the id /v1/models and every response report
     model_path: str | None = None              # also accepted as the request's `model`
+    model_aliases: tuple[str, ...] = ()        # more ids a request's `model` may name (vLLM's extra names)
     api_key: str | None = None
     default_chat_template_kwargs: dict = field(default_factory=dict)
     max_num_seqs: int = 1                       # the engine's; splits in-flight requests into running/waiting
     max_waiting: int = 64                       # more waiting requests than this -> 503 + Retry-After
     heartbeat_s: float = 10.0                   # SSE `: ping` after this long without output
+    log_interval_s: float = 10.0                # a throughput line (logger gem4.server, info) this often
 
 
 class ServerState:
@@ -124,10 +127,11 @@ class ServerState:
         return self.engine
 
     def check_model(self, name: str | None) -> None:
-        if name is None or name in (self.config.served_model_name, self.config.model_path):
+        c = self.config
+        if name is None or name in (c.served_model_name, c.model_path, *c.model_aliases):
             return
         raise APIError(404, f"The model `{name}` does not exist. This server serves "
-                            f"`{self.config.served_model_name}`.", param="model", code="model_not_found")
+                            f"`{c.served_model_name}`.", param="model", code="model_not_found")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +172,9 @@ class Generation:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._getter: asyncio.Future | None = None
         self._start = time.perf_counter()
+        self._first_token: float | None = None
         self._last_token: float | None = None
+        self._n_tokens = 0
 
         engine, metrics, config = state.ready_engine(), state.metrics, state.config
         if metrics.in_flight >= config.max_num_seqs + config.max_waiting:
@@ -192,22 +198,34 @@ class Generation:
             now = time.perf_counter()
             if item.token_id is not None:
                 m.generation_tokens += 1
+                self._n_tokens += 1
                 if self._last_token is None:
+                    self._first_token = now
                     m.ttft.observe(now - self._start)
                 else:
                     m.itl.observe(now - self._last_token)
                 self._last_token = now
             if item.finished:
-                self._end(now)
+                self._end(now, item.finish_reason)
         else:
-            self._end(time.perf_counter())
+            self._end(time.perf_counter(), "error")
         self._queue.put_nowait(item)
 
-    def _end(self, now: float) -> None:
+    def _end(self, now: float, reason: str | None) -> None:
         if not self.finished:
             self.finished = True
             self.state.metrics.in_flight -= 1
             self.state.metrics.e2e.observe(now - self._start)
+            log.info("%s", self._summary(now, reason))
+
+    def _summary(self, now: float, reason: str | None) -> str:
+        """The request's log line: prompt and output tokens, time to first token, decode rate, finish."""
+        ttft = "-" if self._first_token is None else f"{(self._first_token - self._start) * 1000:.0f} ms"
+        decode = self._n_tokens - 1
+        rate = (f"{decode / (now - self._first_token):.1f} tok/s"
+                if decode > 0 and now > self._first_token else "-")
+        return (f"request {self.request_id}: prompt {len(self.prompt_ids)} tokens, output {self._n_tokens} tokens, "
+                f"TTFT {ttft}, decode {rate}, finish {reason}")
 
     async def next(self, timeout: float | None = None) -> GenerationEvent | None:
         """The next event; None if `timeout` seconds pass first. Raises EngineError."""
@@ -591,10 +609,30 @@ async def _whole_reply(request: Request, gen: Generation, out, build: Callable[[
 # ---------------------------------------------------------------------------------------------
 
 
+async def _log_throughput(state: ServerState) -> None:
+    """Every `log_interval_s` while there is traffic: one line of prompt and generation throughput and
+    the running / waiting counts (vLLM's periodic stats line)."""
+    state.metrics.throughput_line(time.monotonic())      # the first interval starts now
+    while True:
+        await asyncio.sleep(state.config.log_interval_s)
+        line = state.metrics.throughput_line(time.monotonic())
+        if line is not None:
+            log.info("%s", line)
+
+
 def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAPI:
     """The FastAPI app. Without an engine it answers 503 until `app.state.gem4.engine` is set."""
-    app = FastAPI(title="gem4", docs_url=None, redoc_url=None, openapi_url=None)
     state = ServerState(config, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(_log_throughput(state))
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    app = FastAPI(title="gem4", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.gem4 = state
 
     # ---- errors: always OpenAI error objects ----

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import threading
 import time
 from pathlib import Path
+
+from gem4.argtypes import ArgParser, check_model_or_demo, int_at_least, port, positive_float
 
 
 def _json_object(text: str) -> dict:
@@ -32,32 +35,83 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo checkpoint")
     p.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0: pick a free one)")
+    p.add_argument("--port", type=port, default=8000, help="port (0: pick a free one)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL's name)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length cap (prompt + output)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model ids clients may use; the first is the one reported (default: MODEL's file "
+                        "stem and file name, or its directory name)")
+    p.add_argument("--max-model-len", type=int_at_least(1), default=None,
+                   help="context length cap, prompt + output (default: the model's context length)")
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
                    help="JSON object of chat template variables, e.g. '{\"enable_thinking\": true}'")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weight / compute dtype")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto = bfloat16, the fast mode; float32 is the reference mode")
     p.add_argument("--device", default="cpu", help="torch device")
-    p.add_argument("--max-num-seqs", type=int, default=4, help="requests the engine runs at once")
-    p.add_argument("--max-waiting", type=int, default=64, help="queued requests beyond which new ones get 503")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward pass")
-    p.add_argument("--heartbeat-interval", type=float, default=10.0,
+    p.add_argument("--threads", type=int_at_least(1), default=argparse.SUPPRESS,
+                   help="torch intra-op threads (default: one per core)")
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=4, help="requests the engine runs at once")
+    p.add_argument("--max-waiting", type=int_at_least(0), default=64,
+                   help="queued requests beyond which new ones get 503")
+    p.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
+    p.add_argument("--heartbeat-interval", type=positive_float, default=10.0,
                    help="seconds without output after which a stream gets an SSE `: ping` comment")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="info: a line per request and a throughput line every --log-interval seconds")
+    p.add_argument("--log-interval", type=positive_float, default=10.0,
+                   help="seconds between throughput lines (only while there is traffic)")
 
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def configure_logging(level: str) -> None:
+    """gem4's loggers (`gem4.*`) to stderr at `level`, in one format; uvicorn keeps its own handlers."""
+    logger = logging.getLogger("gem4")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "gem4", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%m-%d %H:%M:%S"))
+        handler.gem4 = True
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+class _NoEarlyReadiness(logging.Filter):
+    """Drops uvicorn's start-up lines ("Uvicorn running on ...", "Application startup complete"): they
+    come before the model has loaded; gem4's own ready line comes after."""
+
+    EARLY = ("Uvicorn running on", "Application startup complete", "Waiting for application startup",
+             "Started server process")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.EARLY)
+
+
+def model_ids(args: argparse.Namespace, path: str) -> list[str]:
+    """The ids a client may ask for: --served-model-name (the first is reported), else the file's stem and
+    name (`gemma-4-E2B-it-Q4_0`, `gemma-4-E2B-it-Q4_0.gguf`) or the directory's name; MODEL as typed too."""
+    if args.served_model_name:
+        names = list(args.served_model_name)
+    elif args.demo:
+        names = ["gem4-demo"]
+    else:
+        p = Path(path.rstrip("/"))
+        names = [p.stem, p.name] if p.is_file() else [p.name]
+    if args.model is not None and args.model not in names:
+        names.append(args.model)
+    return list(dict.fromkeys(names))
+
+
 def _load(args: argparse.Namespace, path: str):
     """-> a gem4.Engine for the checkpoint at `path` (runs in the loader thread)."""
     import gem4
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.loader import bind
 
+    checkpoint = open_checkpoint(path)                  # the real cause first: file, format, architecture
     tokenizer = gem4.Tokenizer.from_file(args.tokenizer or path)
-    model = gem4.load(path, dtype=args.dtype, device=args.device, progress=True)
+    model = bind(checkpoint, dtype=args.dtype, device=args.device, progress=True)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
                          f"{model.config.vocab_size}: they do not belong together")
@@ -65,19 +119,33 @@ def _load(args: argparse.Namespace, path: str):
                        max_num_seqs=args.max_num_seqs)
 
 
+def startup_summary(name: str, engine, max_num_seqs: int) -> str:
+    """One line: model, variant, dtype, kernels, threads, context and the KV memory it may take."""
+    import torch
+
+    from gem4.kv_cache import kv_bytes_per_token
+
+    model = engine.model
+    config = model.config
+    per_token = kv_bytes_per_token(config, model.dtype)
+    full = per_token["full_attention"] * engine.max_model_len
+    sliding = per_token["sliding_attention"] * min(engine.max_model_len, config.sliding_window + engine.prefill_chunk)
+    kv = (full + sliding) * max_num_seqs
+    dtype = str(model.dtype).removeprefix("torch.")
+    return (f"gem4: model {name}: Gemma 4 {config.variant}, {config.num_layers} layers, {dtype}, compiled kernels "
+            f"{'on' if model.fused else 'off'}, {torch.get_num_threads()} threads, max_model_len "
+            f"{engine.max_model_len}, KV cache up to {kv / 2**30:.2f} GiB ({max_num_seqs} sequences)")
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted. Returns the process exit code."""
-    if args.demo == (args.model is not None):
-        raise ValueError("give a MODEL (a .gguf file or an HF directory) or --demo, not both" if args.demo
-                         else "MODEL is required (a .gguf file or an HF directory), or use --demo")
-    for name in ("max_num_seqs", "prefill_chunk"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.max_waiting < 0 or args.heartbeat_interval <= 0:
-        raise ValueError("--max-waiting must be >= 0 and --heartbeat-interval > 0")
+    if getattr(args, "threads", None) is not None:
+        import torch
 
+        torch.set_num_threads(args.threads)
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         _log(f"gem4: warning: serving on {args.host} without --api-key: anyone who can reach it can use it")
+    configure_logging(args.log_level)
 
     import uvicorn
 
@@ -89,14 +157,16 @@ def serve(args: argparse.Namespace) -> int:
 
         _log(NOTICE)
         path = str(ensure_demo(_log))
-    name = args.served_model_name or ("gem4-demo" if args.demo else Path(path.rstrip("/")).name)
-    config = ServerConfig(served_model_name=name, model_path=args.model, api_key=args.api_key,
+    names = model_ids(args, path)
+    config = ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key,
                           default_chat_template_kwargs=args.default_chat_template_kwargs,
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                          heartbeat_s=args.heartbeat_interval)
+                          heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval)
     app = create_app(config)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=2))
+                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=2))
+    logging.getLogger("uvicorn.error").addFilter(_NoEarlyReadiness())
+    _log(f"gem4: loading {path} ...")
     failure: list[BaseException] = []
 
     def loader() -> None:
@@ -112,10 +182,10 @@ def serve(args: argparse.Namespace) -> int:
         if server.should_exit:
             return
         app.state.gem4.engine = engine
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        host, port_ = server.servers[0].sockets[0].getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"gem4: serving {name} (max_model_len {engine.max_model_len}); ready at http://{shown}:{port}",
-              flush=True)
+        _log(startup_summary(names[0], engine, args.max_num_seqs))
+        print(f"gem4: serving {', '.join(names)}; ready at http://{shown}:{port_}", flush=True)
 
     threading.Thread(target=loader, name="gem4-loader", daemon=True).start()
     server.run()
@@ -124,11 +194,12 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m gem4.server MODEL ...` (the same as `gem4 serve`)."""
-    parser = argparse.ArgumentParser(prog="gem4 serve", description="OpenAI-compatible server")
+    parser = ArgParser(prog="gem4 serve", description="OpenAI-compatible server")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    check_model_or_demo(args, parser)
     try:
         return serve(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"gem4: error: {e}", file=sys.stderr)
         return 2

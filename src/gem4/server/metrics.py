@@ -61,6 +61,7 @@ class Metrics:
         self.ttft = Histogram(_TTFT_BUCKETS)
         self.itl = Histogram(_ITL_BUCKETS)
         self.e2e = Histogram(_E2E_BUCKETS)
+        self._last_snapshot: tuple[float, int, int] | None = None   # (time, prompt, generation tokens)
 
     @property
     def running(self) -> int:
@@ -69,6 +70,20 @@ class Metrics:
     @property
     def waiting(self) -> int:
         return self.in_flight - self.running
+
+    def throughput_line(self, now: float) -> str | None:
+        """Token rates since the previous call and the request counts; None when nothing ran in between
+        (the first call only takes the snapshot)."""
+        last, self._last_snapshot = self._last_snapshot, (now, self.prompt_tokens, self.generation_tokens)
+        if last is None or now <= last[0]:
+            return None
+        t0, prompt0, gen0 = last
+        if self.prompt_tokens == prompt0 and self.generation_tokens == gen0 and self.in_flight == 0:
+            return None
+        dt = now - t0
+        return (f"Avg prompt throughput: {(self.prompt_tokens - prompt0) / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {(self.generation_tokens - gen0) / dt:.1f} tokens/s, "
+                f"Running: {self.running} reqs, Waiting: {self.waiting} reqs")
 
     def render(self) -> str:
         labels = f'model_name="{_escape(self.model_name)}"'

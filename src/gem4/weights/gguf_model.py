@@ -122,12 +122,18 @@ class _Meta:
         return [self.integer(key, default, required)] * n
 
 
+def _check_architecture(reader: GGUFReader) -> None:
+    """A GGUF of another model family is refused by its architecture's name, before its tensors are read."""
+    arch = _Meta(reader).get("general.architecture", required=True)
+    if arch != ARCH:
+        raise CheckpointError(f"{reader.path}: the architecture is {arch!r}; gem4 runs Gemma 4 "
+                              f"({ARCH!r}) text models")
+
+
 def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> ModelConfig:
     """GGUF metadata (+ tensor shapes for what the metadata leaves to them) -> ModelConfig (docs/gemma4.md §4.2)."""
     m, where = _Meta(reader), reader.path
-    arch = m.get("general.architecture", required=True)
-    if arch != ARCH:
-        raise CheckpointError(f"{where}: general.architecture is {arch!r}; gem4 reads {ARCH!r} text models")
+    _check_architecture(reader)
     L = m.integer("block_count", required=True)
     H = m.integer("embedding_length", required=True)
     if not L or L <= 0 or H <= 0:
@@ -216,6 +222,7 @@ def open_gguf(path: Path) -> Checkpoint:
         reader = GGUFReader(path)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
+    _check_architecture(reader)
     canonical: dict[str, str] = {}
     rope_freqs = None
     for name, info in reader.tensors.items():
@@ -296,8 +303,9 @@ def _tokenizer_keys(directory: Path, writer: GGUFWriter) -> bool:
     writer.add("tokenizer.ggml.scores", np.full(len(tok.tokens), -1000.0, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
     writer.add("tokenizer.ggml.token_type", tok.types.astype(np.int32), _VT.ARRAY, _VT.INT32)
     writer.add("tokenizer.ggml.merges", [f"{a} {b}" for a, b in tok.merges], _VT.ARRAY, _VT.STRING)
-    for key in ("bos", "eos", "unk", "pad"):
-        token_id = getattr(tok.special, key)
+    # llama.cpp's key names (gguf-py Keys.Tokenizer): unknown_, padding_, not unk_ / pad_
+    for attr, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        token_id = getattr(tok.special, attr)
         if token_id is not None:
             writer.add(f"tokenizer.ggml.{key}_token_id", token_id, _VT.UINT32)
     writer.add("tokenizer.ggml.add_bos_token", tok.add_bos)

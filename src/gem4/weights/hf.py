@@ -49,7 +49,8 @@ def _text_config(directory: Path) -> dict:
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{directory}: no config.json") from None
+        raise CheckpointError(f"{directory}: not a model directory (an HF checkpoint has config.json and "
+                              "*.safetensors; gem4 also reads .gguf files)") from None
     except ValueError as e:
         raise CheckpointError(f"{path}: invalid JSON ({e})") from None
     text = cfg.get("text_config", cfg)

@@ -17,6 +17,9 @@ from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from gem4.weights.quants import GGMLType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# "auto" is the fast mode: bf16 weights and KV cache, Q8_0/Q4_0 kept packed for the compiled kernels where
+# the CPU runs them (plain bf16 torch where it does not). float32 is the reference mode, asked for by name.
+AUTO_DTYPE = "bfloat16"
 PLE_TABLE = "embed_tokens_per_layer.weight"
 
 # Kept in float32 in every mode (as llama.cpp's converter keeps them): vectors and the 26B-A4B router.
@@ -68,9 +71,11 @@ def _block_storage(name: str, entry, packed_kernels: bool) -> str | None:
     return None
 
 
-def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress: bool = False) -> Model:
+def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: bool = False) -> Model:
+    if dtype == "auto":
+        dtype = AUTO_DTYPE
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
     config = ckpt.config
     with torch.device("meta"):
@@ -111,11 +116,11 @@ def bind(ckpt: Checkpoint, dtype: str = "float32", device: str = "cpu", progress
     return model
 
 
-def load(path: str | Path, dtype: str = "float32", device: str = "cpu", progress: bool = False) -> Model:
+def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: bool = False) -> Model:
     """Load a Gemma 4 text model from a `.gguf` file or an HF checkpoint directory.
 
-    dtype "float32" is the reference mode (matches transformers to ~1e-4); "bfloat16" runs
-    activations and weights in bf16.
+    dtype "auto" (the default) is the fast mode, "bfloat16": bf16 weights and matmul inputs, compiled
+    kernels on CPUs that run them. "float32" is the reference mode (matches transformers to ~1e-5).
     """
     ckpt = open_checkpoint(path)
     return bind(ckpt, dtype=dtype, device=device, progress=progress)
