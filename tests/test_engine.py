@@ -5,6 +5,8 @@ script) with the demo tokenizer, so every expected text is exact and hand-checka
 """
 from __future__ import annotations
 
+import math
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -15,7 +17,7 @@ import torch
 import gem4
 from gem4 import Engine, SamplingParams
 from gem4.demo import demo_tokenizer
-from gem4.engine import EngineError
+from gem4.engine import EngineError, InvalidParameter, NonFiniteLogits
 from gem4.engine.scheduler import Scheduler
 from gem4.engine.sequence import Sequence, StopStrings
 
@@ -358,6 +360,136 @@ def test_engine_failure_reaches_every_stream(tok):
     wait_idle(engine)
     model.fail_at = None                                           # the engine serves the next request
     assert len(list(engine.generate("Hi", SamplingParams(temperature=0, max_tokens=3)))) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# One bad request never hurts another (issue 12)
+# ---------------------------------------------------------------------------------------------
+
+
+class NoisyModel(ScriptedModel):
+    """Logits are a fixed random function of the position (whatever the request), so seeded
+    sampling gives varied tokens and the same request gives the same tokens alone or batched.
+    `poison(cache_serial, position)` may return "raise" or "nan" to break one request's step."""
+
+    def __init__(self, vocab_size: int = 64):
+        super().__init__([0], vocab_size=vocab_size)
+        self.caches: list[ScriptedCache] = []
+        self.poison = lambda cache, position: None
+        self.prompts: dict[int, int] = {}            # cache serial -> first prompt token
+
+    def new_cache(self, max_chunk: int) -> ScriptedCache:
+        cache = super().new_cache(max_chunk)
+        self.caches.append(cache)
+        return cache
+
+    def _remember(self, ids, cache) -> None:
+        if cache.length == 0:
+            self.prompts[cache.serial] = int(ids[0])
+
+    def forward(self, ids, cache, last_only=False):
+        self._remember(ids, cache)
+        position = cache.length + ids.numel() - 1
+        what = self.poison(self.prompts.get(cache.serial), position)
+        if what == "raise":
+            raise RuntimeError("injected forward failure")
+        self._advance("logits", ids, cache, last_only)
+        g = torch.Generator().manual_seed(position)
+        logits = 2.0 * torch.randn(1, self.config.vocab_size, generator=g)
+        return torch.full_like(logits, float("nan")) if what == "nan" else logits
+
+    def hidden_states(self, ids, cache, last_only=False):
+        self._remember(ids, cache)
+        return super().hidden_states(ids, cache, last_only)
+
+
+PROMPTS = {"a": [10, 11, 12], "b": [20, 21], "c": [30, 31, 32, 33]}
+SEEDED = {"a": SamplingParams(temperature=1.0, seed=1, max_tokens=12),
+          "b": SamplingParams(temperature=0.8, seed=2**40, top_k=20, max_tokens=12),
+          "c": SamplingParams(temperature=1.2, seed=-7, logprobs=True, top_logprobs=2, max_tokens=12)}
+
+
+def alone(name: str) -> list[int]:
+    return [e.token_id for e in Engine(NoisyModel()).generate(PROMPTS[name], SEEDED[name])]
+
+
+def run_together(engine: Engine) -> dict[str, list[int] | Exception]:
+    streams = {n: engine.submit(PROMPTS[n], SEEDED[n], request_id=n) for n in PROMPTS}
+    out: dict[str, list[int] | Exception] = {}
+    for n, stream in streams.items():
+        try:
+            out[n] = [e.token_id for e in stream]
+        except EngineError as e:
+            out[n] = e
+    return out
+
+
+@pytest.mark.parametrize("where", ["forward", "sampler"])
+def test_a_failing_request_fails_alone(where, caplog):
+    want = {n: alone(n) for n in PROMPTS}
+    assert len({tuple(v) for v in want.values()}) == 3 and all(len(set(v)) > 3 for v in want.values())
+    model = NoisyModel()
+    engine = Engine(model, max_num_seqs=3, prefill_chunk=2)
+    if where == "forward":
+        model.poison = lambda first, position: "raise" if first == 20 and position == 5 else None
+    else:
+        real = engine._runner.sampler.sample
+
+        def sample(logits, params, *args, **kw):
+            out = real(logits, params, *args, **kw)            # draws first: the replay must undo them
+            generated = args[0]
+            if any(p is SEEDED["b"] for p in params) and len(generated[params.index(SEEDED["b"])]) == 3:
+                raise RuntimeError("injected sampler failure")
+            return out
+
+        engine._runner.sampler.sample = sample
+    with caplog.at_level("ERROR", logger="gem4.engine"):
+        got = run_together(engine)
+    assert got["a"] == want["a"] and got["c"] == want["c"]       # the same tokens as alone
+    assert isinstance(got["b"], EngineError) and "injected" in str(got["b"])
+    records = [r for r in caplog.records if r.name == "gem4.engine"]
+    assert len(records) == 1 and "request b failed at engine step" in records[0].getMessage()
+    wait_idle(engine)
+    assert engine._runner.num_live == 0
+    if where == "forward":
+        model.poison = lambda first, position: None
+    else:
+        engine._runner.sampler.sample = real
+    assert [e.token_id for e in engine.generate(PROMPTS["b"], SEEDED["b"])] == alone("b")   # still serving
+
+
+def test_non_finite_logits_end_that_request_with_an_error(caplog):
+    model = NoisyModel()
+    model.poison = lambda first, position: "nan" if first == 30 and position == 6 else None
+    engine = Engine(model, max_num_seqs=3)
+    with caplog.at_level("ERROR", logger="gem4.engine"):
+        stream = engine.submit(PROMPTS["c"], SEEDED["c"], request_id="c")
+        other = engine.submit(PROMPTS["a"], SEEDED["a"], request_id="a")
+        events = []
+        with pytest.raises(EngineError, match="non-finite logits") as info:
+            for e in stream:
+                events.append(e)
+        assert [e.token_id for e in other] == alone("a")
+    assert isinstance(info.value.__cause__, NonFiniteLogits)
+    assert len(events) == 3                                     # positions 3, 4, 5 sampled; 6 was NaN: no token
+    assert all(math.isfinite(e.logprob) for e in events)
+    [record] = [r for r in caplog.records if r.name == "gem4.engine"]
+    # the step is named; no token id or text is logged
+    assert re.fullmatch(r"request c failed at engine step \d+: the model produced non-finite logits \(NaN or inf\) "
+                        r"at position 6, choosing completion token 4", record.getMessage())
+    assert record.exc_info is None                             # a model fault, not a traceback
+
+
+def test_parameters_that_depend_on_the_model_are_refused_at_submit():
+    engine = Engine(NoisyModel(vocab_size=64))
+    for params, field in ((SamplingParams(top_k=65), "top_k"), (SamplingParams(logit_bias={64: 1.0}), "logit_bias"),
+                          (SamplingParams(stop_token_ids=[70]), "stop_token_ids")):
+        with pytest.raises(InvalidParameter, match=field) as info:
+            engine.submit([1, 2], params)
+        assert info.value.param == field
+    engine.submit([1, 2], SamplingParams(top_k=64, max_tokens=1))   # top_k == V keeps everything
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.submit([1, 2], {"top_k": 2**63})
 
 
 def test_scheduler_is_fcfs_with_a_token_budget():

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from gem4.sampling import (
+    MAX_LOGIT_BIAS,
+    InvalidParameter,
     Sampler,
+    SeedStream,
     SampleOutput,
     SamplingParams,
     adjust_logits,
@@ -338,6 +341,27 @@ def test_seeded_sampling_is_reproducible_across_processes():
     assert json.loads(result.stdout.strip().splitlines()[-1]) == generate(42)
 
 
+@pytest.mark.parametrize("a, b", [(1, 2**32 + 1), (2**63, -(2**63)), (-1, 2**64 - 1), (0, 2**32)])
+def test_distinct_seeds_give_distinct_streams(a, b):
+    # torch's CPU generator keeps only the low 32 bits of a seed: these pairs used to collide
+    assert generate(seed=a) != generate(seed=b)
+    sa, sb = SeedStream(a), SeedStream(b)
+    assert [sa.uniform() for _ in range(4)] != [sb.uniform() for _ in range(4)]
+
+
+def test_seed_stream_is_uniform_and_replayable():
+    s = SeedStream(123)
+    u = torch.tensor([s.uniform() for _ in range(20000)], dtype=torch.float64)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert chi_square(counts, torch.full((10,), 0.1)) < 27.88  # chi-square 0.999, 9 dof
+    s.set_state(5)
+    again = SeedStream(123)
+    assert [again.uniform() for _ in range(7)][5:] == [s.uniform(), s.uniform()]
+    with pytest.raises(InvalidParameter):
+        SeedStream(2**64)
+
+
 def test_seed_gives_same_tokens_whatever_else_is_in_the_batch():
     logits = torch.linspace(-1, 1, 50)[None]
     p = SamplingParams(seed=5)
@@ -456,11 +480,66 @@ def test_params_are_normalised_frozen_and_hashable():
         ({"stop": [1]}, "stop"),
         ({"stop_token_ids": [-3]}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        # bounds that keep every value inside what the engine thread can hold (issue 12)
+        ({"top_k": 2**63}, "top_k"),  # overflowed torch's int64 in the engine thread
+        ({"top_k": 10**30}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"temperature": 10**400}, "temperature"),  # an int beyond float's range
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -1e30}, "frequency_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -1e30}}, "logit_bias"),
+        ({"logit_bias": {2**40: 1.0}}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
     ],
 )
 def test_params_validation_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+    with pytest.raises(InvalidParameter, match=rf"SamplingParams\.{field}\b") as info:
         SamplingParams(**kwargs)
+    assert info.value.param == field and isinstance(info.value, ValueError)
+
+
+def test_params_at_their_bounds_are_accepted():
+    SamplingParams(top_k=2**31 - 1, presence_penalty=-2, frequency_penalty=2, seed=2**64 - 1)
+    SamplingParams(seed=-(2**63), logit_bias={i: (-100 if i % 2 else 100) for i in range(MAX_LOGIT_BIAS)})
+    SamplingParams(repetition_penalty=1e-300, temperature=1e-300)
+
+
+def test_error_for_a_huge_int_is_short():
+    with pytest.raises(InvalidParameter, match=r"an integer of 16610 bits") as info:
+        SamplingParams(seed=10**5000)  # repr() of an int over 4300 digits raises in Python itself
+    assert len(str(info.value)) < 200
+
+
+def test_extreme_valid_params_give_finite_numbers():
+    logits = torch.tensor([[3.0, -2.0, 0.5, 8.0, -30.0]])  # [1, V]
+    cases = [
+        SamplingParams(repetition_penalty=1e-300, logprobs=True, top_logprobs=5, seed=1),  # was NaN
+        SamplingParams(repetition_penalty=1e300, logprobs=True, top_logprobs=5, seed=1),
+        SamplingParams(repetition_penalty=1e-30, temperature=1e-4, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=1e300, logit_bias={1: 100.0}, logprobs=True, top_logprobs=5, seed=2),
+        SamplingParams(presence_penalty=-2, frequency_penalty=-2, top_k=2**31 - 1, logprobs=True, seed=3),
+    ]
+    for p in cases:
+        out = Sampler().sample(logits, [p], [[0, 3, 3, 4]], [[1, 2, 3, 4]])
+        assert 0 <= out.token_ids[0] < 5
+        assert math.isfinite(out.logprobs[0]), p
+        assert all(math.isfinite(v) for _, v in out.top_logprobs[0]), p
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6, 0.0])
+def test_temperatures_below_1e_5_are_greedy(temperature):
+    # 1e-40: logits / T overflowed float32 and the softmax was NaN
+    logits = torch.tensor([[3.0, 7.0, 6.9, -1.0]])
+    p = SamplingParams(temperature=temperature, seed=4)
+    assert p.greedy
+    assert {Sampler().sample(logits, [p], [[]]).token_ids[0] for _ in range(5)} == {1}
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 def test_sampler_rejects_bad_inputs():

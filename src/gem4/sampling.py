@@ -10,7 +10,7 @@ parameters, so one batch may mix greedy, seeded and filtered requests):
     4. top_k                keep the k largest (0 or -1 = off, k > V keeps all)
     5. top_p                keep the smallest prefix whose probability reaches p
     6. min_p                keep t with prob_t >= min_p * max prob
-    7. temperature          logits / T, then draw; T == 0 takes the argmax instead
+    7. temperature          logits / T, then draw; T < 1e-5 takes the argmax instead
 
 Bias comes first so that the penalties see the biased logit (vLLM v1 does the same); the
 filters 4-6 each renormalise what the previous one kept, and all of them run at T = 1, so
@@ -30,16 +30,41 @@ top_k/top_p/min_p/temperature (vLLM's default instead reports the raw model logp
 Ties: greedy argmax, top_k and top_p break ties towards the lowest token id (stable sort),
 and so does the order of the top_logprobs list.
 
-Drawing: one uniform number per stochastic row from that row's CPU ``torch.Generator``
-(``None`` means torch's global generator), then inverse-CDF on the row's probabilities. The
-only Python loop is over the B rows to draw from their own generators, since torch has no
-batched op over a list of generators; nothing loops over the vocabulary. Greedy rows draw
-nothing. The engine holds one generator per sequence (``Sampler.make_generator``) for the
-request's lifetime, so the same seed gives the same tokens across runs and processes
-whatever else is in the batch.
+Drawing: one uniform number per stochastic row from that row's generator (``None`` means
+torch's global generator), then inverse-CDF on the row's probabilities. The only Python loop
+is over the B rows to draw from their own generators, since torch has no batched op over a
+list of generators; nothing loops over the vocabulary. Greedy rows draw nothing. The engine
+holds one generator per sequence (``Sampler.make_generator``) for the request's lifetime, so
+the same seed gives the same tokens across runs and processes whatever else is in the batch.
+
+Seeds: any 64-bit integer, signed or unsigned ([-2^63, 2^64 - 1]). A seeded request draws from
+a `SeedStream`, not from a seeded ``torch.Generator``: torch's CPU generator (mt19937) keeps only
+the low 32 bits of its seed, so seeds 1 and 2^32 + 1 would give the same text. A SeedStream's
+n-th number is SHA-256(key || n) cut to 53 bits, with key = SHA-256 of the seed's 9-byte
+two's-complement form, so distinct seeds give distinct streams (short of a SHA-256 collision)
+and the stream does not depend on torch's or Python's generators. A ``torch.Generator`` is
+still accepted wherever a generator is (tests pass their own).
+
+Greedy: temperatures below 1e-5 count as 0 (vLLM's _SAMPLING_EPS): dividing logits by a
+smaller temperature overflows float32 to inf and the softmax to NaN.
+
+Finite by construction: for valid parameters and finite model logits every number this module
+returns is finite. The adjusted logits (steps 1-3) are clamped to +-1e30 (``LOGIT_LIMIT``),
+so an extreme but valid penalty (repetition_penalty 1e-300 divides a positive logit by what
+float32 rounds to 0) saturates instead of producing inf and then NaN in the log-softmax; a
+logprob can still be very negative (the server writes anything below -9999 as -9999, as vLLM
+does). Non-finite model logits are the engine's to refuse (runner.py), not the sampler's.
+
+Parameter bounds (checked once, when a SamplingParams is built; `InvalidParameter` names the
+field): temperature finite >= 0; top_k -1..2^31-1 (the engine also refuses top_k > its vocabulary);
+top_p in (0, 1]; min_p in [0, 1]; repetition_penalty finite > 0; presence/frequency penalties
+in [-2, 2] (OpenAI's documented range, vLLM's check); logit_bias at most 300 entries of token id
+-> bias in [-100, 100] (OpenAI documents the value range; its reference gives no count limit, so
+300 is our cap on the per-request work); seed in [-2^63, 2^64 - 1].
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -48,7 +73,33 @@ from dataclasses import dataclass
 import torch
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300                 # entries per request
+LOGIT_BIAS_RANGE = 100.0             # |bias| <= 100 (OpenAI)
+PENALTY_RANGE = 2.0                  # |presence|, |frequency| <= 2 (OpenAI, vLLM)
+MAX_TOKEN_ID = 2**31 - 1             # no vocabulary is larger; the engine checks its own size
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+GREEDY_BELOW = 1e-5                  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+LOGIT_LIMIT = 1e30                   # adjusted logits are clamped to +-LOGIT_LIMIT
 _NEG_INF = float("-inf")
+
+
+class InvalidParameter(ValueError):
+    """A sampling parameter is out of range or of the wrong type. ``param`` names it (the
+    SamplingParams field, which is also the OpenAI request field); ``reason`` says why."""
+
+    def __init__(self, param: str, reason: str):
+        super().__init__(f"SamplingParams.{param}: {reason}")
+        self.param = param
+        self.reason = reason
+
+
+def _show(value) -> str:
+    """A short repr for error messages (a 5000-digit int must not become a 5000-digit message:
+    Python refuses to even format ints over 4300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +112,41 @@ def _is_int(x) -> bool:
 
 
 def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float's range
+        return False
+
+
+class SeedStream:
+    """The uniform numbers of one seeded request: u_n = SHA-256(key || n)[:8] >> 11, / 2^53, with
+    key = SHA-256(b"gem4-seed" || the seed as 9 little-endian two's-complement bytes).
+
+    Every 64-bit seed, signed or unsigned, has its own stream (see the module docstring). The
+    state is the draw counter; ``get_state`` / ``set_state`` mirror ``torch.Generator`` so the
+    engine can replay a step.
+    """
+
+    def __init__(self, seed: int):
+        if not _is_int(seed) or not SEED_MIN <= seed <= SEED_MAX:
+            raise InvalidParameter("seed", f"must be an int in [-2^63, 2^64 - 1] (got {_show(seed)})")
+        self.seed = seed
+        self._key = hashlib.sha256(b"gem4-seed" + seed.to_bytes(9, "little", signed=True)).digest()
+        self._n = 0
+
+    def uniform(self) -> float:
+        """The next number in [0, 1), 53 random bits."""
+        digest = hashlib.sha256(self._key + self._n.to_bytes(8, "little")).digest()
+        self._n += 1
+        return (int.from_bytes(digest[:8], "little") >> 11) * 2.0**-53
+
+    def get_state(self) -> int:
+        return self._n
+
+    def set_state(self, state: int) -> None:
+        self._n = state
 
 
 @dataclass(frozen=True)
@@ -90,13 +175,14 @@ class SamplingParams:
     top_logprobs: int = 0  # 0..20, needs logprobs=True
 
     def __post_init__(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
+        def fail(name: str, why: str, value=None) -> None:
+            shown = _show(getattr(self, name) if value is None else value)
+            raise InvalidParameter(name, f"{why} (got {shown})")
 
         if not _is_real(self.temperature) or self.temperature < 0:
             fail("temperature", "must be a finite number >= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            fail("top_k", "must be an int >= -1 (0 or -1 = off)")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOKEN_ID:
+            fail("top_k", f"must be an int in [-1, {MAX_TOKEN_ID}] (0 or -1 = off)")
         if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1] (1 = off)")
         if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
@@ -104,10 +190,10 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
             fail("repetition_penalty", "must be a finite number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not _is_real(getattr(self, name)):
-                fail(name, "must be a finite number (0 = off)")
-        if self.seed is not None and not _is_int(self.seed):
-            fail("seed", "must be an int or None")
+            if not _is_real(getattr(self, name)) or not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+                fail(name, f"must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 = off)")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            fail("seed", "must be None or an int in [-2^63, 2^64 - 1] (a signed or unsigned 64-bit integer)")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             fail("max_tokens", "must be an int >= 1 or None")
         if not isinstance(self.ignore_eos, bool):
@@ -132,8 +218,9 @@ class SamplingParams:
             stop_ids = tuple(self.stop_token_ids)
         except TypeError:
             fail("stop_token_ids", "must be a sequence of ints")
-        if not all(_is_int(t) and t >= 0 for t in stop_ids):
-            fail("stop_token_ids", "token ids must be ints >= 0")
+        bad = next((t for t in stop_ids if not (_is_int(t) and 0 <= t <= MAX_TOKEN_ID)), None)
+        if bad is not None:
+            fail("stop_token_ids", f"token ids must be ints in [0, {MAX_TOKEN_ID}]", bad)
         object.__setattr__(self, "stop_token_ids", stop_ids)
 
         bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
@@ -141,17 +228,22 @@ class SamplingParams:
             pairs = tuple((t, b) for t, b in bias)
         except (TypeError, ValueError):
             fail("logit_bias", "must map token id -> bias")
-        if not all(_is_int(t) and t >= 0 for t, _ in pairs):
-            fail("logit_bias", "token ids must be ints >= 0")
-        if not all(_is_real(b) for _, b in pairs):
-            fail("logit_bias", "biases must be finite numbers")
+        if len(pairs) > MAX_LOGIT_BIAS:
+            fail("logit_bias", f"at most {MAX_LOGIT_BIAS} entries", f"{len(pairs)} entries")
+        bad = next((t for t, _ in pairs if not (_is_int(t) and 0 <= t <= MAX_TOKEN_ID)), None)
+        if bad is not None:
+            fail("logit_bias", f"token ids must be ints in [0, {MAX_TOKEN_ID}]", bad)
+        bad = next((b for _, b in pairs if not (_is_real(b) and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE)), None)
+        if bad is not None:
+            fail("logit_bias", f"biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]", bad)
         if len({t for t, _ in pairs}) != len(pairs):
             fail("logit_bias", "token ids must be unique")
         object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in pairs)))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperatures below 1e-5 take the argmax (see the module docstring)."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(frozen=True)
@@ -273,18 +365,22 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _draw_uniforms(
-    rows: Sequence[int], generators: Sequence[torch.Generator | None], batch: int
-) -> torch.Tensor:
-    """One U[0, 1) float64 per listed row from that row's CPU generator, [B] (0 elsewhere).
+Generator = SeedStream | torch.Generator | None  # one per row; None = torch's global generator
+
+
+def _draw_uniforms(rows: Sequence[int], generators: Sequence[Generator], batch: int) -> torch.Tensor:
+    """One U[0, 1) float64 per listed row from that row's generator, [B] (0 elsewhere).
     Loops over rows: torch has no batched draw over a list of generators."""
     u = torch.zeros(batch, dtype=torch.float64)
     shared = [b for b in rows if generators[b] is None]
     if shared:
         u[shared] = torch.rand(len(shared), dtype=torch.float64)  # torch's global generator
     for b in rows:
-        if generators[b] is not None:
-            u[b] = torch.rand((), dtype=torch.float64, generator=generators[b])
+        g = generators[b]
+        if isinstance(g, SeedStream):
+            u[b] = g.uniform()
+        elif g is not None:
+            u[b] = torch.rand((), dtype=torch.float64, generator=g)
     return u
 
 
@@ -303,22 +399,25 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    generators: Sequence[torch.Generator | None] | None = None,
+    generators: Sequence[Generator] | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row from softmax(logits / T); T == 0 rows take the argmax and draw
-    nothing. generators: one CPU torch.Generator or None (global) per row. Returns [B] int64."""
+    """Draw one token per row from softmax(logits / T); rows with T < 1e-5 take the argmax and
+    draw nothing. generators: a SeedStream, a CPU torch.Generator or None (torch's global
+    generator) per row. Returns [B] int64."""
     batch = logits.shape[0]
     ids = greedy(logits)  # [B]
-    rows = [b for b, t in enumerate(temperature.tolist()) if t > 0]
+    stochastic = temperature >= GREEDY_BELOW  # [B]
+    rows = [b for b, s in enumerate(stochastic.tolist()) if s]
     if not rows:
         return ids
     generators = generators if generators is not None else [None] * batch
     if len(generators) != batch:
         raise ValueError(f"sample: {len(generators)} generators for {batch} rows")
-    probs = apply_temperature(logits, temperature).softmax(dim=-1)  # [B, V]
+    t = torch.where(stochastic, temperature, torch.ones_like(temperature))  # greedy rows: any T
+    probs = apply_temperature(logits, t).softmax(dim=-1)  # [B, V]
     u = _draw_uniforms(rows, generators, batch).to(logits.device)
     drawn = _inverse_cdf(probs, u)  # [B]
-    return torch.where(temperature > 0, drawn, ids)
+    return torch.where(stochastic, drawn, ids)
 
 
 def gather_logprobs(
@@ -355,11 +454,13 @@ class SamplingTensors:
 
 
 def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Steps 1-3: logit_bias, repetition penalty, presence/frequency. logits: [B, V] -> [B, V]."""
+    """Steps 1-3: logit_bias, repetition penalty, presence/frequency, then the clamp to
+    +-LOGIT_LIMIT (finite logits stay finite whatever the penalties). [B, V] -> [B, V]."""
     logits = logits.float()
     if t.bias is not None:
         logits = apply_logit_bias(logits, *t.bias)
-    return apply_penalties(logits, t.seen, t.counts, t.repetition, t.presence, t.frequency)
+    logits = apply_penalties(logits, t.seen, t.counts, t.repetition, t.presence, t.frequency)
+    return logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
 
 
 def filter_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -383,12 +484,12 @@ class Sampler:
     the pipeline. Stateless: the caller (the engine) owns one generator per sequence."""
 
     @staticmethod
-    def make_generator(params: SamplingParams) -> torch.Generator | None:
-        """A fresh CPU generator for a seeded request (None: use torch's global generator).
+    def make_generator(params: SamplingParams) -> SeedStream | None:
+        """A fresh SeedStream for a seeded request (None: use torch's global generator).
         Keep it for the request's lifetime and pass it back on every step."""
         if params.seed is None:
             return None
-        return torch.Generator().manual_seed(params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+        return SeedStream(params.seed)
 
     @staticmethod
     def tensors(
@@ -403,7 +504,7 @@ class Sampler:
 
         t = SamplingTensors(temperature=column([p.temperature for p in params]))
         if any(p.top_k > 0 for p in params):
-            t.top_k = column([p.top_k for p in params], torch.long)
+            t.top_k = column([min(p.top_k, vocab_size) for p in params], torch.long)  # k >= V: all
         if any(p.top_p < 1 for p in params):
             t.top_p = column([p.top_p for p in params])
         if any(p.min_p > 0 for p in params):
@@ -411,7 +512,8 @@ class Sampler:
         if any(p.repetition_penalty != 1 for p in params):
             prompts = prompts if prompts is not None else [()] * len(params)
             history = [list(p) + list(g) for p, g in zip(prompts, generated)]
-            t.repetition = column([p.repetition_penalty for p in params])
+            # a penalty that float32 rounds to 0 (1e-300) becomes the smallest normal float32
+            t.repetition = column([p.repetition_penalty for p in params]).clamp(min=torch.finfo(torch.float32).tiny)
             t.seen = token_counts(history, vocab_size, device) > 0
         if any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params):
             t.presence = column([p.presence_penalty for p in params])
@@ -421,8 +523,8 @@ class Sampler:
         if pairs:
             rows, ids, values = zip(*pairs)
             if max(ids) >= vocab_size:
-                raise ValueError(
-                    f"SamplingParams.logit_bias: token id {max(ids)} >= vocab size {vocab_size}"
+                raise InvalidParameter(
+                    "logit_bias", f"token id {max(ids)} >= the vocabulary size {vocab_size}"
                 )
             t.bias = (column(rows, torch.long), column(ids, torch.long), column(values))
         return t
@@ -433,7 +535,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generated: Sequence[Sequence[int]],
         prompts: Sequence[Sequence[int]] | None = None,
-        generators: Sequence[torch.Generator | None] | None = None,
+        generators: Sequence[Generator] | None = None,
     ) -> SampleOutput:
         """logits: [B, V] for the next token of each row; generated / prompts: each row's token
         ids so far. generators: the engine's per-sequence generators; None builds fresh ones

@@ -17,20 +17,38 @@ Thread model (what runs where):
   before the next step starts, so it stops within one step of `abort()` returning. A consumer that
   closes or drops the iterator `generate()` returned before the end aborts its request the same way.
 
-An exception inside a step ends every request in flight: their streams raise `EngineError`.
+Errors:
+- **Bad requests** are refused by `submit`, in the caller's thread, before the engine sees them:
+  `SamplingParams` checks every parameter's type and range when it is built, `submit` checks what
+  depends on the model (top_k and token ids against the vocabulary, lengths against the context).
+  Parameter errors are `InvalidParameter` (a ValueError whose `param` names the field: the server
+  answers 400 with that `param`); the others are plain ValueErrors.
+- **A failure while serving** ends only the requests it concerns (runner.py says how each part of a
+  step is isolated): their streams raise `EngineError` with the cause chained, the error is logged once
+  on the "gem4.engine" logger (request id and step; never the prompt or the tokens), and the other
+  requests of the step continue as if it had not happened. Non-finite logits are such a failure
+  (`NonFiniteLogits`): the request ends at that step and no token is drawn from them. This is the
+  engine's error finish; vLLM calls it finish_reason "error" (FinishReason.ERROR), which its OpenAI
+  server turns into a 500 or a streamed error object, exactly what our server does with `EngineError`,
+  so "error" never appears as a finish_reason on the wire.
+- Only a failure outside any one request (the scheduler itself) ends every request in flight; the
+  engine thread then exits and the next `submit` starts a fresh one.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
 
-from gem4.engine.runner import ModelRunner
-from gem4.engine.scheduler import Scheduler
+from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
+from gem4.engine.scheduler import Batch, Scheduler
 from gem4.engine.sequence import ABORT, RequestStats, Sequence, next_request_id
-from gem4.sampling import SamplingParams
+from gem4.sampling import InvalidParameter, SamplingParams
+
+log = logging.getLogger("gem4.engine")
 
 
 class EngineError(RuntimeError):
@@ -174,15 +192,14 @@ class Engine:
 
     def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
                request_id: str | None = None) -> Stream:
-        """Queue a request; returns its event stream. Raises ValueError for a request that cannot run."""
+        """Queue a request; returns its event stream. Raises ValueError for a request that cannot run
+        (`InvalidParameter` for a sampling parameter)."""
         params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(prompt_ids), params)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (Engine(model, tokenizer))")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
-            if any(t >= self.vocab_size for t in ids):
-                raise ValueError(f"{name}: token ids must be < the vocabulary size {self.vocab_size}")
+        self._check_params(params)
         request_id = request_id if request_id is not None else next_request_id()
         detok = self.tokenizer.detokenizer(skip_special=True) if self.tokenizer is not None else None
         seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens, end_ids=self.end_token_ids,
@@ -233,6 +250,18 @@ class Engine:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the parts that depend on this engine's model."""
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (Engine(model, tokenizer))")
+        if params.top_k > self.vocab_size:
+            raise InvalidParameter("top_k", f"must be at most the vocabulary size {self.vocab_size} "
+                                            f"(0 or -1 = off), got {params.top_k}")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidParameter(name, f"token ids must be < the vocabulary size {self.vocab_size}, got {bad}")
+
     def _max_tokens(self, n_prompt: int, params: SamplingParams) -> int:
         room = self.max_model_len - n_prompt
         if room < 1:
@@ -262,6 +291,8 @@ class Engine:
             try:
                 self._step()
             except BaseException as e:   # noqa: BLE001 - handed to every consumer, then the thread ends
+                log.error("engine step %d failed outside any one request; ending every request in flight",
+                          self.steps, exc_info=e)
                 self._fail(e)
                 return
 
@@ -274,20 +305,42 @@ class Engine:
             if chunk.seq.scheduled_time is None:
                 chunk.seq.scheduled_time = now
         samples = self._runner.run(batch)
+        step = self.steps
         self.steps += 1
-        outputs = self._scheduler.postprocess(batch, [None if s is None else s.token_id for s in samples],
-                                              time.perf_counter())
-        by_seq = {id(c.seq): s for c, s in zip(batch.chunks, samples, strict=True)}
-        for seq, out in outputs:
-            sample = by_seq[id(seq)]
-            finished = out.finish_reason is not None
-            self._publish(seq, GenerationEvent(
-                request_id=seq.request_id, token_id=out.token_id, text=out.text,
-                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids),
-                logprob=sample.logprob, top_logprobs=sample.top_logprobs,
-                stats=seq.stats() if finished else None,
-            ), finished)
+        for chunk, sample in zip(batch.chunks, samples, strict=True):
+            if isinstance(sample, Failed):
+                self._fail_one(chunk.seq, sample.error, step)
+                continue
+            try:                                          # one request's text and stop logic at a time
+                outputs = self._scheduler.postprocess(Batch((chunk,)), [None if sample is None else sample.token_id],
+                                                      time.perf_counter())
+            except Exception as e:                        # noqa: BLE001 - this request's failure only
+                self._fail_one(chunk.seq, e, step)
+                continue
+            for seq, out in outputs:
+                finished = out.finish_reason is not None
+                self._publish(seq, GenerationEvent(
+                    request_id=seq.request_id, token_id=out.token_id, text=out.text,
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids),
+                    logprob=sample.logprob, top_logprobs=sample.top_logprobs,
+                    stats=seq.stats() if finished else None,
+                ), finished)
+
+    def _fail_one(self, seq: Sequence, error: BaseException, step: int) -> None:
+        """End one request with `error` (its stream raises EngineError); log it once."""
+        if isinstance(error, NonFiniteLogits):            # a model fault, not a bug: no traceback
+            log.error("request %s failed at engine step %d: %s", seq.request_id, step, error)
+        else:
+            log.error("request %s failed at engine step %d: %s: %s", seq.request_id, step,
+                      type(error).__name__, error, exc_info=error)
+        self._scheduler.remove(seq.request_id)
+        self._runner.release(seq.request_id)
+        with self._lock:
+            stream = self._streams.pop(seq.request_id, None)
+        if stream is not None:
+            stream._put(_ERROR)
+            stream._put(error)
 
     def _abort(self, request_id: str) -> None:
         seq = self._scheduler.remove(request_id)
