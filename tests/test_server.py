@@ -172,6 +172,7 @@ SCRIPTS = {
     "FAIL": "one two three four five six<turn|>",
     "SLOW": "Finally.<turn|>",
     "HOLD": "Released.<turn|>",
+    "NEGINF": "Nothing left.<turn|>",   # logprobs of -inf and NaN, as an engine may report them
 }
 
 
@@ -239,12 +240,14 @@ class ScriptedEngine:
         limit = params.max_tokens or self.max_model_len - len(prompt)
         n = 0
 
+        lp, lp_other = (float("-inf"), float("nan")) if key == "NEGINF" else (-0.5, -3.0)
+
         def event(tid, text, finish):
             return GenerationEvent(
                 request_id=rid, token_id=tid, text=text, finish_reason=finish, stop_reason=None,
                 prompt_tokens=len(prompt), completion_tokens=n,
-                logprob=-0.5 if params.logprobs and tid is not None else None,
-                top_logprobs=([(tid, -0.5), (0, -3.0)][:params.top_logprobs]
+                logprob=lp if params.logprobs and tid is not None else None,
+                top_logprobs=([(tid, lp), (0, lp_other)][:params.top_logprobs]
                               if params.logprobs and tid is not None else None))
 
         if key == "HOLD":
@@ -496,6 +499,33 @@ def test_sampling_parameters_are_mapped(fake):
     r = client.chat.completions.create(model="scripted", messages=user("PLAIN"))
     p = engine.params[r.id]
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.seed) == (1.0, 1.0, 0, 0.0, None, None)
+
+
+def test_logprobs_of_minus_inf_are_written_as_vllm_does(fake):
+    # JSON has no inf or NaN: non-streamed this was a 500, streamed "logprob": null
+    engine, base, _ = fake
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    chat = {"model": "scripted", "messages": user("NEGINF"), "logprobs": True, "top_logprobs": 2}
+    r = httpx.post(base + "/v1/chat/completions", json=chat, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(t["logprob"] == -9999.0 for t in content)
+    assert all([x["logprob"] for x in t["top_logprobs"]] == [-9999.0, -9999.0] for t in content)
+    streamed = [c for c in sse_data(sse_lines(base, "/v1/chat/completions", {**chat, "stream": True}))
+                if c != "[DONE]" and c["choices"] and c["choices"][0].get("logprobs")]
+    values = [t["logprob"] for c in streamed for t in c["choices"][0]["logprobs"]["content"]]
+    assert values and set(values) == {-9999.0}
+    completion = {"model": "scripted", "prompt": "NEGINF", "logprobs": 2, "max_tokens": 3}
+    for body in (completion, {**completion, "stream": True}):
+        if body.get("stream"):
+            chunks = [c for c in sse_data(sse_lines(base, "/v1/completions", body)) if c != "[DONE]"]
+        else:
+            r = httpx.post(base + "/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            chunks = [r.json()]
+        lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+        assert [v for lp in lps for v in lp["token_logprobs"]] == [-9999.0] * 3
+        assert all(set(top.values()) == {-9999.0} for lp in lps for top in lp["top_logprobs"])
 
 
 def test_stop_strings_cut_the_content(fake):
@@ -857,6 +887,21 @@ BAD_INPUTS = [
      400, "logit_bias", None),
     ("top_logprobs without logprobs", "/v1/chat/completions", {**OK_CHAT, "top_logprobs": 2}, None, 400,
      "top_logprobs", None),
+    # issue 12: values that used to reach the engine thread (and fail every request) or answer 500
+    ("top_k beyond int64", "/v1/chat/completions", {**OK_CHAT, "top_k": 2**63}, None, 400, "top_k", None),
+    ("top_k 1e30", "/v1/chat/completions", {**OK_CHAT, "top_k": 1e30}, None, 400, "top_k", None),
+    ("top_k above the vocabulary", "/v1/chat/completions", {**OK_CHAT, "top_k": 513}, None, 400, "top_k", None),
+    ("logit_bias superscript-digit key", "/v1/chat/completions", {**OK_CHAT, "logit_bias": {"\u00b2": 1}}, None,
+     400, "logit_bias", None),
+    ("logit_bias Arabic-Indic digit key", "/v1/chat/completions", {**OK_CHAT, "logit_bias": {"\u0663": 1}}, None,
+     400, "logit_bias", None),
+    ("logit_bias 5000-digit key", "/v1/chat/completions", {**OK_CHAT, "logit_bias": {"7" * 5000: 1}}, None,
+     400, "logit_bias", None),
+    ("logit_bias with 301 entries", "/v1/chat/completions",
+     {**OK_CHAT, "logit_bias": {str(i): 1 for i in range(301)}}, None, 400, "logit_bias", None),
+    ("seed beyond 64 bits", "/v1/chat/completions", {**OK_CHAT, "seed": 2**64}, None, 400, "seed", None),
+    ("seed below -2^63", "/v1/completions", {"model": "tiny", "prompt": "x", "seed": -(2**63) - 1}, None, 400,
+     "seed", None),
     ("json_schema response_format", "/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json_schema"}},
      None, 400, "response_format", None),
     ("overlong prompt", "/v1/chat/completions", {**OK_CHAT, "messages": user(LONG_TEXT), "max_tokens": None},
@@ -902,6 +947,25 @@ def test_bad_inputs_get_openai_errors_and_the_server_stays_healthy(served):
     with pytest.raises(openai.AuthenticationError):
         client_for(served, key="wrong").models.list()
     assert client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=2).choices[0].message
+
+
+def test_extreme_valid_sampling_values_give_finite_logprobs(served):
+    # repetition_penalty 1e-300 is a valid value that float32 rounds to 0: it made NaN logprobs
+    # (non-streamed a 500 "Out of range float values are not JSON compliant", streamed null)
+    body = {"model": "tiny", "messages": user("hi there"), "max_tokens": 6, "repetition_penalty": 1e-300,
+            "logprobs": True, "top_logprobs": 3, "seed": -(2**63), "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(served + "/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    streamed = [t for c in sse_data(sse_lines(served, "/v1/chat/completions", {**body, "stream": True}))
+                if c != "[DONE]" and c["choices"] and c["choices"][0].get("logprobs")
+                for t in c["choices"][0]["logprobs"]["content"]]
+    for tokens in (content, streamed):
+        assert len(tokens) == 6
+        values = [t["logprob"] for t in tokens] + [x["logprob"] for t in tokens for x in t["top_logprobs"]]
+        assert all(isinstance(v, float) and -9999.0 <= v <= 0 for v in values), values
+    assert [t["token"] for t in content] == [t["token"] for t in streamed]     # same seed, same tokens
 
 
 def test_disconnect_stops_generation_and_the_next_request_is_served(served):

@@ -72,7 +72,7 @@ from gem4.parser import (
     ToolCallEnd,
     ToolCallStart,
 )
-from gem4.sampling import SamplingParams
+from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
 from gem4.server.metrics import Metrics
 from gem4.server.protocol import APIError, bad_request
@@ -184,6 +184,8 @@ class Generation:
                            headers={"Retry-After": "1"})
         try:
             stream = engine.submit(prompt_ids, params, request_id=request_id)
+        except InvalidParameter as e:         # checked against the model (top_k, token ids): 400 naming it
+            raise bad_request(f"Invalid '{e.param}': {e.reason}", e.param) from None
         except ValueError as e:
             raise bad_request(str(e)) from None
         metrics.in_flight += 1
@@ -494,10 +496,8 @@ def _sampling(req: P._SamplingRequest, vocab_size: int, *, max_tokens: int | Non
             logprobs=logprobs,
             top_logprobs=top_logprobs,
         )
-    except ValueError as e:
-        text = str(e)
-        param = text.split(":", 1)[0].removeprefix("SamplingParams.") if text.startswith("SamplingParams.") else None
-        raise bad_request(f"Invalid '{param}': {text.split(': ', 1)[-1]}" if param else text, param) from None
+    except InvalidParameter as e:
+        raise bad_request(f"Invalid '{e.param}': {e.reason}", e.param) from None
 
 
 def _check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, where: str) -> None:

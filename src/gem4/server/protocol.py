@@ -25,10 +25,13 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
 )
+
+from gem4.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -297,6 +300,9 @@ class ResponseFormat(_In):
     type: Literal["text", "json_object", "json_schema"]
 
 
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+
+
 class _SamplingRequest(_In):
     """The sampling fields chat and completions share (OpenAI, then vLLM extensions)."""
 
@@ -331,13 +337,19 @@ class _SamplingRequest(_In):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v):
+        """Keys are token ids written in ASCII digits, at most 10 of them (ids < 2^31): not
+        `str.isdigit`, which also takes '²' (int() refuses it) and '٣' (int() reads it as 3)."""
         if v is None:
             return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries, got {len(v)}")
         for k, b in v.items():
-            if not k.isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {k!r}")
-            if not -100 <= b <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {b}")
+            if not _TOKEN_ID_KEY.fullmatch(k):
+                shown = k if len(k) <= 20 else k[:20] + "..."
+                raise ValueError(f"Invalid key {shown!r}: keys are token ids, non-negative integers written "
+                                 f"in ASCII digits (at most 10)")
+            if not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
+                raise ValueError(f"values must be in [-100, 100], got {b}")
         return v
 
     @field_validator("n")
@@ -474,15 +486,27 @@ class ToolCallOut(_Out):
     function: FunctionCallOut
 
 
+LOGPROB_FLOOR = -9999.0
+
+
+def wire_logprob(x: float) -> float:
+    """A logprob as the wire carries it: -inf (a token with no probability left), anything below
+    -9999 and NaN are written as -9999.0, as vLLM writes them; JSON has no inf or NaN."""
+    return x if x >= LOGPROB_FLOOR else LOGPROB_FLOOR       # NaN fails the comparison too
+
+
+WireLogprob = Annotated[float, PlainSerializer(wire_logprob, return_type=float)]
+
+
 class TopLogprob(_Out):
     token: str
-    logprob: float
+    logprob: WireLogprob
     bytes: list[int] | None
 
 
 class TokenLogprob(_Out):
     token: str
-    logprob: float
+    logprob: WireLogprob
     bytes: list[int] | None
     top_logprobs: list[TopLogprob]
 
@@ -547,8 +571,8 @@ class ChatCompletionChunk(_Out):
 
 class CompletionLogprobs(_Out):
     tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
+    token_logprobs: list[WireLogprob | None]
+    top_logprobs: list[dict[str, WireLogprob] | None]
     text_offset: list[int]
 
 
