@@ -224,19 +224,18 @@ def assistant_message(result) -> dict:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from gem4.chat import encode_prompt
+    from gem4.repl import turn_reader
 
     _reconfigure_stdout()
     engine, tokenizer = _open(args)
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     history: list[dict] = list(system)
     thinking = args.think
-    log(CHAT_HELP + f" (thinking {'on' if thinking else 'off'})")
+    reader = turn_reader()                             # line editor on a terminal, plain lines from a pipe
+    log(CHAT_HELP + (f"; {reader.help}" if reader.help else "") + f" (thinking {'on' if thinking else 'off'})")
     while True:
-        sys.stderr.write("> ")
-        sys.stderr.flush()
-        line = sys.stdin.readline()
-        if not line:                                   # end of input
-            sys.stderr.write("\n")
+        line = reader.read()
+        if line is None:                               # end of input (Ctrl-D)
             return 0
         text = line.strip()
         if not text:
@@ -261,8 +260,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
             if room < 1:
                 raise ValueError(f"the conversation has {len(ids)} tokens and fills the context of "
                                  f"{engine.max_model_len}: /reset")
-            result, last = _stream_chat(engine, tokenizer, ids, _params(args, min(args.max_tokens, room)),
-                                        sys.stdout)
+            with reader.replying():                    # keys typed during the reply are dropped
+                result, last = _stream_chat(engine, tokenizer, ids, _params(args, min(args.max_tokens, room)),
+                                            sys.stdout)
         except ValueError as e:                        # this turn cannot run; the session goes on
             log(f"gem4: error: {e}")
             continue
