@@ -31,6 +31,11 @@ import os
 import sys
 from pathlib import Path
 
+try:
+    import termios
+except ImportError:                                    # not a POSIX system
+    termios = None
+
 PROMPT, CONTINUATION = "> ", ". "
 EDITING_HELP = ("end a line with \\ or press Alt-Enter for a new line (pasted text stays one turn); "
                 "Up recalls earlier turns; Ctrl-C stops a reply")
@@ -101,19 +106,24 @@ class TerminalReader:
     @contextlib.contextmanager
     def replying(self):
         """During a reply: no echo of typed keys (Ctrl-C still signals); afterwards drop what was typed."""
-        import termios
-
         from prompt_toolkit.input.typeahead import clear_typeahead
 
-        saved = termios.tcgetattr(self.fd)
-        quiet = list(saved)
-        quiet[3] &= ~termios.ECHO                      # lflag; ICANON and ISIG stay as they are
-        termios.tcsetattr(self.fd, termios.TCSANOW, quiet)
+        saved = None
+        if termios is not None:                        # POSIX; elsewhere only prompt_toolkit's type-ahead goes
+            try:
+                saved = termios.tcgetattr(self.fd)
+            except termios.error:
+                pass
+        if saved is not None:
+            quiet = list(saved)
+            quiet[3] &= ~termios.ECHO                  # lflag; ICANON and ISIG stay as they are
+            termios.tcsetattr(self.fd, termios.TCSANOW, quiet)
         try:
             yield
         finally:
-            termios.tcflush(self.fd, termios.TCIFLUSH)
-            termios.tcsetattr(self.fd, termios.TCSANOW, saved)
+            if saved is not None:
+                termios.tcflush(self.fd, termios.TCIFLUSH)
+                termios.tcsetattr(self.fd, termios.TCSANOW, saved)
             clear_typeahead(self.session.input)
 
 
