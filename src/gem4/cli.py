@@ -3,7 +3,7 @@
     gem4 run MODEL -p PROMPT [-n N] [sampling] [--chat [--system TEXT] [--think]]   stream a completion
     gem4 run --demo -p PROMPT                 the same on a tiny random-weight checkpoint (no download)
     gem4 chat MODEL | --demo                  interactive multi-turn chat (/think, /reset, /exit)
-    gem4 inspect MODEL | gem4 convert HF_DIR OUT.gguf
+    gem4 inspect MODEL | gem4 convert HF_DIR OUT.gguf | gem4 pull OWNER/NAME[:QUANT]
 
 Generated text goes to stdout as it is produced; loading progress, notices and the stats line go to
 stderr. With --chat / in `chat`, thinking is shown apart from the answer: between `[thinking]` and
@@ -44,6 +44,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pull(args: argparse.Namespace) -> int:
+    from gem4.weights.hub import pull
+
+    print(pull(args.model, log))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # run / chat: shared setup
 # ---------------------------------------------------------------------------------------------
@@ -57,7 +64,9 @@ def _open(args: argparse.Namespace):
     if args.demo == (args.model is not None):
         raise ValueError("give a MODEL (a .gguf file or an HF directory) or --demo, not both" if args.demo
                          else "MODEL is required (a .gguf file or an HF directory), or use --demo")
-    path = args.model
+    from gem4.weights.hub import resolve
+
+    path = None if args.demo else str(resolve(args.model, log))  # a local path as is; owner/name[:TAG] from the hub
     if args.demo:
         from gem4.demo import NOTICE, ensure_demo
 
@@ -286,7 +295,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _generation_options() -> argparse.ArgumentParser:
     g = argparse.ArgumentParser(add_help=False)
-    g.add_argument("model", nargs="?", help="a .gguf file or an HF checkpoint directory")
+    g.add_argument("model", nargs="?", help="a .gguf file, an HF checkpoint directory or a hub id owner/name[:QUANT]")
     g.add_argument("--demo", action="store_true",
                    help="use a tiny random-weight demo checkpoint (built once into $GEM4_CACHE or ~/.cache/gem4)")
     g.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
@@ -337,6 +346,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     p.add_argument("--type", default="bf16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("pull", help="download a model from a Hugging Face hub; print its local path")
+    p.add_argument("model", metavar="REPO[:TAG]", help="owner/name (HF checkpoint) or owner/name:QUANT (a GGUF)")
+    p.set_defaults(func=cmd_pull)
     return parser
 
 

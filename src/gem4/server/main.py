@@ -31,7 +31,7 @@ def _json_object(text: str) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="a .gguf file or an HF checkpoint directory")
+    p.add_argument("model", nargs="?", help="a .gguf file, an HF checkpoint directory or a hub id owner/name[:QUANT]")
     p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo checkpoint")
     p.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -107,8 +107,10 @@ def _load(args: argparse.Namespace, path: str):
     """-> a gem4.Engine for the checkpoint at `path` (runs in the loader thread)."""
     import gem4
     from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.hub import resolve
     from gem4.weights.loader import bind
 
+    path = str(resolve(path, _log))                     # a local path as is; owner/name[:TAG] from the hub
     checkpoint = open_checkpoint(path)                  # the real cause first: file, format, architecture
     tokenizer = gem4.Tokenizer.from_file(args.tokenizer or path)
     model = bind(checkpoint, dtype=args.dtype, device=args.device, progress=True)
