@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -345,6 +346,69 @@ def test_errors(tmp_path):
         Tokenizer.from_file(gap)
     with pytest.raises(TokenizerError, match="twice"):
         Tokenizer(["a", "a"], [1, 1], [])
+
+
+def write_vocab_gguf(path, *, tokens=None, types=None, merges=None, extra=()):
+    """The tiny vocabulary as a GGUF written by our writer, with fields replaced or added."""
+    from gem4.weights.gguf import GGUFWriter
+
+    t, ty, m = tiny_vocab()
+    w = GGUFWriter(path)
+    w.add("tokenizer.ggml.model", "gemma4")
+    w.add("tokenizer.ggml.tokens", t if tokens is None else tokens)
+    w.add("tokenizer.ggml.token_type", np.array(ty if types is None else types, dtype=np.int32))
+    w.add("tokenizer.ggml.merges", m if merges is None else merges)
+    for key, value, vtype in extra:
+        w.add(key, value, vtype)
+    w.write()
+    return path
+
+
+def test_corrupt_vocabularies_raise_the_named_error(tmp_path):
+    # issue 12: a merge naming a token outside the vocabulary raised tokenizers' bare Exception
+    from gem4.weights.gguf import GGUFValueType as VT
+
+    tokens, types, merges = tiny_vocab()
+    cases = {
+        "merge outside the vocabulary": (dict(merges=merges[:5] + ["zzzq yyyq"]), "do not fit the vocabulary"),
+        "merge whose result is outside": (dict(merges=merges[:5] + ["<bos> <eos>"]), "do not fit the vocabulary"),
+        "merges of integers": (dict(merges=[1, 2]), "tokenizer.ggml.merges must be an array"),
+        "merge without a space": (dict(merges=merges[:5] + ["abc"]), "malformed merge 5 'abc'"),
+        "unknown token type": (dict(types=types[:-1] + [9]), "has type 9, not a llama.cpp token type"),
+        "tokens of integers": (dict(tokens=list(range(len(tokens)))), "must be an array"),
+    }
+    for name, (fields, message) in cases.items():
+        path = write_vocab_gguf(tmp_path / f"{len(name)}.gguf", **fields)
+        with pytest.raises(TokenizerError, match=re.escape(message)):
+            Tokenizer.from_file(path)
+    with pytest.raises(TokenizerError, match="not a string"):
+        Tokenizer([*tokens[:-1], 5], types, merges)
+    with pytest.raises(TokenizerError, match="malformed merge 0"):
+        Tokenizer(tokens, types, [("a", 1)])
+
+
+@pytest.mark.parametrize("key", ["tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id",
+                                 "tokenizer.ggml.pad_token_id", "tokenizer.ggml.unk_token_id",
+                                 "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"])
+def test_special_ids_outside_the_vocabulary_are_refused(tmp_path, key):
+    # pad_/unk_token_id are the names gem4's converter once wrote: they were ignored, so 2^32-1 loaded
+    from gem4.weights.gguf import GGUFValueType as VT
+
+    with pytest.raises(TokenizerError, match=rf"{re.escape(key)}.* 4294967295 is outside the vocabulary of 512"):
+        Tokenizer.from_file(write_vocab_gguf(tmp_path / "ids.gguf", extra=[(key, 2**32 - 1, VT.UINT32)]))
+    with pytest.raises(TokenizerError, match="must be an integer token id"):
+        Tokenizer.from_file(write_vocab_gguf(tmp_path / "str.gguf", extra=[(key, "0", VT.STRING)]))
+    ok = Tokenizer.from_file(write_vocab_gguf(tmp_path / "ok.gguf", extra=[(key, 511, VT.UINT32)]))
+    role = key.split(".")[-1].split("_")[0].replace("padding", "pad").replace("unknown", "unk")
+    assert getattr(ok.special, role) == 511
+
+
+def test_legacy_and_llama_cpp_special_id_keys_must_agree(tmp_path):
+    from gem4.weights.gguf import GGUFValueType as VT
+
+    extra = [("tokenizer.ggml.padding_token_id", 0, VT.UINT32), ("tokenizer.ggml.pad_token_id", 5, VT.UINT32)]
+    with pytest.raises(TokenizerError, match="disagree"):
+        Tokenizer.from_file(write_vocab_gguf(tmp_path / "two.gguf", extra=extra))
 
 
 def test_does_not_import_torch():

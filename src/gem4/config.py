@@ -23,8 +23,48 @@ FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
 
 
+MAX_CONTEXT = 2**24
+# The largest context length a checkpoint may claim. RoPE turns positions into angles in float32
+# (`positions.float() * inv_freq`), and float32 holds every integer only up to 2^24: beyond it
+# neighbouring positions get the same angle. Gemma 4 claims 128K-256K, 64-128 times less.
+MAX_RMS_NORM_EPS = 1e-2
+# rms_norm_eps is a guard against division by zero (Gemma 4: 1e-6); a value near the activations'
+# mean square would change the model, so anything above 1e-2 is taken for a corrupt field.
+MAX_TENSOR_ELEMENTS = 2**40
+# The most elements any one weight may have. The largest Gemma 4 tensor (the 262144 x 5376 embedding)
+# has ~2^30.4; a size that implies more is a corrupt field, and refusing it here keeps the products
+# the loader computes (and torch's int64 shapes: 2^63 overflows) far from overflowing.
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 class ConfigError(ValueError):
-    """A checkpoint's description of the model is missing, inconsistent or unsupported."""
+    """A checkpoint's description of the model is missing, inconsistent or unsupported.
+
+    `field` names the ModelConfig quantity at fault when there is one (`sliding_window`,
+    `max_position_embeddings`, `rms_norm_eps`, `final_logit_softcap`, `rope_theta` (a base),
+    `rope.<layer type>` (a frequency vector), `moe.top_k`, `gqa` (heads vs kv heads), ...); each
+    reader maps it to its own key name for the message.
+    """
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+def _finite(x) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:   # an int beyond float's range
+        return False
+
+
+def check_rope_theta(theta, what: str = "rope_theta") -> float:
+    """A RoPE base must be a finite number > 0 (NaN, 0 or a negative base gives NaN angles)."""
+    if not _finite(theta) or theta <= 0:
+        raise ConfigError(f"{what} must be a finite number > 0, got {theta!r}", "rope_theta")
+    return float(theta)
 
 
 @dataclass(frozen=True)
@@ -96,12 +136,18 @@ class ModelConfig:
 
 def rope_default(theta: float, head_dim: int) -> tuple[float, ...]:
     """f_i = theta^(-2i/d), i < d/2; float32 arithmetic as the reference computes it."""
+    check_rope_theta(theta)
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
     return tuple((1.0 / (theta ** exponent)).tolist())
 
 
 def rope_proportional(theta: float, head_dim: int, partial_rotary_factor: float, factor: float = 1.0) -> tuple[float, ...]:
     """Full layers: the first int(p*d/2) pairs rotate with f_i = theta^(-2i/d) (denominator the FULL d), the rest not."""
+    check_rope_theta(theta)
+    if not _finite(partial_rotary_factor) or not 0 <= partial_rotary_factor <= 1:
+        raise ConfigError(f"partial_rotary_factor must be in [0, 1], got {partial_rotary_factor!r}", "rope_theta")
+    if not _finite(factor) or factor <= 0:
+        raise ConfigError(f"rope factor must be a finite number > 0, got {factor!r}", "rope_theta")
     n_rot = int(partial_rotary_factor * head_dim // 2)
     exponent = torch.arange(0, 2 * n_rot, 2, dtype=torch.float32) / head_dim
     rotated = 1.0 / (theta ** exponent)
@@ -111,6 +157,7 @@ def rope_proportional(theta: float, head_dim: int, partial_rotary_factor: float,
 
 def rope_with_factors(theta: float, n_rot: int, freq_factors: Sequence[float] | None) -> tuple[float, ...]:
     """llama.cpp form: f_i = theta^(-2i/n_rot) / factor_i (factors of 1e30 switch a pair off)."""
+    check_rope_theta(theta)
     inv_freq = 1.0 / (theta ** (torch.arange(0, n_rot, 2, dtype=torch.float32) / n_rot))
     if freq_factors is not None:
         factors = torch.as_tensor(list(freq_factors), dtype=torch.float32)
@@ -122,6 +169,21 @@ def rope_with_factors(theta: float, n_rot: int, freq_factors: Sequence[float] | 
 
 # ---- derivation shared by both formats ----
 
+def _check_tensor_sizes(vocab: int, hidden: int, specs: Sequence[LayerSpec], ple_dim: int, ple_vocab: int,
+                        moe: MoEConfig | None) -> None:
+    """Every weight the sizes imply has at most MAX_TENSOR_ELEMENTS elements (field: the sizes at fault)."""
+    products = [("embed", vocab * hidden), ("ple", ple_vocab * len(specs) * ple_dim)]
+    for s in specs:
+        products += [("attention", max(s.n_heads, s.n_kv_heads) * s.head_dim * hidden),
+                     ("mlp", s.intermediate_size * hidden)]
+    if moe is not None:
+        products.append(("moe.size", moe.num_experts * 2 * moe.intermediate_size * hidden))
+    for field, n in products:
+        if n > MAX_TENSOR_ELEMENTS:
+            raise ConfigError(f"the {field.removesuffix('.size')} sizes imply a weight of {n} elements, more than "
+                              f"2^40 = {MAX_TENSOR_ELEMENTS}", field)
+
+
 def kv_sources(layer_types: Sequence[str], num_kv_shared_layers: int) -> list[int]:
     """Per layer, the index of the layer whose K/V it attends to (docs/gemma4.md §2.6, general HF rule).
 
@@ -129,7 +191,7 @@ def kv_sources(layer_types: Sequence[str], num_kv_shared_layers: int) -> list[in
     """
     n = len(layer_types)
     if not 0 <= num_kv_shared_layers < n:
-        raise ConfigError(f"num_kv_shared_layers={num_kv_shared_layers} must be in [0, {n})")
+        raise ConfigError(f"num_kv_shared_layers={num_kv_shared_layers} must be in [0, {n})", "num_kv_shared_layers")
     first = n - num_kv_shared_layers
     donors = {t: i for i, t in enumerate(layer_types[:first])}  # last index of each type wins
     sources = []
@@ -164,24 +226,50 @@ def build_config(
     tie_word_embeddings: bool,
     max_position_embeddings: int,
 ) -> ModelConfig:
-    """Validate the per-layer facts a checkpoint gave and assemble the frozen config."""
+    """Validate the facts a checkpoint gave and assemble the frozen config.
+
+    Every value is checked for sense, not only for type, so that a corrupt field is refused here by
+    name instead of loading and then allocating gigabytes or producing NaN logits:
+        sizes, head counts, dims, widths      positive integers (head_dim even, heads a multiple of kv heads)
+        max_position_embeddings               1 .. MAX_CONTEXT (2^24: see above)
+        sliding_window                        1 .. max_position_embeddings
+        rms_norm_eps                          finite, 0 < eps <= MAX_RMS_NORM_EPS (1e-2)
+        final_logit_softcap                   absent, or finite > 0
+        rope_inv_freq                         finite, >= 0, and position * frequency finite in float32
+                                              for every position below max_position_embeddings
+        moe                                   1 <= top_k <= num_experts, positive widths
+        the weights those sizes imply         at most MAX_TENSOR_ELEMENTS (2^40) elements each
+    """
     n = len(layer_types)
     for name, seq in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("head_dims", head_dims),
                       ("k_eq_v", k_eq_v), ("intermediate_sizes", intermediate_sizes)):
         if len(seq) != n:
-            raise ConfigError(f"{name} has {len(seq)} entries for {n} layers")
-    for key, value in (("vocab_size", vocab_size), ("hidden_size", hidden_size), ("sliding_window", sliding_window),
-                       ("max_position_embeddings", max_position_embeddings)):
-        if not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+            raise ConfigError(f"{name} has {len(seq)} entries for {n} layers", name)
+    for key, value, least in (("vocab_size", vocab_size, 1), ("hidden_size", hidden_size, 1),
+                              ("sliding_window", sliding_window, 1), ("max_position_embeddings", max_position_embeddings, 1),
+                              ("ple_dim", ple_dim, 0), ("ple_vocab_size", ple_vocab_size, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ConfigError(f"{key} must be an integer >= {least}, got {value!r}", key)
     if not n:
-        raise ConfigError("the model has no layers")
-    if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and rms_norm_eps > 0):
-        raise ConfigError(f"rms_norm_eps must be a positive float, got {rms_norm_eps!r}")
-    if final_logit_softcap is not None and not final_logit_softcap > 0:
-        raise ConfigError(f"final_logit_softcapping must be positive or absent, got {final_logit_softcap!r}")
-    if ple_dim < 0 or (ple_dim > 0) != (ple_vocab_size > 0):
-        raise ConfigError(f"per-layer embedding dim {ple_dim} and table rows {ple_vocab_size} disagree")
+        raise ConfigError("the model has no layers", "layers")
+    if max_position_embeddings > MAX_CONTEXT:
+        raise ConfigError(f"max_position_embeddings (the context length) {max_position_embeddings} is above "
+                          f"2^24 = {MAX_CONTEXT}, past which float32 RoPE positions are not exact", "max_position_embeddings")
+    if sliding_window > max_position_embeddings:
+        raise ConfigError(f"sliding_window {sliding_window} is longer than the context length "
+                          f"{max_position_embeddings}", "sliding_window/context")
+    if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and 0 < rms_norm_eps <= MAX_RMS_NORM_EPS):
+        raise ConfigError(f"rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {rms_norm_eps!r}",
+                          "rms_norm_eps")
+    if final_logit_softcap is not None and not (_finite(final_logit_softcap) and final_logit_softcap > 0):
+        raise ConfigError(f"final_logit_softcapping must be a finite number > 0 or absent, got {final_logit_softcap!r}",
+                          "final_logit_softcap")
+    if (ple_dim > 0) != (ple_vocab_size > 0):
+        raise ConfigError(f"per-layer embedding dim {ple_dim} and table rows {ple_vocab_size} disagree", "ple_dim")
+    for name, seq in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("head_dims", head_dims),
+                      ("intermediate_sizes", intermediate_sizes)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in seq):
+            raise ConfigError(f"{name} must be integers, got {list(seq)!r}", name)
 
     sources = kv_sources(layer_types, num_kv_shared_layers)
     specs = []
@@ -190,25 +278,41 @@ def build_config(
             raise ConfigError(f"layer {i}: unknown layer type {t!r} (expected one of {LAYER_TYPES})")
         d, nh, nkv = head_dims[i], n_heads[i], n_kv_heads[i]
         if d <= 0 or d % 2 or nh <= 0 or nkv <= 0 or nh % nkv:
-            raise ConfigError(f"layer {i}: head_dim={d}, heads={nh}, kv_heads={nkv} is not a valid GQA geometry")
+            field = ("head_dims" if d <= 0 or d % 2 else "n_heads" if nh <= 0 else "n_kv_heads" if nkv <= 0
+                     else "gqa")
+            raise ConfigError(f"layer {i}: head_dim={d}, heads={nh}, kv_heads={nkv} is not a valid GQA geometry "
+                              f"(head_dim even, heads a multiple of kv_heads)", field)
         if k_eq_v[i] and t != FULL:
             raise ConfigError(f"layer {i}: k_eq_v is only defined for full-attention layers")
         if intermediate_sizes[i] <= 0:
-            raise ConfigError(f"layer {i}: intermediate size {intermediate_sizes[i]} must be positive")
+            raise ConfigError(f"layer {i}: intermediate size {intermediate_sizes[i]} must be positive",
+                              "intermediate_sizes")
         src = sources[i]
         if src != i and (head_dims[src], n_kv_heads[src]) != (d, nkv):
             raise ConfigError(f"layer {i} reuses the K/V of layer {src} but their KV geometry differs")
         specs.append(LayerSpec(index=i, layer_type=t, n_heads=nh, n_kv_heads=nkv, head_dim=d,
                                k_eq_v=bool(k_eq_v[i]) and src == i, kv_source=src,
                                intermediate_size=intermediate_sizes[i]))
+    _check_tensor_sizes(vocab_size, hidden_size, specs, ple_dim, ple_vocab_size, moe)
     for t in set(layer_types):
         if t not in rope_inv_freq:
             raise ConfigError(f"no RoPE parameters for layer type {t!r}")
         dims = {s.head_dim for s in specs if s.layer_type == t}
         if len(dims) != 1 or len(rope_inv_freq[t]) * 2 != dims.pop():
             raise ConfigError(f"RoPE for {t} has {len(rope_inv_freq[t])} frequencies; layers of that type need head_dim/2")
-    if moe is not None and (moe.num_experts <= 0 or not 0 < moe.top_k <= moe.num_experts or moe.intermediate_size <= 0):
-        raise ConfigError(f"invalid MoE geometry {moe}")
+        # angles are positions * inv_freq in float32: NaN, inf or a product past float32's range is NaN in cos/sin
+        top = max(rope_inv_freq[t], default=0.0)
+        if not all(_finite(f) and f >= 0 for f in rope_inv_freq[t]) or top * max_position_embeddings >= _FLOAT32_MAX:
+            raise ConfigError(f"RoPE frequencies for {t} must be finite and >= 0 with context length x frequency "
+                              f"finite in float32, got up to {top!r}", f"rope.{t}")
+    if moe is not None:
+        for name in ("num_experts", "top_k", "intermediate_size"):
+            v = getattr(moe, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"MoE {name} must be a positive integer, got {v!r}", f"moe.{name}")
+        if moe.top_k > moe.num_experts:
+            raise ConfigError(f"MoE top_k {moe.top_k} (experts per token) exceeds num_experts {moe.num_experts}",
+                              "moe.top_k")
     return ModelConfig(
         vocab_size=vocab_size, hidden_size=hidden_size, layers=tuple(specs), sliding_window=sliding_window,
         rms_norm_eps=float(rms_norm_eps), final_logit_softcap=final_logit_softcap, ple_dim=ple_dim,

@@ -135,12 +135,22 @@ class Tokenizer:
         source: str = "<memory>",
     ):
         tokens = list(tokens)
-        types = np.asarray(types, dtype=np.int32)
+        try:
+            types = np.asarray(types, dtype=np.int32)
+        except (TypeError, ValueError, OverflowError):
+            raise TokenizerError(f"{source}: token types must be integers") from None
         n = len(tokens)
         if n == 0:
             raise TokenizerError(f"{source}: empty vocabulary")
         if types.shape != (n,):
             raise TokenizerError(f"{source}: {types.size} token types for {n} tokens")
+        bad = np.flatnonzero(~np.isin(types, [int(t) for t in TokenType]))
+        if bad.size:
+            raise TokenizerError(f"{source}: token {int(bad[0])} has type {int(types[bad[0]])}, not a llama.cpp token "
+                                 f"type (1-6)")
+        bad_token = next((i for i, t in enumerate(tokens) if not isinstance(t, str)), None)
+        if bad_token is not None:
+            raise TokenizerError(f"{source}: token {bad_token} is {tokens[bad_token]!r}, not a string")
         self.source = source
         self.tokens: list[str] = tokens
         self.types: np.ndarray = types
@@ -150,16 +160,17 @@ class Tokenizer:
                 raise TokenizerError(f"{source}: token {t!r} appears twice (ids {self._vocab[t]} and {i})")
 
         pairs = []
-        for m in merges:
+        for rank, m in enumerate(merges):
             if isinstance(m, str):
                 # Tokens never contain ' ', so the first space (from index 1) separates the pair.
                 cut = m.find(" ", 1)
                 if cut < 0:
-                    raise TokenizerError(f"{source}: malformed merge {m!r}")
+                    raise TokenizerError(f"{source}: malformed merge {rank} {m!r}")
                 pairs.append((m[:cut], m[cut + 1 :]))
+            elif isinstance(m, (tuple, list)) and len(m) == 2 and all(isinstance(x, str) for x in m):
+                pairs.append((m[0], m[1]))
             else:
-                a, b = m
-                pairs.append((a, b))
+                raise TokenizerError(f"{source}: malformed merge {rank} {m!r}: expected 'left right' or a pair of strings")
         self.merges: list[tuple[str, str]] = pairs  # rank order
 
         def named(explicit: int | None, text: str) -> int | None:
@@ -183,14 +194,17 @@ class Tokenizer:
 
         # docs/gemma4.md §6.3. The BPE model is shared by the two front ends below.
         unk_token = tokens[self.special.unk] if self.special.unk is not None else None
-        bpe = models.BPE(
-            vocab=self._vocab,
-            merges=pairs,
-            byte_fallback=True,
-            fuse_unk=False,
-            unk_token=unk_token,
-            ignore_merges=False,
-        )
+        try:
+            bpe = models.BPE(
+                vocab=self._vocab,
+                merges=pairs,
+                byte_fallback=True,
+                fuse_unk=False,
+                unk_token=unk_token,
+                ignore_merges=False,
+            )
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception ("Token `x` out of vocabulary")
+            raise TokenizerError(f"{source}: the BPE merges do not fit the vocabulary: {e}") from None
         control = [t for t, ty in zip(tokens, types) if ty == TokenType.CONTROL]
         user_defined = [t for t, ty in zip(tokens, types) if ty == TokenType.USER_DEFINED]
 
@@ -254,12 +268,26 @@ class Tokenizer:
         tokens = need("tokenizer.ggml.tokens")
         types = need("tokenizer.ggml.token_type")
         merges = need("tokenizer.ggml.merges")
+        for key, value, kind in (("tokenizer.ggml.tokens", tokens, list), ("tokenizer.ggml.merges", merges, list),
+                                 ("tokenizer.ggml.token_type", types, np.ndarray)):
+            if not isinstance(value, kind):
+                raise TokenizerError(f"{path}: {key} must be an array, got {type(value).__name__}")
         if len(types) != len(tokens):
             raise TokenizerError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
 
-        def opt_id(key: str) -> int | None:
-            v = md.get(key)
-            return None if v is None else int(v)
+        def opt_id(key: str, legacy: str | None = None) -> int | None:
+            """A special token id; `legacy` is the name gem4's converter wrote before it used llama.cpp's."""
+            found = {k: md[k] for k in (key, legacy) if k is not None and k in md}
+            for k, v in found.items():
+                if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+                    raise TokenizerError(f"{path}: {k} must be an integer token id, got {v!r}")
+            ids = {int(v) for v in found.values()}
+            if len(ids) > 1:
+                raise TokenizerError(f"{path}: {key} and {legacy} disagree ({sorted(ids)})")
+            if ids and not 0 <= next(iter(ids)) < len(tokens):
+                raise TokenizerError(f"{path}: {' / '.join(found)} = {next(iter(ids))} is outside the vocabulary "
+                                     f"of {len(tokens)}")
+            return ids.pop() if ids else None
 
         template = md.get("tokenizer.chat_template")
         return cls(
@@ -268,8 +296,8 @@ class Tokenizer:
             merges,
             bos_id=opt_id("tokenizer.ggml.bos_token_id"),
             eos_id=opt_id("tokenizer.ggml.eos_token_id"),
-            pad_id=opt_id("tokenizer.ggml.padding_token_id"),
-            unk_id=opt_id("tokenizer.ggml.unknown_token_id"),
+            pad_id=opt_id("tokenizer.ggml.padding_token_id", "tokenizer.ggml.pad_token_id"),
+            unk_id=opt_id("tokenizer.ggml.unknown_token_id", "tokenizer.ggml.unk_token_id"),
             mask_id=opt_id("tokenizer.ggml.mask_token_id"),
             # llama.cpp forces add_bos for gemma4 whatever the file says (docs/gemma4.md §6.1).
             add_bos=bool(md.get("tokenizer.ggml.add_bos_token", True)),

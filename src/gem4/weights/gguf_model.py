@@ -12,7 +12,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gem4.config import FULL, SLIDING, ConfigError, ModelConfig, MoEConfig, build_config, rope_default, rope_with_factors
+from gem4.config import (
+    FULL,
+    SLIDING,
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    build_config,
+    check_rope_theta,
+    rope_default,
+    rope_with_factors,
+)
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
 from gem4.weights.quants import GGMLType, dequantize, ggml_dtype_view, quantize
@@ -62,6 +72,33 @@ NOT_YET = {"attn_qkv.weight": "fused QKV (--fuse-qkv)", "ffn_gate_exps.weight": 
            "ffn_up_exps.weight": "split expert gate/up tensors"}
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 ROPE_OFF = 1e30                                            # llama.cpp's "do not rotate this pair" factor
+# ConfigError.field -> the metadata key (under gemma4.) it was read from, for error messages
+CONFIG_KEYS = {
+    "sliding_window": "attention.sliding_window",
+    "max_position_embeddings": "context_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "final_logit_softcap": "final_logit_softcapping",
+    "num_kv_shared_layers": "attention.shared_kv_layers",
+    "hidden_size": "embedding_length",
+    "n_heads": "attention.head_count",
+    "n_kv_heads": "attention.head_count_kv",
+    "head_dims": ("attention.key_length", "attention.key_length_swa"),
+    "intermediate_sizes": "feed_forward_length",
+    "ple_dim": "embedding_length_per_layer_input",
+    "moe.num_experts": "expert_count",
+    "moe.top_k": ("expert_used_count", "expert_count"),
+    "moe.intermediate_size": "expert_feed_forward_length",
+    "gqa": ("attention.head_count", "attention.head_count_kv"),
+    "sliding_window/context": ("attention.sliding_window", "context_length"),
+    "embed": ("embedding_length",),
+    "ple": ("embedding_length_per_layer_input", "block_count"),
+    "attention": ("attention.head_count", "attention.head_count_kv", "attention.key_length",
+                  "attention.key_length_swa", "embedding_length"),
+    "mlp": ("feed_forward_length", "embedding_length"),
+    "moe.size": ("expert_count", "expert_feed_forward_length", "embedding_length"),
+    f"rope.{SLIDING}": "rope.freq_base_swa",
+    f"rope.{FULL}": ("rope.freq_base", "rope_freqs.weight"),
+}
 
 
 def to_gguf_name(canonical: str) -> str:
@@ -137,18 +174,20 @@ def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rop
     L = m.integer("block_count", required=True)
     H = m.integer("embedding_length", required=True)
     if not L or L <= 0 or H <= 0:
-        raise CheckpointError(f"{where}: block_count={L} and embedding_length={H} must be positive")
+        raise CheckpointError(f"{where}: {ARCH}.block_count={L} and {ARCH}.embedding_length={H} must be positive")
     pattern = m.get("attention.sliding_window_pattern", required=True)
     if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (L,)):
-        raise CheckpointError(f"{where}: {ARCH}.attention.sliding_window_pattern must be a bool array of {L} entries")
+        raise CheckpointError(f"{where}: {ARCH}.attention.sliding_window_pattern must be a bool array of "
+                              f"{ARCH}.block_count={L} entries")
     layer_types = [SLIDING if s else FULL for s in pattern]
     n_heads = m.per_layer("attention.head_count", L, required=True)
     n_kv = m.per_layer("attention.head_count_kv", L, default=None) if m.get("attention.head_count_kv") is not None else n_heads
     d_full = m.integer("attention.key_length", required=True)
     d_swa = m.integer("attention.key_length_swa", required=True)
-    for k, d in (("attention.value_length", d_full), ("attention.value_length_swa", d_swa)):
+    for k, key_k, d in (("attention.value_length", "attention.key_length", d_full),
+                        ("attention.value_length_swa", "attention.key_length_swa", d_swa)):
         if m.integer(k, d) != d:
-            raise CheckpointError(f"{where}: {ARCH}.{k}={m.integer(k)} differs from the key length {d}")
+            raise CheckpointError(f"{where}: {ARCH}.{k}={m.integer(k)} differs from {ARCH}.{key_k}={d}")
     head_dims = [d_swa if t == SLIDING else d_full for t in layer_types]
     n_ff = m.per_layer("feed_forward_length", L, required=True)
     shared = m.integer("attention.shared_kv_layers", 0)
@@ -158,17 +197,25 @@ def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rop
     n_rot = m.integer("rope.dimension_count", d_full)
     n_rot_swa = m.integer("rope.dimension_count_swa", n_rot)
     if (n_rot, n_rot_swa) != (d_full, d_swa):
-        raise CheckpointError(f"{where}: rope dimension counts ({n_rot}, swa {n_rot_swa}) must equal the head dims "
-                              f"({d_full}, {d_swa}); partial rotation is expressed with rope_freqs")
-    rope = {SLIDING: rope_with_factors(m.number("rope.freq_base_swa", 10000.0), d_swa, None),
-            FULL: rope_with_factors(m.number("rope.freq_base", 10000.0), d_full, rope_freqs)}
+        raise CheckpointError(f"{where}: {ARCH}.rope.dimension_count={n_rot} and {ARCH}.rope.dimension_count_swa="
+                              f"{n_rot_swa} must equal the head dims {ARCH}.attention.key_length={d_full} and "
+                              f"{ARCH}.attention.key_length_swa={d_swa}; partial rotation is expressed with rope_freqs")
+    try:
+        rope = {SLIDING: rope_with_factors(check_rope_theta(m.number("rope.freq_base_swa", 10000.0),
+                                                            f"{ARCH}.rope.freq_base_swa"), d_swa, None),
+                FULL: rope_with_factors(check_rope_theta(m.number("rope.freq_base", 10000.0), f"{ARCH}.rope.freq_base"),
+                                        d_full, rope_freqs)}
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}") from None
 
     ple_dim = m.integer("embedding_length_per_layer_input", required=True)
     ple_shape = shapes.get("embed_tokens_per_layer.weight")
     if ple_dim and ple_shape is None:
-        raise CheckpointError(f"{where}: embedding_length_per_layer_input={ple_dim} but per_layer_token_embd.weight is missing")
+        raise CheckpointError(f"{where}: {ARCH}.embedding_length_per_layer_input={ple_dim} but per_layer_token_embd.weight "
+                              f"is missing")
     if not ple_dim and ple_shape is not None:
-        raise CheckpointError(f"{where}: per_layer_token_embd.weight present but embedding_length_per_layer_input is 0")
+        raise CheckpointError(f"{where}: per_layer_token_embd.weight present but {ARCH}.embedding_length_per_layer_input "
+                              f"is 0")
 
     moe_layers = [i for i in range(L) if f"layers.{i}.router.proj.weight" in shapes]
     moe = None
@@ -196,7 +243,9 @@ def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rop
             max_position_embeddings=m.integer("context_length", required=True),
         )
     except ConfigError as e:
-        raise CheckpointError(f"{where}: {e}") from None
+        keys = CONFIG_KEYS.get(e.field, ())
+        keys = ", ".join(f"{ARCH}.{k}" for k in ((keys,) if isinstance(keys, str) else keys))
+        raise CheckpointError(f"{where}: {e}" + (f" (metadata {keys})" if keys else "")) from None
 
 
 def _entry(reader: GGUFReader, gguf_name: str, canonical: str) -> TensorEntry:

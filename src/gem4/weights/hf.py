@@ -12,6 +12,7 @@ the tensors present; a config that says otherwise is refused (transformers silen
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -60,32 +61,78 @@ def _text_config(directory: Path) -> dict:
     return text
 
 
-def _require(cfg: dict, key: str, where: Path):
+def _require(cfg: dict, key: str, where: Path | str):
     if cfg.get(key) is None:
         raise CheckpointError(f"{where}: config.json lacks {key!r}")
     return cfg[key]
 
 
+def _int(cfg: dict, key: str, where: Path | str, default=None) -> int:
+    """An integer field (JSON int, not bool or float); `default` when absent (required if None)."""
+    v = _require(cfg, key, where) if default is None or cfg.get(key) is not None else default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise CheckpointError(f"{where}: {key} must be an integer, got {v!r}")
+    return v
+
+
+def _num(cfg: dict, key: str, where: Path | str, default=None) -> float:
+    """A finite number field (JSON int or float, not bool); `default` when absent (required if None)."""
+    v = _require(cfg, key, where) if default is None or cfg.get(key) is not None else default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise CheckpointError(f"{where}: {key} must be a finite number, got {v!r}")
+    return float(v)
+
+
+# ConfigError.field -> the config.json key it was read from, for error messages
+CONFIG_KEYS = {
+    "final_logit_softcap": "final_logit_softcapping",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "gqa": "num_attention_heads / num_key_value_heads",
+    "sliding_window/context": "sliding_window / max_position_embeddings",
+    "embed": "vocab_size / hidden_size",
+    "ple": "hidden_size_per_layer_input",
+    "attention": "num_attention_heads / num_key_value_heads / head_dim / global_head_dim / hidden_size",
+    "mlp": "intermediate_size / hidden_size",
+    "moe.size": "num_experts / moe_intermediate_size / hidden_size",
+    "head_dims": "head_dim / global_head_dim",
+    "intermediate_sizes": "intermediate_size",
+    "ple_dim": "hidden_size_per_layer_input",
+    "moe.num_experts": "num_experts",
+    "moe.top_k": "top_k_experts",
+    "moe.intermediate_size": "moe_intermediate_size",
+    "rope.sliding_attention": "rope_parameters",
+    "rope.full_attention": "rope_parameters",
+}
+
+
 def _rope(params: dict, head_dim: int, layer_type: str, where: Path) -> tuple[float, ...]:
+    if not isinstance(params, dict):
+        raise CheckpointError(f"{where}: rope_parameters[{layer_type!r}] must be an object, got {params!r}")
     rope_type = params.get("rope_type", "default")
-    theta = float(_require(params, "rope_theta", where))
-    if rope_type == "default":
-        return rope_default(theta, head_dim)
-    if rope_type == "proportional":
-        return rope_proportional(theta, head_dim, float(params.get("partial_rotary_factor", 1.0)),
-                                 float(params.get("factor", 1.0)))
-    raise CheckpointError(f"{where}: rope_parameters[{layer_type!r}] has unsupported rope_type {rope_type!r}")
+    what = f"{where}: rope_parameters[{layer_type!r}]"
+    theta = _num(params, "rope_theta", what)
+    try:
+        if rope_type == "default":
+            return rope_default(theta, head_dim)
+        if rope_type == "proportional":
+            return rope_proportional(theta, head_dim, _num(params, "partial_rotary_factor", what, 1.0),
+                                     _num(params, "factor", what, 1.0))
+    except ConfigError as e:
+        raise CheckpointError(f"{what}: {e}") from None
+    raise CheckpointError(f"{what} has unsupported rope_type {rope_type!r}")
 
 
 def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -> ModelConfig:
     """config.json text section + canonical tensor shapes -> ModelConfig."""
-    L = int(_require(cfg, "num_hidden_layers", where))
+    L = _int(cfg, "num_hidden_layers", where)
     layer_types = _require(cfg, "layer_types", where)       # never defaulted (STYLE.md)
-    if len(layer_types) != L:
-        raise CheckpointError(f"{where}: layer_types has {len(layer_types)} entries for {L} layers")
-    nh = int(_require(cfg, "num_attention_heads", where))
+    if not isinstance(layer_types, list) or len(layer_types) != L:
+        raise CheckpointError(f"{where}: layer_types must be a list of {L} entries (num_hidden_layers), "
+                              f"got {len(layer_types) if isinstance(layer_types, list) else layer_types!r}")
+    nh = _int(cfg, "num_attention_heads", where)
     k_eq_v_flag = bool(cfg.get("attention_k_eq_v", False))
-    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    shared = _int(cfg, "num_kv_shared_layers", where, 0)
 
     # per-layer head geometry: per_layer_config (re-saved form) or global_* keys (hub form)
     head_dims, kv_heads = [], []
@@ -98,19 +145,21 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
         if not set(per_layer) <= set(range(len(layer_types))):
             raise CheckpointError(f"{where}: per_layer_config names layers outside 0..{len(layer_types) - 1}")
     for i, t in enumerate(layer_types):
-        d, nkv = int(_require(cfg, "head_dim", where)), int(_require(cfg, "num_key_value_heads", where))
+        d, nkv = _int(cfg, "head_dim", where), _int(cfg, "num_key_value_heads", where)
         if per_layer is not None:
             override = per_layer.get(i, {})
-            d, nkv = int(override.get("head_dim", d)), int(override.get("num_key_value_heads", nkv))
+            if not isinstance(override, dict):
+                raise CheckpointError(f"{where}: per_layer_config[{i}] must be an object, got {override!r}")
+            d, nkv = _int(override, "head_dim", where, d), _int(override, "num_key_value_heads", where, nkv)
         elif t == FULL:
-            d = int(_require(cfg, "global_head_dim", where))
+            d = _int(cfg, "global_head_dim", where)
             if k_eq_v_flag and cfg.get("num_global_key_value_heads") is not None:
-                nkv = int(cfg["num_global_key_value_heads"])
+                nkv = _int(cfg, "num_global_key_value_heads", where)
         head_dims.append(d)
         kv_heads.append(nkv)
 
     first = L - shared
-    inter = int(_require(cfg, "intermediate_size", where))
+    inter = _int(cfg, "intermediate_size", where)
     double = bool(cfg.get("use_double_wide_mlp", False))
     intermediate = [inter * (2 if double and i >= first else 1) for i in range(L)]
 
@@ -133,11 +182,12 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
 
     moe = None
     if cfg.get("enable_moe_block"):
-        moe = MoEConfig(num_experts=int(_require(cfg, "num_experts", where)),
-                        top_k=int(_require(cfg, "top_k_experts", where)),
-                        intermediate_size=int(_require(cfg, "moe_intermediate_size", where)))
+        moe = MoEConfig(num_experts=_int(cfg, "num_experts", where), top_k=_int(cfg, "top_k_experts", where),
+                        intermediate_size=_int(cfg, "moe_intermediate_size", where))
 
     rope_params = _require(cfg, "rope_parameters", where)
+    if not isinstance(rope_params, dict):
+        raise CheckpointError(f"{where}: rope_parameters must be an object, got {rope_params!r}")
     rope = {}
     for t in set(layer_types):
         if t not in rope_params:
@@ -147,18 +197,19 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
     softcap = cfg.get("final_logit_softcapping")
     try:
         return build_config(
-            vocab_size=int(_require(cfg, "vocab_size", where)), hidden_size=int(_require(cfg, "hidden_size", where)),
+            vocab_size=_int(cfg, "vocab_size", where), hidden_size=_int(cfg, "hidden_size", where),
             layer_types=layer_types, n_heads=[nh] * L, n_kv_heads=kv_heads, head_dims=head_dims,
             k_eq_v=[k_eq_v_flag and t == FULL for t in layer_types], intermediate_sizes=intermediate,
-            num_kv_shared_layers=shared, sliding_window=int(_require(cfg, "sliding_window", where)),
-            rms_norm_eps=float(_require(cfg, "rms_norm_eps", where)),
-            final_logit_softcap=None if softcap is None else float(softcap),
+            num_kv_shared_layers=shared, sliding_window=_int(cfg, "sliding_window", where),
+            rms_norm_eps=_num(cfg, "rms_norm_eps", where),
+            final_logit_softcap=None if softcap is None else _num(cfg, "final_logit_softcapping", where),
             ple_dim=ple_dim, ple_vocab_size=ple_vocab, moe=moe, rope_inv_freq=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-            max_position_embeddings=int(_require(cfg, "max_position_embeddings", where)),
+            max_position_embeddings=_int(cfg, "max_position_embeddings", where),
         )
     except ConfigError as e:
-        raise CheckpointError(f"{where}: {e}") from None
+        key = CONFIG_KEYS.get(e.field)
+        raise CheckpointError(f"{where}: {e}" + (f" (config.json {key})" if key else "")) from None
 
 
 def open_hf(directory: Path) -> Checkpoint:
