@@ -4,6 +4,7 @@
     gem4 run --demo -p PROMPT                 the same on a tiny random-weight checkpoint (no download)
     gem4 chat MODEL | --demo                  interactive multi-turn chat (/think, /reset, /exit)
     gem4 inspect MODEL | gem4 convert HF_DIR OUT.gguf | gem4 pull OWNER/NAME[:QUANT]
+    gem4 doctor                               which compiled CPU kernels are active, and why
 
 Generated text goes to stdout as it is produced; loading progress, notices and the stats line go to
 stderr. With --chat / in `chat`, thinking is shown apart from the answer: between `[thinking]` and
@@ -288,6 +289,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Which compiled kernels are active and why (the facts come from gem4.model.kernels.describe)."""
+    from gem4.model import kernels
+
+    info = kernels.describe()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(map(len, info))
+        for key, value in info.items():
+            print(f"{key:<{width}}  {(' '.join(value) or '(none)') if isinstance(value, list) else value}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # argument parsing
 # ---------------------------------------------------------------------------------------------
@@ -350,6 +365,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="download a model from a Hugging Face hub; print its local path")
     p.add_argument("model", metavar="REPO[:TAG]", help="owner/name (HF checkpoint) or owner/name:QUANT (a GGUF)")
     p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("doctor", help="which compiled CPU kernels are active and why (builds them if needed)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 
