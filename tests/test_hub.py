@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import gem4
+import gem4.weights.hub as hub_module
 from gem4.weights.hub import VERIFIED_DIR, HubError, ModelRef, checkpoint_files, parse_ref, pick_gguf, resolve
 
 LFS_SUFFIXES = (".gguf", ".safetensors", ".bin", ".onnx")
@@ -288,7 +289,7 @@ def test_parse_ref_and_local_paths(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_gguf_by_quant_tag(hub, models, tmp_path):
+def test_gguf_by_quant_tag(hub, models, tmp_path, monkeypatch):
     said = []
     path = resolve(f"{GGUF_REPO}:q8_0", said.append, **opts(hub, tmp_path))
     assert path.name == GGUF_NAME and path.read_bytes() == models["gguf"][GGUF_NAME]
@@ -300,9 +301,11 @@ def test_gguf_by_quant_tag(hub, models, tmp_path):
     assert torch.isfinite(out).all() and out.shape == (4, 4096)                # the demo vocabulary
     assert gem4.Tokenizer.from_file(path).encode("hello") == gem4.Tokenizer.from_file(models["demo"]).encode("hello")
 
-    # a second call finds it in the cache: one listing, no download; no tag picks Q8_0 (no Q4_K_M here)
+    # a second call finds it in the cache: one listing, no download, no second hashing (the verification
+    # is recorded); no tag picks Q8_0 (no Q4_K_M here)
     hub.requests.clear()
     said.clear()
+    monkeypatch.setattr(hub_module, "file_hashes", lambda *a, **k: pytest.fail("hashed a verified file again"))
     assert resolve(GGUF_REPO, said.append, **opts(hub, tmp_path)) == path
     assert hub.gets() == [] and any("no :TAG given, using tiny-it-Q8_0.gguf" in s for s in said)
 
@@ -351,7 +354,7 @@ def test_refuses_a_file_whose_hash_differs(hub, models, tmp_path, repo, name, al
 
 
 def test_offline_from_the_cache(hub, models, tmp_path):
-    with pytest.raises(HubError, match="is not in the cache .* offline mode is on"):
+    with pytest.raises(HubError, match="tiny-GGUF: no such local path, not in the hub cache .*, and offline mode is on"):
         resolve(f"{GGUF_REPO}:Q8_0", **opts(hub, tmp_path, offline=True))
     gguf = resolve(f"{GGUF_REPO}:Q8_0", **opts(hub, tmp_path))
     ckpt = resolve(CKPT_REPO, **opts(hub, tmp_path))
@@ -380,7 +383,7 @@ def test_offline_from_the_cache(hub, models, tmp_path):
 
 
 def test_hub_errors_are_clear(hub, tmp_path):
-    with pytest.raises(HubError, match="no-such/repo: no such model repo on http://127.0.0.1"):
+    with pytest.raises(HubError, match="no-such/repo: no such local path, and no such model repo on http://127.0.0.1"):
         resolve("no-such/repo", **opts(hub, tmp_path))
     hub.add("gem4-test/private", {"config.json": b"{}"}, token="s3cret")
     with pytest.raises(HubError, match="a private one needs HF_TOKEN"):
@@ -427,4 +430,4 @@ def test_cli_run_and_pull_by_name(hub, models, tmp_path):
     assert path.read_bytes() == models["gguf"][GGUF_NAME]
 
     bad = gem4_cli(["pull", "gem4-test/absent"], env)
-    assert bad.returncode == 2 and "gem4: error: gem4-test/absent is not in the cache" in bad.stderr
+    assert bad.returncode == 2 and "gem4: error: gem4-test/absent: no such local path, not in the hub cache" in bad.stderr

@@ -266,6 +266,8 @@ def verify(snapshot: Path, entry: RepoFile, repo: str) -> Path:
     docstring). -> the path. A mismatch removes the blob and its link, then raises HubError."""
     path = snapshot / entry.name
     blob = path.resolve()
+    if not blob.is_file():
+        raise HubError(f"{repo}: {entry.name}: the cache links it to {blob}, which is missing")
     st = blob.stat()
     stamp = f"{st.st_size} {st.st_mtime_ns}"
     marker = _marker(snapshot, entry.name)
@@ -335,8 +337,8 @@ def _listing_online(ref: ModelRef, endpoint: str | None) -> tuple[str, dict[str,
     except GatedRepoError:
         raise HubError(f"{ref.repo_id} is gated: accept its terms on the hub, then set HF_TOKEN") from None
     except (RepositoryNotFoundError, RevisionNotFoundError):
-        raise HubError(f"{ref.repo_id}: no such model repo on {_endpoint(endpoint)} (a private one needs "
-                       f"HF_TOKEN)") from None
+        raise HubError(f"{ref.repo_id}: no such local path, and no such model repo on {_endpoint(endpoint)} "
+                       f"(a private one needs HF_TOKEN)") from None
     except HfHubHTTPError as e:
         if _unreachable(e):
             raise
@@ -358,7 +360,8 @@ def _listing_cached(ref: ModelRef, cache_dir: str | None, why: str) -> tuple[Pat
     try:
         snapshot = Path(snapshot_download(ref.repo_id, cache_dir=cache_dir, local_files_only=True))
     except LocalEntryNotFoundError:
-        raise HubError(f"{ref.repo_id} is not in the cache ({_cache(cache_dir)}) and {why}") from None
+        raise HubError(f"{ref.repo_id}: no such local path, not in the hub cache ({_cache(cache_dir)}), and "
+                       f"{why}") from None
     files = {}
     for p in sorted(snapshot.rglob("*")):
         if p.is_file():
