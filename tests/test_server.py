@@ -20,6 +20,7 @@ import os
 import queue
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +42,7 @@ from gem4.engine import EngineError, GenerationEvent
 from gem4.parser import Gemma4Parser, parse
 from gem4.sampling import SamplingParams
 from gem4.server import ServerConfig, create_app
+from gem4.server.http11 import guarded_protocol
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -130,11 +132,11 @@ def accumulate(chunks) -> dict:
 
 
 class InProcessServer:
-    """uvicorn in a thread on 127.0.0.1, port chosen by the OS."""
+    """uvicorn in a thread on 127.0.0.1, port chosen by the OS; `uvicorn_kwargs` go to uvicorn.Config."""
 
-    def __init__(self, app):
+    def __init__(self, app, **uvicorn_kwargs):
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=0, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=0, log_level="warning", **uvicorn_kwargs))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> str:
@@ -682,6 +684,153 @@ def test_health_is_503_until_the_engine_is_ready():
 
 
 # ---------------------------------------------------------------------------------------------
+# Bounded work before admission and connection guards, in process (raw sockets where the point is
+# what the server does before or without a complete request)
+# ---------------------------------------------------------------------------------------------
+
+
+def request_head(path: str, *, length: int | None = None, key: str | None = None, method: str = "POST") -> bytes:
+    """An HTTP/1.1 request line and headers: Content-Length `length`, or chunked when None."""
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json"]
+    lines.append("Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}")
+    if key is not None:
+        lines.append(f"Authorization: Bearer {key}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def raw_exchange(base: str, data: bytes = b"", *, timeout: float = 8.0) -> tuple[bytes, float | None]:
+    """Open a connection, send `data` (maybe nothing, or an incomplete request) and read until the
+    server closes it: (what came back, seconds until it closed), or seconds None if it was still open
+    after `timeout`."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+        start = time.perf_counter()
+        if data:
+            sock.sendall(data)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except TimeoutError:
+            return got, None
+        except ConnectionResetError:
+            pass
+        return got, time.perf_counter() - start
+
+
+def raw_response(data: bytes) -> tuple[int, dict[str, str], dict]:
+    """(status, headers, JSON body) of one raw HTTP response."""
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in header_lines)}
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+def guarded_server(app, *, header_timeout: float = 30.0, body_timeout: float = 30.0,
+                   max_connections: int | None = None) -> InProcessServer:
+    """InProcessServer with `gem4 serve`'s connection guards."""
+    return InProcessServer(app, http=guarded_protocol(header_timeout=header_timeout, body_timeout=body_timeout,
+                                                      max_connections=max_connections))
+
+
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def test_oversized_bodies_get_413_before_they_are_read():
+    limit = 100_000
+    app = create_app(ServerConfig(served_model_name="m", max_request_body=limit), ScriptedEngine())
+    with guarded_server(app) as base:
+        body = {"model": "m", "prompt": "PLAIN", "max_tokens": 2}
+        under = json.dumps({**body, "padding": "x" * (limit - 100)}).encode()
+        assert len(under) <= limit
+        assert httpx.post(base + "/v1/completions", content=under, headers=JSON_HEADERS).status_code == 200
+        over = json.dumps({**body, "padding": "x" * limit}).encode()
+        err = assert_openai_error(httpx.post(base + "/v1/completions", content=over, headers=JSON_HEADERS), 413,
+                                  code="request_too_large")
+        assert str(limit) in err["message"]
+        # declared: 1 GB announced and never sent; the answer comes at once and the connection closes
+        got, closed_after = raw_exchange(base, request_head("/v1/completions", length=10**9))
+        assert closed_after is not None and closed_after < 2, (got, closed_after)
+        status, headers, payload = raw_response(got)
+        assert (status, payload["error"]["code"], headers["connection"]) == (413, "request_too_large", "close")
+        # chunked: counted as it arrives, refused once past the limit (4 x 30 kB)
+        chunks = b"".join(b"%x\r\n%s\r\n" % (30_000, b"x" * 30_000) for _ in range(4))
+        got, closed_after = raw_exchange(base, request_head("/v1/completions") + chunks)
+        assert closed_after is not None and raw_response(got)[0] == 413, got
+        # the same from an HTTP client streaming a chunked body
+        r = httpx.post(base + "/v1/completions", content=(over[i:i + 10_000] for i in range(0, len(over), 10_000)),
+                       headers=JSON_HEADERS)
+        assert_openai_error(r, 413, code="request_too_large")
+        assert httpx.get(base + "/health").status_code == 200
+    # the default limit: 1 MiB + 64 bytes per token of max_model_len
+    engine = ScriptedEngine()
+    default = 2**20 + 64 * engine.max_model_len
+    with guarded_server(create_app(ServerConfig(served_model_name="m"), engine)) as base:
+        status, _, payload = raw_response(raw_exchange(base, request_head("/v1/completions", length=default + 1))[0])
+        assert status == 413 and f"at most {default} bytes" in payload["error"]["message"]
+
+
+def test_header_and_body_timeouts_close_stalled_connections():
+    app = create_app(ServerConfig(served_model_name="m"), ScriptedEngine())
+    with guarded_server(app, header_timeout=1.0, body_timeout=1.0) as base:
+        # headers begun and never finished (slowloris)
+        got, closed_after = raw_exchange(base, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        assert closed_after is not None and 0.9 < closed_after < 4, closed_after
+        status, _, payload = raw_response(got)
+        assert status == 408 and payload["error"]["code"] == "request_timeout"
+        # a body that stops arriving
+        got, closed_after = raw_exchange(base, request_head("/v1/completions", length=1000) + b'{"model": ')
+        assert closed_after is not None and 0.9 < closed_after < 4, closed_after
+        assert raw_response(got)[0] == 408
+        # a kept-alive connection idle between requests is the keep-alive timer's, not the header timeout's
+        host, port = base.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            for _ in range(2):
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                got = b""
+                while not got.endswith(b'{"status":"ok"}'):
+                    got += sock.recv(65536)
+                assert got.startswith(b"HTTP/1.1 200"), got
+                time.sleep(1.5)
+        assert httpx.get(base + "/health").status_code == 200
+
+
+def test_connections_beyond_the_cap_get_503_and_are_closed():
+    app = create_app(ServerConfig(served_model_name="m"), ScriptedEngine())
+    server = guarded_server(app, max_connections=3)
+    with server as base:
+        host, port = base.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(3)]
+        try:
+            wait_for(lambda: len(server.server.server_state.connections) == 3)
+            got, closed_after = raw_exchange(base)
+            assert closed_after is not None and closed_after < 2
+            status, headers, payload = raw_response(got)
+            assert (status, payload["error"]["code"], headers["retry-after"]) == (503, "too_many_connections", "1")
+            # the open ones are untouched; once one goes, a new connection is served
+            idle[0].close()
+            wait_for(lambda: len(server.server.server_state.connections) == 2)
+            assert httpx.get(base + "/health").status_code == 200
+            idle[1].settimeout(0.2)
+            with pytest.raises(TimeoutError):
+                idle[1].recv(1)
+        finally:
+            for s in idle:
+                s.close()
+
+
+def test_connection_cap_default():
+    from gem4.argtypes import ArgParser
+    from gem4.server.main import add_arguments, max_connections
+
+    parser = ArgParser()
+    add_arguments(parser)
+    assert max_connections(parser.parse_args(["m"])) == 4 + 64 + 128
+    assert max_connections(parser.parse_args(["m", "--max-num-seqs", "8", "--max-waiting", "10"])) == 8 + 10 + 128
+    assert max_connections(parser.parse_args(["m", "--max-connections", "7"])) == 7
+
+
+# ---------------------------------------------------------------------------------------------
 # `gem4 serve` on a tiny real checkpoint, as a subprocess
 # ---------------------------------------------------------------------------------------------
 
@@ -728,13 +877,18 @@ def gem4_serve(args: list[str], log: Path, env: dict | None = None):
                 proc.wait()
 
 
+SERVED_BODY_MIB = 8              # room for the 5 MB prompts of the early character bound test
+SERVED_HEADER_TIMEOUT = 2.0
+
+
 @pytest.fixture(scope="module")
 def served(tiny_dir, tmp_path_factory):
     """`gem4 serve` on the tiny checkpoint; yields its base URL."""
     log = tmp_path_factory.mktemp("serve-log") / "stderr.txt"
     with gem4_serve([str(tiny_dir), "--dtype", "float32", "--api-key", API_KEY, "--served-model-name", "tiny",
                      "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "4", "--heartbeat-interval", "5",
-                     "--default-chat-template-kwargs", '{"enable_thinking": false}'],
+                     "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                     "--max-request-body-mb", str(SERVED_BODY_MIB), "--header-timeout", str(SERVED_HEADER_TIMEOUT)],
                     log) as url:
         assert "weights" in log.read_text()          # the load progress bar went to stderr
         yield url
@@ -966,6 +1120,59 @@ def test_extreme_valid_sampling_values_give_finite_logprobs(served):
         values = [t["logprob"] for t in tokens] + [x["logprob"] for t in tokens for x in t["top_logprobs"]]
         assert all(isinstance(v, float) and -9999.0 <= v <= 0 for v in values), values
     assert [t["token"] for t in content] == [t["token"] for t in streamed]     # same seed, same tokens
+
+
+def test_served_refuses_big_bodies_before_reading_them(served):
+    """50 MB announced and never sent: without a key 401, with one 413 (over --max-request-body-mb),
+    each at once, and the connection closes instead of draining the body."""
+    for key, status, code in ((None, 401, "invalid_api_key"), (API_KEY, 413, "request_too_large")):
+        got, closed_after = raw_exchange(served, request_head("/v1/chat/completions", length=50_000_000, key=key))
+        assert closed_after is not None and closed_after < 2, (key, got, closed_after)
+        assert raw_response(got)[0] == status and raw_response(got)[2]["error"]["code"] == code
+    assert httpx.get(served + "/health").status_code == 200
+
+
+def test_served_closes_a_silent_connection_after_the_header_timeout(served):
+    got, closed_after = raw_exchange(served, timeout=SERVED_HEADER_TIMEOUT + 8)
+    assert closed_after is not None and SERVED_HEADER_TIMEOUT - 0.1 < closed_after < SERVED_HEADER_TIMEOUT + 4
+    status, headers, payload = raw_response(got)
+    assert (status, payload["error"]["code"], headers["connection"]) == (408, "request_timeout", "close")
+
+
+def test_a_text_that_cannot_fit_is_refused_without_tokenizing(served):
+    """5 MB of text cannot be 512 tokens (no token is over 31 characters): refused with the
+    context-length error at once, where tokenizing it would take ~20 s; /health answers meanwhile.
+    The user text is checked before rendering, the rendered prompt (here: a long assistant turn) before tokenizing."""
+    big = "word " * 1_000_000
+    cases = [("/v1/completions", {"model": "tiny", "prompt": big, "max_tokens": 1}, "prompt"),
+             ("/v1/chat/completions", {"model": "tiny", "messages": user(big)}, "messages"),
+             ("/v1/chat/completions", {"model": "tiny", "messages": [*user("hi"), {"role": "assistant", "content": big},
+                                                                     *user("go on")]}, "messages"),
+             ("/tokenize", {"model": "tiny", "prompt": big}, "prompt")]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for path, body, param in cases:
+        done: dict = {}
+
+        def post():
+            start = time.perf_counter()
+            done["r"] = httpx.post(served + path, json=body, headers=headers, timeout=120)
+            done["s"] = time.perf_counter() - start
+
+        thread = threading.Thread(target=post)
+        thread.start()
+        health = []
+        while thread.is_alive():
+            start = time.perf_counter()
+            assert httpx.get(served + "/health", timeout=30).status_code == 200
+            health.append(time.perf_counter() - start)
+            time.sleep(0.02)
+        thread.join()
+        err = assert_openai_error(done["r"], 400, param=param, code="context_length_exceeded")
+        m = re.search(r"maximum context length is 512 tokens\. However, your \w+ \((\d+) characters\) would be at "
+                      r"least (\d+) tokens \(no token is longer than 31 characters\)", err["message"])
+        assert m and int(m[1]) >= len(big) - 1 and int(m[2]) == -(-int(m[1]) // 31), err
+        assert done["s"] < 5, (path, done["s"])
+        assert max(health, default=0) < 1.5, (path, health)
 
 
 def test_disconnect_stops_generation_and_the_next_request_is_served(served):

@@ -12,7 +12,11 @@ Thread model (what runs where):
 - **The event loop thread** (uvicorn's asyncio loop) runs every handler: parsing and validating
   requests, building SamplingParams, feeding generated token ids to the output parser
   (`gem4.parser`), formatting JSON and SSE, heartbeats, metrics. It never blocks on the engine.
-  Rendering a chat template and tokenizing run in the default thread pool (`asyncio.to_thread`).
+  Rendering a chat template and tokenizing run in the default thread pool (`asyncio.to_thread`),
+  tokenizing through `encode_batch`, which releases the GIL (`encode` holds it for the whole text:
+  4M characters kept the loop, /health included, from running for 15 s). Parsing a body's JSON
+  holds the GIL wherever it runs, so it stays on the loop: ~25 ms per MiB, ~0.4 s at the largest
+  default body limit.
 - **The engine thread** (owned by `gem4.Engine`) is the only one that touches the model. A handler
   calls `engine.submit(prompt_ids, params, request_id=...)` (a short lock, no model work) and gets
   a `Stream`, a per-request queue of `GenerationEvent`s.
@@ -25,6 +29,18 @@ Thread model (what runs where):
   within one step and its KV cache is freed.
 - **Loading**: `serve()` (main.py) binds the socket first and loads the model in a loader thread;
   until `ServerState.engine` is set, /health and every model endpoint answer 503 with Retry-After.
+
+Bounded work before admission (each limit refuses before the work it bounds):
+
+- **Body size** (`ServerConfig.max_request_body`, default 1 MiB + 64 bytes per token of
+  max_model_len, see `default_body_limit`): 413 when Content-Length says more (nothing is read),
+  or as soon as a chunked body passes it. Authentication (a dependency) runs before any body is
+  read; `http11.py` closes a connection whose request was answered before its body arrived.
+- **Characters before tokens**: no token stands for more than `max_token_chars` characters (31
+  for Gemma 4), so a text of n characters is at least n / 31 tokens. A completion prompt, the
+  user/system/developer texts of a chat (before rendering), and the rendered chat prompt (before
+  tokenizing, whatever the template did) that cannot fit max_model_len that way get the
+  context-length 400 without being tokenized. The exact token check follows for the rest.
 
 The server never sees tensors: requests go in as token ids and SamplingParams, results come back
 as token ids, text and floats.
@@ -60,6 +76,7 @@ from fastapi.responses import (
     StreamingResponse,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gem4.chat import ChatTemplateError, encode_prompt
 from gem4.engine import EngineError, GenerationEvent
@@ -108,6 +125,7 @@ class ServerConfig:
     max_waiting: int = 64                       # more waiting requests than this -> 503 + Retry-After
     heartbeat_s: float = 10.0                   # SSE `: ping` after this long without output
     log_interval_s: float = 10.0                # a throughput line (logger gem4.server, info) this often
+    max_request_body: int | None = None         # bytes; None: default_body_limit(max_model_len)
 
 
 class ServerState:
@@ -119,12 +137,25 @@ class ServerState:
         self.engine: EngineLike | None = engine
         self.metrics = Metrics(config.served_model_name, config.max_num_seqs)
         self.created = int(time.time())
+        self._token_chars: tuple[Any, int | None] | None = None
 
     def ready_engine(self) -> EngineLike:
         if self.engine is None:
             raise APIError(503, "The model is still loading; retry shortly.", type="server_error",
                            code="model_loading", headers={"Retry-After": "1"})
         return self.engine
+
+    def body_limit(self) -> int:
+        """The largest request body accepted, in bytes (503 while loading if it depends on the model)."""
+        if self.config.max_request_body is not None:
+            return self.config.max_request_body
+        return default_body_limit(self.ready_engine().max_model_len)
+
+    def token_chars(self, tokenizer) -> int | None:
+        """max_token_chars(tokenizer), computed once per tokenizer (a scan of the vocabulary)."""
+        if self._token_chars is None or self._token_chars[0] is not tokenizer:
+            self._token_chars = (tokenizer, max_token_chars(tokenizer))
+        return self._token_chars[1]
 
     def check_model(self, name: str | None) -> None:
         c = self.config
@@ -514,6 +545,111 @@ def _check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, whe
     raise bad_request(msg, where, code="context_length_exceeded")
 
 
+# ---------------------------------------------------------------------------------------------
+# Bounded work before admission: body size, characters before tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def default_body_limit(max_model_len: int) -> int:
+    """1 MiB + 64 bytes per context token. The longest Gemma 4 token is 31 characters (a run of
+    newlines, tabs or spaces), which JSON writes in at most 62 bytes (`\\n` escapes); ordinary text
+    takes 4-12 bytes a token, a token-id prompt at most 7. So any prompt that fits the context fits
+    the body, and the MiB is room for tools and parameters: 9 MiB for a 128K context."""
+    return 2**20 + 64 * max_model_len
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass `limit` bytes: before
+    reading anything when Content-Length says so, else while the chunks arrive (a chunked body is
+    never held beyond the limit plus one chunk). `Connection: close` goes with the 413, so the
+    server does not read the rest only to discard it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared)} bytes", limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"more than {limit} bytes", limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # nobody will read this answer; it only ends the handler (a body timeout, or the client left)
+        raise bad_request("The client closed the connection before the request body was complete.") from None
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"The request body is {size}; this server accepts at most {limit} bytes "
+                         f"({limit / 2**20:.2f} MiB, --max-request-body-mb).", code="request_too_large",
+                    headers={"Connection": "close"})
+
+
+def max_token_chars(tokenizer) -> int | None:
+    """The most characters of text one token can stand for, from the vocabulary (None if the
+    tokenizer does not list it). A BPE token stands for its own string (`'▁'` is one space), an
+    added token (`<|turn>`, ...) for its literal text, a byte token for a byte of a character (its
+    string `<0x0A>` overcounts, which only loosens the bound). So a text of n characters is at least
+    ceil(n / max_token_chars) tokens, whatever it holds."""
+    tokens = getattr(tokenizer, "tokens", None)
+    return max(map(len, tokens)) if tokens else None
+
+
+def _check_chars(n_chars: int, token_chars: int | None, max_tokens: int | None, max_model_len: int,
+                 where: str) -> None:
+    """The early bound: refuse a text of `n_chars` characters if even ceil(n_chars / token_chars)
+    tokens break `_check_length`'s rule, without tokenizing it. Never refuses what the exact check
+    would accept."""
+    if token_chars is None:
+        return
+    least = -(-n_chars // token_chars)
+    if (least >= max_model_len) if max_tokens is None else (least + max_tokens > max_model_len):
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
+                          f"({n_chars} characters) would be at least {least} tokens (no token is longer than "
+                          f"{token_chars} characters). Please reduce the length of the {where}.", where,
+                          code="context_length_exceeded")
+
+
+def _chat_chars(messages) -> int:
+    """Characters every Gemma 4 chat template renders as they are: the texts of user, system and
+    developer messages, trimmed as the templates trim them. Assistant text may lose its thinking and
+    tool results may be dropped, so they are not counted: this is a lower bound on the rendered
+    prompt's length, checked before rendering; the rendered prompt itself is checked too
+    (`_PromptTokenizer`)."""
+    n = 0
+    for m in messages:
+        if m.role in ("user", "system", "developer") and m.content is not None:
+            texts = [m.content] if isinstance(m.content, str) else [p["text"] for p in m.content]
+            n += sum(len(t.strip()) for t in texts)
+    return n
+
+
+def _encode(tokenizer, text: str, **kwargs) -> list[int]:
+    """`tokenizer.encode(text, **kwargs)`, through `encode_batch` where the tokenizer has one:
+    `tokenizers` releases the GIL there, but holds it in `encode` for the whole text."""
+    batch = getattr(tokenizer, "encode_batch", None)
+    return batch([text], **kwargs)[0] if batch is not None else tokenizer.encode(text, **kwargs)
+
+
+class _PromptTokenizer:
+    """The engine's tokenizer as `render_chat` passes it to `encode_prompt`: the rendered prompt is
+    held to the early character bound (`check(n_chars)`) before it is tokenized, whatever the
+    template rendered, and is tokenized with the GIL released (`_encode`). Everything else is the
+    tokenizer's own."""
+
+    def __init__(self, tokenizer, check: Callable[[int], None]):
+        self._tokenizer = tokenizer
+        self._check = check
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        self._check(len(text))
+        return _encode(self._tokenizer, text, **kwargs)
+
+
 def _vocab_size(engine: EngineLike) -> int:
     return getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size
 
@@ -713,17 +849,24 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request):
-        req = P.parse_request(P.TokenizeRequest, await request.body())
+        req = P.parse_request(P.TokenizeRequest, await read_body(request, state.body_limit()))
         engine = state.ready_engine()
         state.check_model(req.model)
         tok = engine.tokenizer
+        # only what cannot fit the context at all is refused (max_tokens 0): the early bound keeps
+        # /tokenize from tokenizing megabytes
+        token_chars = state.token_chars(tok)
         if req.prompt is not None:
+            _check_chars(len(req.prompt), token_chars, 0, engine.max_model_len, "prompt")
             add_bos = req.add_special_tokens and tok.add_bos and not req.prompt.startswith("<bos>")
-            ids = await asyncio.to_thread(tok.encode, req.prompt, add_bos=add_bos, parse_special=True)
+            ids = await asyncio.to_thread(_encode, tok, req.prompt, add_bos=add_bos, parse_special=True)
         else:
+            _check_chars(_chat_chars(req.messages), token_chars, 0, engine.max_model_len, "messages")
             thinking, kwargs = _template_kwargs(config.default_chat_template_kwargs, req.chat_template_kwargs)
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = await asyncio.to_thread(render_chat, tok, [_message_dict(m) for m in req.messages], tools,
+            bounded = _PromptTokenizer(tok, lambda n: _check_chars(n, token_chars, 0, engine.max_model_len,
+                                                                   "messages"))
+            ids = await asyncio.to_thread(render_chat, bounded, [_message_dict(m) for m in req.messages], tools,
                                           add_generation_prompt=req.add_generation_prompt,
                                           enable_thinking=thinking, kwargs=kwargs)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -733,7 +876,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request):
-        req = P.parse_request(P.DetokenizeRequest, await request.body())
+        req = P.parse_request(P.DetokenizeRequest, await read_body(request, state.body_limit()))
         engine = state.ready_engine()
         state.check_model(req.model)
         n = engine.tokenizer.vocab_size
@@ -746,7 +889,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request):
-        req = P.parse_request(P.ChatCompletionRequest, await request.body())
+        req = P.parse_request(P.ChatCompletionRequest, await read_body(request, state.body_limit()))
         engine = state.ready_engine()
         state.check_model(req.model)
         if req.response_format is not None and req.response_format.type != "text":
@@ -759,8 +902,12 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
         max_tokens = req.token_limit
         params = _sampling(req, _vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
                            top_logprobs=req.top_logprobs or 0)
+        token_chars = state.token_chars(engine.tokenizer)
+        _check_chars(_chat_chars(req.messages), token_chars, max_tokens, engine.max_model_len, "messages")
         messages = [_message_dict(m) for m in req.messages]
-        prompt_ids = await asyncio.to_thread(render_chat, engine.tokenizer, messages, tools,
+        bounded = _PromptTokenizer(engine.tokenizer, lambda n: _check_chars(n, token_chars, max_tokens,
+                                                                            engine.max_model_len, "messages"))
+        prompt_ids = await asyncio.to_thread(render_chat, bounded, messages, tools,
                                              add_generation_prompt=req.add_generation_prompt,
                                              enable_thinking=thinking, kwargs=kwargs)
         _check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages")
@@ -787,15 +934,16 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request):
-        req = P.parse_request(P.CompletionRequest, await request.body())
+        req = P.parse_request(P.CompletionRequest, await read_body(request, state.body_limit()))
         engine = state.ready_engine()
         state.check_model(req.model)
         if req.echo and req.logprobs is not None:
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
         tok = engine.tokenizer
         if isinstance(req.prompt, str):
+            _check_chars(len(req.prompt), state.token_chars(tok), req.max_tokens, engine.max_model_len, "prompt")
             add_bos = tok.add_bos and not req.prompt.startswith("<bos>")
-            prompt_ids = await asyncio.to_thread(tok.encode, req.prompt, add_bos=add_bos, parse_special=True)
+            prompt_ids = await asyncio.to_thread(_encode, tok, req.prompt, add_bos=add_bos, parse_special=True)
             prompt_text = req.prompt
         else:
             prompt_ids = list(req.prompt)

@@ -55,6 +55,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
     p.add_argument("--heartbeat-interval", type=positive_float, default=10.0,
                    help="seconds without output after which a stream gets an SSE `: ping` comment")
+    p.add_argument("--max-request-body-mb", type=positive_float, default=None, metavar="MIB",
+                   help="largest request body in MiB; a larger one gets 413 before it is read (default: 1 MiB + "
+                        "64 bytes per token of max_model_len: the longest Gemma 4 token is 31 characters, a run of "
+                        "newlines JSON writes in 62 bytes, and ordinary text takes 4-12 bytes a token, so any "
+                        "prompt that fits the context fits the body; 9 MiB for a 128K context)")
+    p.add_argument("--header-timeout", type=positive_float, default=10.0,
+                   help="seconds a connection has to send its request headers, counted from its first byte "
+                        "(a new connection: from its opening); then 408 and close")
+    p.add_argument("--body-timeout", type=positive_float, default=30.0,
+                   help="seconds a request body may go without a byte arriving; then 408 and close")
+    p.add_argument("--max-connections", type=int_at_least(1), default=None,
+                   help="open connections beyond which a new one gets 503 and is closed (default: --max-num-seqs "
+                        "+ --max-waiting + 128: every request the engine may hold, plus idle keep-alive "
+                        "connections, /health and /metrics)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="info: a line per request and a throughput line every --log-interval seconds")
     p.add_argument("--log-interval", type=positive_float, default=10.0,
@@ -101,6 +115,14 @@ def model_ids(args: argparse.Namespace, path: str) -> list[str]:
     if args.model is not None and args.model not in names:
         names.append(args.model)
     return list(dict.fromkeys(names))
+
+
+def max_connections(args: argparse.Namespace) -> int:
+    """--max-connections, or room for every request the engine may hold (running + waiting) plus 128
+    more: idle keep-alive connections of clients' pools, /health and /metrics."""
+    if args.max_connections is not None:
+        return args.max_connections
+    return args.max_num_seqs + args.max_waiting + 128
 
 
 def _load(args: argparse.Namespace, path: str):
@@ -152,6 +174,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gem4.server.app import ServerConfig, create_app
+    from gem4.server.http11 import guarded_protocol
 
     path = args.model
     if args.demo:
@@ -163,10 +186,15 @@ def serve(args: argparse.Namespace) -> int:
     config = ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key,
                           default_chat_template_kwargs=args.default_chat_template_kwargs,
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                          heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval)
+                          heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
+                          max_request_body=None if args.max_request_body_mb is None
+                          else int(args.max_request_body_mb * 2**20))
     app = create_app(config)
+    http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                            max_connections=max_connections(args))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=2))
+                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=2,
+                                           http=http))
     logging.getLogger("uvicorn.error").addFilter(_NoEarlyReadiness())
     _log(f"gem4: loading {path} ...")
     failure: list[BaseException] = []
