@@ -22,8 +22,9 @@ them (read when it is imported). Choices made here:
   and the safetensors weights at the repo's top level: the shards that model.safetensors.index.json
   names when there is one, else every top-level `*.safetensors`. Other formats (.bin, .onnx, .pth,
   subfolders such as original/) are skipped.
-- Downloads are huggingface_hub's (`hf_hub_download` at the main branch): a transfer cut in the middle
-  is resumed with an HTTP Range request (it retries up to 5 times while bytes keep coming); the
+- Downloads are huggingface_hub's (`hf_hub_download` at the main branch; Xet storage when the hub
+  offers it and hf_xet is installed): a plain HTTP transfer cut in the middle is resumed with a Range
+  request from the last whole 10 MiB piece written (up to 5 retries while bytes keep coming); the
   partial file of a process that is killed is not kept by huggingface_hub 2.x, so such a download
   starts over. The files of one call must all come from the commit the listing named.
 - Verification: huggingface_hub checks only sizes when it downloads (`hf cache verify` is separate).
