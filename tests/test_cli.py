@@ -11,7 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import gem4
@@ -20,6 +22,7 @@ from gem4.chat import encode_prompt
 from gem4.cli import _stream_chat, assistant_message, main
 from gem4.demo import DEMO_VERSION, write_tokenizer
 from gem4.parser import ParseResult, ToolCall
+from gem4.weights.quants import GGMLType
 
 STATS = re.compile(r"prompt: (\d+) tokens, [\d.]+ tok/s \| generated: (\d+) tokens, [\d.]+ tok/s "
                    r"\| TTFT: \d+ ms \| finish: (stop|length)")
@@ -31,7 +34,20 @@ def gem4_command() -> list[str]:
     return [str(script)]
 
 
+def share_kernels(cache: Path) -> None:
+    """A private GEM4_CACHE still uses this test session's compiled kernels (a build takes minutes)."""
+    from gem4.demo import cache_root
+
+    target = cache_root() / "kernels"
+    target.mkdir(parents=True, exist_ok=True)
+    link = cache / "kernels"
+    if not link.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(target, target_is_directory=True)
+
+
 def run_cli(args: list[str], cache: Path, stdin: str | None = None, command: list[str] | None = None):
+    share_kernels(cache)
     env = dict(os.environ, GEM4_CACHE=str(cache))
     return subprocess.run((command or gem4_command()) + args, input=stdin, capture_output=True, text=True,
                           encoding="utf-8", errors="replace", env=env, timeout=180)
@@ -61,7 +77,7 @@ def test_demo_checkpoint_keeps_gemma4_special_ids(demo_run):
     assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
                                                            "tokenizer_config.json"]
     tok = gem4.Tokenizer.from_file(directory)
-    model = gem4.load(directory)
+    model = gem4.load(directory, dtype="float32")
     assert tok.vocab_size == model.config.vocab_size == 4096
     logits = model.logits(tok.encode("the answer is"))                   # [4, 4096]
     assert logits.std(-1).min() > 1.0                                     # spread enough to sample from
@@ -110,7 +126,7 @@ def test_run_chat_on_a_fixture(variants, tokenizer_512, tmp_path):
     assert proc.returncode == 0, proc.stderr
 
     tok = gem4.Tokenizer.from_file(tokenizer_512)
-    engine = Engine(gem4.load(fx.hf_causal), tok)
+    engine = Engine(gem4.load(fx.hf_causal, dtype="float32"), tok)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     text, result, last, n_prompt = expected_chat(engine, tok, messages, 12)
     assert proc.stdout == text
@@ -128,7 +144,7 @@ def test_chat_session_keeps_history(demo_run):
 
     directory = cache / f"demo-{DEMO_VERSION}"
     tok = gem4.Tokenizer.from_file(directory)
-    engine = Engine(gem4.load(directory), tok)
+    engine = Engine(gem4.load(directory, dtype="float32"), tok)
     u1, u2, u3 = ({"role": "user", "content": c} for c in ("Hello there", "What is two plus two?", "Bye now"))
     out1, r1, _, _ = expected_chat(engine, tok, [u1], 10)
     out2, r2, _, n2 = expected_chat(engine, tok, [u1, assistant_message(r1), u2], 10, thinking=True)
@@ -152,14 +168,109 @@ def test_assistant_turn_is_stored_as_parsed_fields():
     assert plain == {"role": "assistant", "content": "Hi"}
 
 
-def test_cli_errors_are_clear(variants, capsys):
-    assert main(["run", "-p", "hi"]) == 2
-    assert "MODEL is required" in capsys.readouterr().err
-    assert main(["run", str(variants["dense_plain"].hf_causal), "-p", "hi"]) == 2
-    err = capsys.readouterr().err
-    assert "tokenizer.json: not found" in err and "--tokenizer" in err
-    assert main(["run", str(variants["dense_plain"].hf_causal), "--demo", "-p", "hi"]) == 2
-    assert "not both" in capsys.readouterr().err
+@pytest.fixture(scope="module")
+def mistakes_dir(tmp_path_factory, variants):
+    """Files for the mistakes table: a text file, an empty directory, a GGUF of another architecture."""
+    from gem4.weights.gguf import GGUFWriter
+
+    d = tmp_path_factory.mktemp("mistakes")
+    (d / "notes.txt").write_text("hello, I am not a model\n")
+    (d / "empty").mkdir()
+    w = GGUFWriter(d / "llama.gguf")
+    w.add("general.architecture", "llama")
+    w.add("tokenizer.ggml.model", "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32), (4, 8), GGMLType.F32)
+    w.write()
+    return d
+
+
+HF = "{hf}"   # the tiny dense checkpoint (no tokenizer beside it)
+
+# (argv, what the one line must say). `{d}` is mistakes_dir. Argument mistakes name a model that would
+# load (or none at all): the error must come first, before any loading.
+MISTAKES = [
+    (["run", "{d}/missing.gguf", "-p", "hi"], "missing.gguf: no such file or directory"),
+    (["run", "{d}/notes.txt", "-p", "hi"], "not a GGUF file"),
+    (["run", "{d}/empty", "-p", "hi"], "not a model directory"),
+    (["run", "{d}/llama.gguf", "-p", "hi"], "the architecture is 'llama'; gem4 runs Gemma 4"),
+    (["run", HF, "-p", "hi"], "--tokenizer"),
+    (["run", HF, "-p", "hi", "--tokenizer", "{d}/missing.json"], "missing.json: no such file"),
+    (["--threads", "0", "run", HF, "-p", "hi"], "argument --threads: must be >= 1, got 0"),
+    (["run", HF, "-p", "hi", "--threads", "-2"], "argument --threads: must be >= 1, got -2"),
+    (["serve", HF, "--port", "99999"], "argument --port: a port is 0..65535, got 99999"),
+    (["run", HF, "-p", "hi", "-n", "-1"], "argument -n/--max-tokens: must be >= 1, got -1"),
+    (["run", HF, "-p", "hi", "-n", "ten"], "argument -n/--max-tokens: 'ten' is not an integer"),
+    (["run", HF], "no prompt: give PROMPT, -p TEXT"),
+    (["run", HF, "hi", "-p", "hello"], "give one prompt, not PROMPT and -p"),
+    (["run", HF, "-f", "{d}/missing.txt"], "argument -f: cannot read"),
+    (["run", "-p", "hi"], "MODEL is required"),
+    (["run", HF, "--demo", "-p", "hi"], "not both"),
+    (["run", HF, "-p", "hi", "--temperature", "-1"], "argument --temperature: must be a finite number >= 0"),
+    (["run", HF, "-p", "hi", "--top-p", "0"], "argument --top-p: must be in (0, 1]"),
+    (["run", HF, "-p", "hi", "--repetition-penalty", "nan"], "argument --repetition-penalty:"),
+    (["run", HF, "-p", "hi", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["run", HF, "-p", "hi", "--prefill-chunk", "0"], "argument --prefill-chunk: must be >= 1"),
+    (["serve", HF, "--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1"),
+    (["serve", HF, "--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
+    (["serve", HF, "--heartbeat-interval", "inf"], "argument --heartbeat-interval: must be a finite number > 0"),
+    (["convert", "{d}/missing", "{d}/out.gguf"], "missing: no such file or directory"),
+    (["inspect", "{d}/notes.txt"], "not a GGUF file"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required: COMMAND"),
+]
+
+
+@pytest.mark.parametrize("argv, says", MISTAKES, ids=[" ".join(a) or "(nothing)" for a, _ in MISTAKES])
+def test_a_mistake_gets_one_line_naming_its_cause(argv, says, mistakes_dir, variants, tmp_path):
+    fill = {"d": str(mistakes_dir), "hf": str(variants["dense_plain"].hf_causal)}
+    proc = run_cli([a.format(**fill) for a in argv], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr                   # one line: no traceback, no usage block, no loading
+    assert says.format(**fill) in lines[0], lines[0]
+    assert lines[0].startswith("gem4")
+
+
+def test_help_shows_defaults_and_version(tmp_path):
+    proc = run_cli(["run", "--help"], tmp_path)
+    assert proc.returncode == 0
+    assert "(default: 256)" in proc.stdout and "(default: auto)" in proc.stdout
+    proc = run_cli(["--version"], tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"gem4 {gem4.__version__}"
+    proc = run_cli(["--version"], tmp_path, command=[sys.executable, "-m", "gem4"])
+    assert proc.returncode == 0 and proc.stdout.strip() == f"gem4 {gem4.__version__}"
+
+
+def test_prompt_from_argument_stdin_and_file(demo_run, tmp_path):
+    """PROMPT, -p TEXT, -p - and -f FILE give the same greedy completion of the same text."""
+    cache, _ = demo_run
+    (tmp_path / "prompt.txt").write_text("the answer is", encoding="utf-8")
+    common = ["-n", "6", "--temperature", "0", "--dtype", "float32"]
+    outs = []
+    for args, stdin in ((["run", "--demo", "the answer is"], None), (["run", "--demo", "-p", "the answer is"], None),
+                        (["run", "--demo", "-p", "-"], "the answer is"),
+                        (["run", "--demo", "-f", str(tmp_path / "prompt.txt")], None)):
+        proc = run_cli(args + common, cache, stdin=stdin)
+        assert proc.returncode == 0, proc.stderr
+        outs.append((proc.stdout, STATS.search(proc.stderr).group(1)))
+    assert len(set(outs)) == 1 and outs[0][0].strip()
+
+
+def test_inspect_takes_the_demo(demo_run):
+    cache, _ = demo_run
+    proc = run_cli(["inspect", "--demo", "--json"], cache)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    assert json.loads(proc.stdout)["vocab_size"] == 4096
+
+
+def test_library_default_is_the_fast_mode(demo_run):
+    cache, _ = demo_run
+    model = gem4.load(cache / f"demo-{DEMO_VERSION}")
+    assert model.dtype == torch.bfloat16
+    assert gem4.load(cache / f"demo-{DEMO_VERSION}", dtype="float32").dtype == torch.float32
 
 
 def test_run_reports_context_overflow(variants, tokenizer_512, capsys):

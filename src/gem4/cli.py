@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
+
+from gem4.argtypes import ArgParser, check_model_or_demo, int_at_least
 
 
 def log(message: str) -> None:
@@ -31,7 +34,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.summary import format_summary, summarize
 
-    summary = summarize(open_checkpoint(args.model))
+    summary = summarize(open_checkpoint(_model_path(args)))
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0
 
@@ -57,28 +60,39 @@ def cmd_pull(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _open(args: argparse.Namespace):
-    """-> (Engine, Tokenizer) for MODEL or --demo, with a load progress bar on stderr."""
-    import gem4
-    from gem4.tokenizer import TokenizerError
-
-    if args.demo == (args.model is not None):
-        raise ValueError("give a MODEL (a .gguf file or an HF directory) or --demo, not both" if args.demo
-                         else "MODEL is required (a .gguf file or an HF directory), or use --demo")
-    from gem4.weights.hub import resolve
-
-    path = None if args.demo else str(resolve(args.model, log))  # a local path as is; owner/name[:TAG] from the hub
+def _model_path(args: argparse.Namespace) -> str:
+    """MODEL, or the demo checkpoint (built once) with --demo."""
     if args.demo:
         from gem4.demo import NOTICE, ensure_demo
 
         log(NOTICE)
-        path = str(ensure_demo(log))
+        return str(ensure_demo(log))
+    from gem4.weights.hub import resolve
+
+    return str(resolve(args.model, log))           # a local path as is; owner/name[:TAG] from the hub
+
+
+def _open(args: argparse.Namespace):
+    """-> (Engine, Tokenizer) for MODEL or --demo, with a load progress bar on stderr.
+
+    The checkpoint is opened before the tokenizer is read, so the first error names the real cause:
+    no such file, not a model file, an unsupported architecture, and only then a missing tokenizer.
+    """
+    import gem4
+    from gem4.tokenizer import TokenizerError
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.loader import bind
+
+    path = _model_path(args)
+    checkpoint = open_checkpoint(path)
     try:
         tokenizer = gem4.Tokenizer.from_file(args.tokenizer or path)
     except TokenizerError as e:
-        raise ValueError(f"{e}\n(no usable tokenizer: pass --tokenizer PATH, a GGUF file, an HF directory "
-                         f"or a tokenizer.json)") from None
-    model = gem4.load(path, dtype=args.dtype, progress=True)
+        checkpoint.close()
+        hint = "" if args.tokenizer else " (MODEL carries no usable tokenizer: pass --tokenizer PATH, a GGUF " \
+                                         "file, an HF directory or a tokenizer.json)"
+        raise ValueError(f"{e}{hint}") from None
+    model = bind(checkpoint, dtype=args.dtype, progress=True)
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
                          f"{model.config.vocab_size}: they do not belong together")
@@ -308,14 +322,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _generation_options() -> argparse.ArgumentParser:
-    g = argparse.ArgumentParser(add_help=False)
-    g.add_argument("model", nargs="?", help="a .gguf file, an HF checkpoint directory or a hub id owner/name[:QUANT]")
-    g.add_argument("--demo", action="store_true",
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="a .gguf file, an HF checkpoint directory or a hub id owner/name[:QUANT]")
+    p.add_argument("--demo", action="store_true",
                    help="use a tiny random-weight demo checkpoint (built once into $GEM4_CACHE or ~/.cache/gem4)")
+
+
+def _generation_options() -> argparse.ArgumentParser:
+    g = ArgParser(add_help=False)
     g.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="weight / compute dtype")
-    g.add_argument("--threads", type=int, default=argparse.SUPPRESS, help="torch intra-op threads")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto = bfloat16, the fast mode; float32 is the reference mode")
+    g.add_argument("--threads", type=int_at_least(1), default=argparse.SUPPRESS,
+                   help="torch intra-op threads (default: one per core)")
     g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=64, help="0 = off")
     g.add_argument("--top-p", type=float, default=0.95, help="1 = off")
@@ -325,55 +344,111 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--system", default=None, help="system prompt (implies --chat for run)")
     g.add_argument("--think", action="store_true", help="enable thinking in the chat template")
-    g.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per forward pass")
+    g.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
     return g
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gem4", description="Gemma 4 inference engine")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from gem4 import __version__
+
+    parser = ArgParser(prog="gem4", description="Gemma 4 inference engine and OpenAI-compatible server")
+    parser.add_argument("--version", action="version", version=f"gem4 {__version__}")
+    parser.add_argument("--threads", type=int_at_least(1), default=None,
+                        help="torch intra-op threads (default: one per core)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     gen = _generation_options()
 
-    p = sub.add_parser("run", parents=[gen], help="generate a completion for one prompt, streamed to stdout")
-    p.add_argument("-p", "--prompt", required=True)
-    p.add_argument("-n", "--max-tokens", type=int, default=256, help="tokens to generate at most")
+    p = sub.add_parser("run", parents=[gen], help="generate a completion for one prompt, streamed to stdout",
+                       description="Generate a completion for one prompt. The prompt is PROMPT, -p TEXT, "
+                                   "-p - (standard input) or -f FILE.")
+    _model_arguments(p)
+    p.add_argument("prompt_arg", nargs="?", metavar="PROMPT", help="the prompt (or use -p / -f)")
+    p.add_argument("-p", "--prompt", help="the prompt; '-' reads it from standard input")
+    p.add_argument("-f", "--file", help="read the prompt from this file")
+    p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=256, help="tokens to generate at most")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template; parse the answer")
-    p.set_defaults(func=cmd_run)
+    p.set_defaults(func=cmd_run, command_parser=p)
 
     p = sub.add_parser("chat", parents=[gen], help="interactive multi-turn chat on stdin/stdout")
-    p.add_argument("-n", "--max-tokens", type=int, default=1024, help="tokens per reply at most")
-    p.set_defaults(func=cmd_chat)
+    _model_arguments(p)
+    p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=1024, help="tokens per reply at most")
+    p.set_defaults(func=cmd_chat, command_parser=p)
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (loopback by default)")
     from gem4.server.main import add_arguments as add_serve_arguments
 
     add_serve_arguments(p)
-    p.set_defaults(func=cmd_serve)
+    p.set_defaults(func=cmd_serve, command_parser=p)
 
     p = sub.add_parser("inspect", help="describe a checkpoint (.gguf file or HF directory)")
-    p.add_argument("model")
+    _model_arguments(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_inspect)
+    p.set_defaults(func=cmd_inspect, command_parser=p)
 
     p = sub.add_parser("convert", help="write an HF checkpoint as a llama.cpp-compatible GGUF")
     p.add_argument("hf_dir")
     p.add_argument("out")
     p.add_argument("--type", default="bf16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
-    p.set_defaults(func=cmd_convert)
+    p.set_defaults(func=cmd_convert, command_parser=p)
 
     p = sub.add_parser("pull", help="download a model from a Hugging Face hub; print its local path")
     p.add_argument("model", metavar="REPO[:TAG]", help="owner/name (HF checkpoint) or owner/name:QUANT (a GGUF)")
-    p.set_defaults(func=cmd_pull)
+    p.set_defaults(func=cmd_pull, command_parser=p)
 
     p = sub.add_parser("doctor", help="which compiled CPU kernels are active and why (builds them if needed)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_doctor)
+    p.set_defaults(func=cmd_doctor, command_parser=p)
     return parser
 
 
+def _read_prompt(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """`gem4 run`'s prompt from exactly one of PROMPT, -p TEXT, -p - (stdin) and -f FILE."""
+    given = [(name, value) for name, value in (("PROMPT", args.prompt_arg), ("-p", args.prompt), ("-f", args.file))
+             if value is not None]
+    if not given:
+        parser.error("no prompt: give PROMPT, -p TEXT, -p - (standard input) or -f FILE")
+    if len(given) > 1:
+        parser.error(f"give one prompt, not {' and '.join(name for name, _ in given)}")
+    name, value = given[0]
+    if name == "-p" and value == "-":
+        return sys.stdin.read()
+    if name == "-f":
+        try:
+            return Path(value).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"argument -f: cannot read {value}: {getattr(e, 'strerror', None) or e}")
+    return value
+
+
+def _check_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Mistakes in the arguments, caught before anything loads (each a one-line argparse error)."""
+    if (args.command == "run" and args.demo and args.model is not None
+            and args.prompt_arg is args.prompt is args.file is None):
+        args.model, args.prompt_arg = None, args.model       # `gem4 run --demo "a prompt"`
+    if "demo" in args:
+        check_model_or_demo(args, parser)
+    if args.command == "run":
+        args.prompt = _read_prompt(args, parser)
+    if "temperature" in args:                               # the sampler's own checks, before loading
+        try:
+            _params(args, getattr(args, "max_tokens", None))
+        except ValueError as e:
+            parser.error(_flag_message(str(e)))
+
+
+def _flag_message(message: str) -> str:
+    """'SamplingParams.top_k: ...' -> 'argument --top-k: ...' (the CLI's name for the field)."""
+    m = re.match(r"SamplingParams\.(\w+): (.*)", message, re.S)
+    return f"argument --{m.group(1).replace('_', '-')}: {m.group(2)}" if m else message
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        _check_arguments(args, args.command_parser)
+    except SystemExit as e:                           # --help, --version, or a one-line argument error
+        return e.code
     if args.threads is not None:
         import torch
 
@@ -382,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (CheckpointError, ValueError) as e:
+    except (CheckpointError, ValueError, OSError) as e:
         print(f"gem4: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
