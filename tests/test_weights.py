@@ -168,7 +168,7 @@ def test_not_a_checkpoint(tmp_path):
 
 
 def test_bad_dtype(variants):
-    with pytest.raises(ValueError, match="dtype must be one of"):
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         gem4.load(variants["dense_plain"].hf_causal, dtype="float16")
 
 
