@@ -45,3 +45,13 @@ def variants(tmp_path_factory) -> dict[str, Fixture]:
             write_gguf(ckpt, gguf[t], t)
         out[name] = Fixture(name, root / name / "causal", root / name / "mm", gguf, ids, ref, causal)
     return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def compiled_kernels():
+    """Build (or load) the compiled kernels once, in this process, before any test starts a gem4 subprocess
+    that would otherwise build them under its own time limit (test_cli shares this cache with its
+    subprocesses)."""
+    from gem4.model import kernels
+
+    kernels.available()
