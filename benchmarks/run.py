@@ -64,14 +64,14 @@ def child_gem4(a) -> dict:
     cache = model.new_cache(max_chunk=a.chunk)
     t0 = time.perf_counter()
     for s in range(0, len(ids), a.chunk):
-        logits = model.forward(ids[s:s + a.chunk], cache, last_only=True)
+        logits = model.extend(ids[s:s + a.chunk], cache)
     t_prefill = time.perf_counter() - t0
     tok = int(logits[-1].argmax())
     ttft = time.perf_counter() - t0
     out = [tok]
     t1 = time.perf_counter()
     for _ in range(a.gen):
-        tok = int(model.forward(torch.tensor([tok]), cache)[-1].argmax())
+        tok = int(model.extend(torch.tensor([tok]), cache)[-1].argmax())
         out.append(tok)
     t_decode = time.perf_counter() - t1
     return dict(load=load, prefill=t_prefill, ttft=ttft, decode=t_decode, tokens=out,
@@ -173,23 +173,23 @@ def child_profile(a) -> dict:
     cache = model.new_cache(max_chunk=a.chunk)
     ids = torch.tensor(prompt_ids(a.prompt, a.seed))
     for s in range(0, len(ids), a.chunk):
-        logits = model.forward(ids[s:s + a.chunk], cache, last_only=True)
+        logits = model.extend(ids[s:s + a.chunk], cache)
     tok = torch.tensor([int(logits[-1].argmax())])
     steps = []
     for _ in range(5):                               # warm
         t = time.perf_counter()
-        tok = model.forward(tok, cache)[-1].argmax().view(1)
+        tok = model.extend(tok, cache)[-1].argmax().view(1)
         steps.append(time.perf_counter() - t)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
-        tok = model.forward(tok, cache)[-1].argmax().view(1)
+        tok = model.extend(tok, cache)[-1].argmax().view(1)
         wall = time.perf_counter() - t
     events = prof.key_averages()
     table = events.table(sort_by="self_cpu_time_total", row_limit=a.rows)
     ops_us = sum(e.self_cpu_time_total for e in events)
     pr = cProfile.Profile()
     pr.enable()
-    tok = model.forward(tok, cache)[-1].argmax().view(1)
+    tok = model.extend(tok, cache)[-1].argmax().view(1)
     pr.disable()
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(a.rows)

@@ -5,11 +5,11 @@ script) with the demo tokenizer, so every expected text is exact and hand-checka
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import threading
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +18,11 @@ import gem4
 from gem4 import Engine, SamplingParams
 from gem4.demo import demo_tokenizer
 from gem4.engine import EngineError, InvalidParameter, NonFiniteLogits
+from gem4.config import FULL, SLIDING, build_config, rope_default
+from gem4.engine.block_manager import BlockManager
 from gem4.engine.scheduler import Scheduler
 from gem4.engine.sequence import Sequence, StopStrings
+from gem4.kv_cache import kv_pool_size
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -73,50 +76,60 @@ def test_seeded_sampling_is_reproducible_alone_and_interleaved(variants):
 # ---------------------------------------------------------------------------------------------
 
 
-class ScriptedCache:
-    serial = 0
-
-    def __init__(self, max_chunk: int):
-        ScriptedCache.serial += 1
-        self.serial = ScriptedCache.serial
-        self.max_chunk = max_chunk
-        self.length = 0
-        self.samples = 0                  # forward passes that produced logits
+def fake_config(vocab_size: int, context: int):
+    """The smallest real ModelConfig (one sliding, one full layer): the engine sizes its KV pool from it."""
+    return build_config(
+        vocab_size=vocab_size, hidden_size=8, layer_types=[SLIDING, FULL], n_heads=[1, 1], n_kv_heads=[1, 1],
+        head_dims=[2, 2], k_eq_v=[False, False], intermediate_sizes=[4, 4], num_kv_shared_layers=0, sliding_window=4,
+        rms_norm_eps=1e-6, final_logit_softcap=None, ple_dim=0, ple_vocab_size=0, moe=None,
+        rope_inv_freq={SLIDING: rope_default(1e4, 2), FULL: rope_default(1e4, 2)}, tie_word_embeddings=True,
+        max_position_embeddings=context)
 
 
 class ScriptedModel:
-    """Duck-types gem4's Model for the engine: `forward` (one call per sampled token) returns logits
-    whose argmax is the next token of the script; `hidden_states` only advances the cache."""
+    """Duck-types gem4's Model for the engine: each logit row of a step gets logits whose argmax is the next
+    token of the script for that row's sequence (counted per sequence, which the model tells apart by its
+    sliding-layer ring slot); rows without logits only advance."""
 
     def __init__(self, script: list[int], vocab_size: int = 4096, context: int = 4096, delay: float = 0.0):
         self.script = script
-        self.config = SimpleNamespace(vocab_size=vocab_size, max_position_embeddings=context)
+        self.config = fake_config(vocab_size, context)
+        self.dtype = torch.float32
         self.device = torch.device("cpu")
         self.delay = delay
-        self.calls: list[tuple[str, int, bool, int]] = []   # (kind, n_tokens, last_only, cache serial)
+        self.calls: list[tuple[str, int, int]] = []   # per sequence per step: (kind, n_tokens, its first token)
         self.fail_at: int | None = None
+        self.samples: dict[int, int] = {}             # ring slot -> tokens its sequence sampled
+        self.prompts: dict[int, int] = {}             # ring slot -> its sequence's first token
 
-    def new_cache(self, max_chunk: int) -> ScriptedCache:
-        return ScriptedCache(max_chunk)
+    def sequences(self, ids, layout, pool) -> list[tuple[int, list[int]]]:
+        """(ring slot, flat rows) of each sequence of the step; remembers each new sequence's first token."""
+        q_seq = layout.attend[FULL].q_seq.tolist()
+        slots = (layout.write[SLIDING] // pool.ring).tolist()
+        out = []
+        for b in sorted(set(q_seq)):
+            rows = [t for t, s in enumerate(q_seq) if s == b]
+            slot = slots[rows[0]]
+            if int(layout.positions[rows[0]]) == 0:
+                self.samples[slot], self.prompts[slot] = 0, int(ids[rows[0]])
+            out.append((slot, rows))
+        return out
 
-    def _advance(self, kind: str, ids: torch.Tensor, cache: ScriptedCache, last_only: bool) -> None:
-        assert 1 <= ids.numel() <= cache.max_chunk and ids.dim() == 1
-        self.calls.append((kind, ids.numel(), last_only, cache.serial))
+    def forward(self, ids, layout, pool):
+        logit_rows = layout.logit_rows.tolist()
+        seqs = self.sequences(ids, layout, pool)
+        for slot, rows in seqs:
+            self.calls.append(("logits" if rows[-1] in logit_rows else "hidden", len(rows), self.prompts[slot]))
         if self.fail_at is not None and len(self.calls) >= self.fail_at:
             raise RuntimeError("scripted failure")
         if self.delay:
             time.sleep(self.delay)
-        cache.length += ids.numel()
-
-    def hidden_states(self, ids, cache, last_only=False):
-        self._advance("hidden", ids, cache, last_only)
-        return torch.zeros(1 if last_only else ids.numel(), 8)
-
-    def forward(self, ids, cache, last_only=False):
-        self._advance("logits", ids, cache, last_only)
-        logits = torch.full((1 if last_only else ids.numel(), self.config.vocab_size), -10.0)   # [T, V]
-        logits[-1, self.script[cache.samples % len(self.script)]] = 10.0
-        cache.samples += 1
+        logits = torch.full((len(logit_rows), self.config.vocab_size), -10.0)   # [M, V]
+        slot_of = {row: slot for slot, rows in seqs for row in rows}
+        for i, row in enumerate(logit_rows):
+            slot = slot_of[row]
+            logits[i, self.script[self.samples[slot] % len(self.script)]] = 10.0
+            self.samples[slot] += 1
         return logits
 
 
@@ -257,8 +270,7 @@ def test_chunked_prefill_computes_only_the_logits_it_needs(tok):
     model = ScriptedModel(tok.encode(TEXT, add_bos=False))
     engine = Engine(model, tok, prefill_chunk=7)
     events = list(engine.generate(list(range(300, 320)), SamplingParams(temperature=0, max_tokens=3)))
-    assert [c[:3] for c in model.calls] == [("hidden", 7, True), ("hidden", 7, True), ("logits", 6, True),
-                                            ("logits", 1, True), ("logits", 1, True)]
+    assert [c[:2] for c in model.calls] == [("hidden", 7), ("hidden", 7), ("logits", 6), ("logits", 1), ("logits", 1)]
     assert len(events) == 3
 
 
@@ -310,7 +322,7 @@ def test_abort_from_another_thread_stops_within_one_step(tok):
     assert last.completion_tokens == len(events) - 1 <= calls_at_abort[0] + 1
     assert not engine.abort(stream.request_id)                     # no longer in flight
     wait_idle(engine)
-    assert engine._runner.num_live == 0
+    assert engine._scheduler.blocks.usage == 0
 
 
 @pytest.mark.parametrize("how", ["close", "break", "drop unstarted"])
@@ -329,7 +341,7 @@ def test_leaving_the_iterator_aborts(tok, how):
     else:
         engine.generate("Hi", params)                                  # submitted at once, then dropped
     wait_idle(engine)
-    assert engine._runner.num_live == 0 and len(model.calls) < 20
+    assert engine._scheduler.blocks.usage == 0 and len(model.calls) < 20
 
 
 def test_requests_are_served_in_arrival_order(tok):
@@ -343,7 +355,7 @@ def test_requests_are_served_in_arrival_order(tok):
         t.start()
     for t in threads:
         t.join()
-    caches = [c[3] for c in model.calls]
+    caches = [c[2] for c in model.calls]
     switch = caches.index(caches[-1])
     assert len(set(caches)) == 2 and set(caches[:switch]) == {caches[0]}   # all of the first, then the second
     assert switch == 8 and set(caches[switch:]) == {caches[-1]}
@@ -370,37 +382,28 @@ def test_engine_failure_reaches_every_stream(tok):
 class NoisyModel(ScriptedModel):
     """Logits are a fixed random function of the position (whatever the request), so seeded
     sampling gives varied tokens and the same request gives the same tokens alone or batched.
-    `poison(cache_serial, position)` may return "raise" or "nan" to break one request's step."""
+    `poison(first prompt token, position)` may return "raise" or "nan" to break one request's step."""
 
     def __init__(self, vocab_size: int = 64):
         super().__init__([0], vocab_size=vocab_size)
-        self.caches: list[ScriptedCache] = []
-        self.poison = lambda cache, position: None
-        self.prompts: dict[int, int] = {}            # cache serial -> first prompt token
+        self.poison = lambda first, position: None
 
-    def new_cache(self, max_chunk: int) -> ScriptedCache:
-        cache = super().new_cache(max_chunk)
-        self.caches.append(cache)
-        return cache
-
-    def _remember(self, ids, cache) -> None:
-        if cache.length == 0:
-            self.prompts[cache.serial] = int(ids[0])
-
-    def forward(self, ids, cache, last_only=False):
-        self._remember(ids, cache)
-        position = cache.length + ids.numel() - 1
-        what = self.poison(self.prompts.get(cache.serial), position)
-        if what == "raise":
-            raise RuntimeError("injected forward failure")
-        self._advance("logits", ids, cache, last_only)
-        g = torch.Generator().manual_seed(position)
-        logits = 2.0 * torch.randn(1, self.config.vocab_size, generator=g)
-        return torch.full_like(logits, float("nan")) if what == "nan" else logits
-
-    def hidden_states(self, ids, cache, last_only=False):
-        self._remember(ids, cache)
-        return super().hidden_states(ids, cache, last_only)
+    def forward(self, ids, layout, pool):
+        seqs = self.sequences(ids, layout, pool)
+        first_of = {row: self.prompts.get(slot) for slot, rows in seqs for row in rows}
+        rows = layout.logit_rows.tolist()
+        out = []
+        for row in rows:
+            position = int(layout.positions[row])
+            what = self.poison(first_of[row], position)
+            if what == "raise":
+                raise RuntimeError("injected forward failure")
+            g = torch.Generator().manual_seed(position)
+            logits = 2.0 * torch.randn(1, self.config.vocab_size, generator=g)
+            out.append(torch.full_like(logits, float("nan")) if what == "nan" else logits)
+        for slot, r in seqs:
+            self.calls.append(("logits" if r[-1] in rows else "hidden", len(r), self.prompts[slot]))
+        return torch.cat(out) if out else torch.empty(0, self.config.vocab_size)
 
 
 PROMPTS = {"a": [10, 11, 12], "b": [20, 21], "c": [30, 31, 32, 33]}
@@ -450,7 +453,7 @@ def test_a_failing_request_fails_alone(where, caplog):
     records = [r for r in caplog.records if r.name == "gem4.engine"]
     assert len(records) == 1 and "request b failed at engine step" in records[0].getMessage()
     wait_idle(engine)
-    assert engine._runner.num_live == 0
+    assert engine._scheduler.blocks.usage == 0
     if where == "forward":
         model.poison = lambda first, position: None
     else:
@@ -496,7 +499,8 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     def seq(name, n):
         return Sequence(name, list(range(n)), GREEDY, max_tokens=4, end_ids=())
 
-    sched = Scheduler(max_chunk=4, max_num_seqs=2, max_num_batched_tokens=6)
+    sched = Scheduler(BlockManager(num_blocks=8, block_size=16, num_slots=2), max_chunk=4, max_num_seqs=2,
+                      max_num_batched_tokens=6)
     a, b, c = seq("a", 9), seq("b", 3), seq("c", 2)
     for s in (a, b, c):
         sched.add(s)
@@ -516,3 +520,69 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     assert sched.remove("b") is b and sched.remove("b") is None
     batch = sched.schedule()
     assert plan(batch) == [("a", 9, 1, True), ("c", 0, 2, True)]           # c admitted when a slot frees
+
+
+# ---------------------------------------------------------------------------------------------
+# Continuous batching: one forward over all running sequences, one KV pool (issue 13)
+# ---------------------------------------------------------------------------------------------
+
+# prompts of different lengths (window 8: the longer ones wrap the sliding rings while prefilling)
+BATCH_PROMPTS = [(0, 5), (3, 30), (10, 12), (1, 45), (20, 41)]
+
+
+def greedy_alone(model, prompt: list[int], n: int) -> list[int]:
+    return [e.token_id for e in Engine(model, prefill_chunk=8).generate(prompt, SamplingParams(temperature=0, max_tokens=n))]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["ple_kvshare", "dense_keqv", "dense_plain", "moe"])
+def test_a_request_decodes_the_same_tokens_in_any_batch(variants, name, dtype):
+    """Greedy tokens equal running alone, with staggered arrivals, different prompt lengths, ring wraps in
+    prefill and decode, a prefill chunk sharing steps with decodes, and an abort in the middle of a batch."""
+    fx = variants[name]
+    model = gem4.load(fx.gguf["q8_0"] if dtype == "bfloat16" else fx.hf_causal, dtype=dtype)
+    prompts = [fx.ids[a:b] for a, b in BATCH_PROMPTS]
+    want = [greedy_alone(model, p, 20) for p in prompts]
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_num_batched_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=20)
+    streams = [engine.submit(prompts[0], params), engine.submit(prompts[1], params)]
+    got = [[e.token_id for e in itertools.islice(streams[0], 6)]]             # the first decodes alone a while
+    streams += [engine.submit(p, params) for p in prompts[2:]]                # then the others arrive
+    doomed = engine.submit(fx.ids[7:40], SamplingParams(temperature=0, max_tokens=50))
+    assert next(iter(doomed)).token_id is not None
+    engine.abort(doomed.request_id)                                           # leaves mid-batch
+    got[0] += [e.token_id for e in streams[0]]
+    got += [[e.token_id for e in s] for s in streams[1:]]
+    assert got == want
+    assert list(doomed)[-1].finish_reason == "abort"
+    wait_idle(engine)
+    assert engine._scheduler.blocks.usage == 0 and engine.batch_sizes[4] > 0  # four decoded together
+
+
+def test_a_pool_too_small_preempts_and_every_request_still_completes(variants):
+    fx = variants["dense_plain"]
+    model = gem4.load(fx.hf_causal, dtype="float32")
+    prompts = [fx.ids[a:a + 6] for a in range(4)]
+    want = [greedy_alone(model, p, 40) for p in prompts]
+    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_slots=4, max_model_len=64, budget=None)
+    budget = 4 * size.slot_bytes + 6 * size.block_bytes                       # 6 blocks of 16: 96 tokens for 4 x 46
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_model_len=64, kv_cache_bytes=budget)
+    assert engine.pool_size.num_blocks == 6
+    streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=40)) for p in prompts]
+    assert [[e.token_id for e in s] for s in streams] == want
+    assert engine.num_preemptions > 0
+    wait_idle(engine)
+    assert engine._scheduler.blocks.usage == 0
+
+
+def test_seeded_sampling_survives_preemption(variants):
+    fx = variants["dense_plain"]
+    model = gem4.load(fx.hf_causal, dtype="float32")
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40) for s in range(4)]
+    prompts = [fx.ids[a:a + 6] for a in range(4)]
+    want = [[e.token_id for e in Engine(model, prefill_chunk=8).generate(p, q)] for p, q in zip(prompts, params)]
+    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_slots=4, max_model_len=64, budget=None)
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_model_len=64,
+                    kv_cache_bytes=4 * size.slot_bytes + 6 * size.block_bytes)
+    streams = [engine.submit(p, q) for p, q in zip(prompts, params)]
+    assert [[e.token_id for e in s] for s in streams] == want and engine.num_preemptions > 0

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import gem4
-from gem4.model import gemma4, kernels
+from gem4.model import kernels, layers
 from gem4.model.layers import DECODE_ROWS, QuantLinear
 from gem4.weights.quants import GGMLType, dequantize, quantize
 from model_fixtures import VARIANTS
@@ -100,18 +100,18 @@ def nmse(out, ref):
 def decode_logits(model, ids, n_prompt):
     """Logits for ids[n_prompt:] fed one token at a time after a prefill of ids[:n_prompt] (the decode path)."""
     cache = model.new_cache(max_chunk=n_prompt)
-    model.forward(torch.tensor(ids[:n_prompt]), cache, last_only=True)
-    return torch.cat([model.forward(torch.tensor([t]), cache) for t in ids[n_prompt:]])
+    model.extend(torch.tensor(ids[:n_prompt]), cache)
+    return torch.cat([model.extend(torch.tensor([t]), cache) for t in ids[n_prompt:]])
 
 
 def greedy(model, ids, n):
     cache = model.new_cache(max_chunk=len(ids))
-    logits = model.forward(torch.tensor(ids), cache, last_only=True)
+    logits = model.extend(torch.tensor(ids), cache)
     out = []
     for _ in range(n):
         nxt = int(logits[-1].argmax())
         out.append(nxt)
-        logits = model.forward(torch.tensor([nxt]), cache)
+        logits = model.extend(torch.tensor([nxt]), cache)
     return out
 
 
@@ -133,7 +133,7 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
         ref_logits = ref_model.logits(ids)
         drift = nmse(fast_model.logits(ids), ref_logits)
         with pytest.MonkeyPatch.context() as patch:        # prompts this short attend in float32; take the bf16 GEMMs
-            patch.setattr(gemma4, "GEMM_ATTENTION_ROWS", DECODE_ROWS + 1)
+            patch.setattr(layers, "GEMM_ATTENTION_ROWS", DECODE_ROWS + 1)
             gemm_drift = nmse(fast_model.logits(ids), ref_logits)
         # the decode path (GEMV kernels, fused Q/K/V and gate/up, decode attention) on the same positions
         decoded = decode_logits(fast_model, ids, 30)
@@ -192,18 +192,38 @@ def test_rms_norm_rope_kernel_equals_norm_then_rope(d):
     torch.testing.assert_close(kernels.rms_norm_rope(x, w, 1e-6, cos, sin), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("T,S,nh,nkv,d", [(1, 1024, 8, 1, 256), (1, 3, 8, 1, 512), (3, 37, 8, 2, 64),
-                                          (8, 600, 4, 4, 32), (2, 130, 12, 3, 128)])
-def test_attend_kernel_equals_reference_attention(T, S, nh, nkv, d):
+def scattered_attend(T: int, S: int, B: int, g: torch.Generator):
+    """A step of T query rows over B sequences whose S keys each sit at scattered rows of a shared storage
+    (as in the paged pool): kv_cache.Attend, with ranges of every width (some rows see nothing)."""
+    from gem4.kv_cache import Attend
+    rows = torch.randperm(B * S + 7, generator=g)[:B * S].view(B, S)          # storage has spare rows
+    q_seq = torch.sort(torch.randint(0, B, (T,), generator=g)).values
+    lo = torch.randint(0, S, (T,), generator=g)
+    hi = torch.minimum(lo + torch.randint(0, S + 1, (T,), generator=g), torch.tensor(S))
+    if T > 1:
+        hi[0] = lo[0]                                                          # one row sees nothing
+    return Attend(rows, q_seq, lo, hi), B * S + 7
+
+
+@pytest.mark.parametrize("T,S,B,nh,nkv,d", [(1, 1024, 1, 8, 1, 256), (1, 3, 1, 8, 1, 512), (3, 37, 2, 8, 2, 64),
+                                            (8, 600, 3, 4, 4, 32), (5, 130, 4, 12, 3, 128)])
+def test_attend_kernel_equals_reference_attention(T, S, B, nh, nkv, d):
     from gem4.model.layers import attention
     g = torch.Generator().manual_seed(T * S)
+    a, R = scattered_attend(T, S, B, g)
     q = torch.randn(T, nh, d, generator=g)
-    k, v = (torch.randn(S, nkv, d, generator=g).bfloat16() for _ in range(2))
-    mask = torch.rand(T, S, generator=g) < 0.4                  # scattered visible rows, as in the sliding ring
-    mask[:, -1] = True
-    out = kernels.attend(q, k, v, mask)
+    k_store, v_store = (torch.randn(R, nkv, d, generator=g).bfloat16() for _ in range(2))
+    out = kernels.attend(q, k_store, v_store, a)
     assert out.shape == (T, nh * d) and out.dtype == torch.float32
-    torch.testing.assert_close(out, attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    for t in range(T):
+        keys = a.key_rows[a.q_seq[t], a.q_lo[t]:a.q_hi[t]]
+        if keys.numel() == 0:
+            assert torch.equal(out[t], torch.zeros(nh * d))             # a row that sees nothing
+            continue
+        ref = attention(q[t:t + 1], k_store[keys], v_store[keys], torch.ones(1, keys.numel(), dtype=torch.bool))
+        torch.testing.assert_close(out[t:t + 1], ref, rtol=1e-5, atol=1e-5)
+        # batch invariance: a row's result does not depend on the other rows of the call
+        assert torch.equal(out[t], kernels.attend(q[t:t + 1], k_store, v_store, a.select(torch.tensor([t])))[0])
 
 
 def _chunk_masks(kind: str, T: int, S: int, g: torch.Generator) -> torch.Tensor:
@@ -245,26 +265,26 @@ def test_attend_chunk_kernel_equals_attention_with_bf16_q_and_probabilities(T, S
     assert ((out[seen] - ref) ** 2).mean() / (ref ** 2).mean() < 1e-5
 
 
-def test_attend_kernel_gives_zeros_to_a_row_that_sees_nothing():
-    g = torch.Generator().manual_seed(8)
-    q, k, v = torch.randn(2, 4, 32, generator=g), torch.randn(5, 1, 32, generator=g).bfloat16(), torch.randn(5, 1, 32, generator=g).bfloat16()
-    mask = torch.tensor([[False] * 5, [True, False, True, False, False]])
-    out = kernels.attend(q, k, v, mask)
-    assert torch.equal(out[0], torch.zeros(4 * 32))
-    assert torch.isfinite(out[1]).all()
-
-
 @pytest.mark.parametrize("attend", ["attend", "attend_chunk"])
 def test_attend_kernels_refuse_wrong_inputs(attend):
-    attend = getattr(kernels, attend)
+    from gem4.kv_cache import Attend
     q, k = torch.randn(1, 8, 64), torch.randn(10, 1, 64).bfloat16()
+    if attend == "attend":
+        def call(q, k, v, span):                                        # one sequence, rows [0, span)
+            a = Attend(torch.arange(span)[None], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                       torch.full((1,), span))
+            return kernels.attend(q, k, v, a)
+        bad_span = ("outside the storage", 11)
+    else:
+        def call(q, k, v, span):
+            return kernels.attend_chunk(q, k, v, torch.ones(1, span, dtype=torch.bool))
+        bad_span = ("mask", 9)
     with pytest.raises(RuntimeError, match="bf16"):
-        attend(q, k.float(), k.float(), torch.ones(1, 10, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="mask"):
-        attend(q, k, k, torch.ones(1, 9, dtype=torch.bool))
+        call(q, k.float(), k.float(), 10)
+    with pytest.raises(RuntimeError, match=bad_span[0]):
+        call(q, k, k, bad_span[1])
     with pytest.raises(RuntimeError, match="head shapes"):
-        attend(torch.randn(1, 3, 64), k.expand(10, 2, 64).contiguous(), k.expand(10, 2, 64).contiguous(),
-               torch.ones(1, 10, dtype=torch.bool))                 # 3 query heads on 2 KV heads
+        call(torch.randn(1, 3, 64), k.expand(10, 2, 64).contiguous(), k.expand(10, 2, 64).contiguous(), 10)
 
 
 def test_fused_projections_equal_separate_calls():
@@ -330,9 +350,9 @@ def test_decode_layer_is_the_layer_it_replaces(tmp_path, qtype):
 
     def steps(model):
         cache = model.new_cache(max_chunk=20)
-        out = [model.forward(torch.arange(3, 23), cache, last_only=True)]
-        out += [model.forward(torch.tensor([t]), cache) for t in (5, 9, 100, 7, 3, 11, 40, 41, 42)]
-        out.append(model.forward(torch.tensor([1, 2, 3]), cache))
+        out = [model.extend(torch.arange(3, 23), cache)]
+        out += [model.extend(torch.tensor([t]), cache) for t in (5, 9, 100, 7, 3, 11, 40, 41, 42)]
+        out.append(model.extend(torch.tensor([1, 2, 3]), cache, logits=3))
         return torch.cat(out)
 
     for name, overrides in [("ple_kvshare", dict(hidden_size_per_layer_input=32)), ("dense_keqv", {}),
@@ -388,3 +408,17 @@ def test_packed_experts_equal_their_dequantized_weights(ggml_type, T):
     w = torch.rand(T, K, generator=g)
     ref, out = dense(x, idx, w), packed(x, idx, w)
     assert ((out - ref) ** 2).mean() / (ref ** 2).mean() < 1e-4
+
+
+def test_gemv_rows_do_not_depend_on_their_batch_mates():
+    """Batch invariance of the decode GEMVs: each row of an M-row call equals that row alone, bit for bit."""
+    g = torch.Generator().manual_seed(11)
+    for ggml_type in PACKED:
+        layer, _ = packed_linear(torch.randn(96, 320, generator=g), ggml_type)
+        x = torch.randn(DECODE_ROWS, 320, generator=g)
+        together = layer(x)
+        assert all(torch.equal(together[i], layer(x[i:i + 1])[0]) for i in range(DECODE_ROWS))
+    w = torch.randn(96, 320, generator=g).bfloat16()
+    x = torch.randn(DECODE_ROWS, 320, generator=g)
+    together = kernels.gemv_bf16(x, w)
+    assert all(torch.equal(together[i], kernels.gemv_bf16(x[i:i + 1], w)[0]) for i in range(DECODE_ROWS))

@@ -1,117 +1,137 @@
-"""KV cache layout: ring wrap, masks, full-layer growth, shared reads."""
+"""KV pool layout: paged full layers, one ring per sequence on sliding layers, the keys each query sees."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from gem4.config import FULL, SLIDING, build_config, rope_default
-from gem4.kv_cache import KVCache, kv_bytes_per_token
+from gem4.engine.block_manager import BlockManager
+from gem4.kv_cache import BLOCK_SIZE, KVCache, KVPool, SeqStep, kv_bytes_per_token, kv_pool_size
 
 S, F = SLIDING, FULL
 
 
-def config(window=3, shared=0, types=(S, F, S)):
+def config(window=3, shared=0, types=(S, F, S), context=64):
     n = len(types)
     return build_config(
         vocab_size=8, hidden_size=4, layer_types=list(types), n_heads=[1] * n, n_kv_heads=[1] * n, head_dims=[2] * n,
         k_eq_v=[False] * n, intermediate_sizes=[4] * n, num_kv_shared_layers=shared, sliding_window=window,
         rms_norm_eps=1e-6, final_logit_softcap=None, ple_dim=0, ple_vocab_size=0, moe=None,
         rope_inv_freq={S: rope_default(1e4, 2), F: rope_default(1e4, 2)}, tie_word_embeddings=True,
-        max_position_embeddings=64)
+        max_position_embeddings=context)
 
 
-def kv(positions):
-    # k = v = position, so a row's content names the position it holds: [T, 1, 2]
-    p = torch.tensor(positions, dtype=torch.float32)
-    return p[:, None, None].expand(-1, 1, 2).clone()
+def seen_positions(pool: KVPool, layout, layer: int, stored: dict[int, int]) -> list[list[int]]:
+    """Per query row: the positions it attends to, read back through the storage rows (stored: row -> position)."""
+    a = layout.attend[pool.config.layers[layer].layer_type]
+    out = []
+    for t in range(layout.num_tokens):
+        rows = a.key_rows[a.q_seq[t], a.q_lo[t]:a.q_hi[t]].tolist()
+        out.append([stored[r] for r in rows])
+    return out
 
 
-def step(cache, layer_types, n):
-    st = cache.begin(n)
-    pos = st.positions.tolist()
-    outs = {i: cache.write(i, kv(pos), kv(pos)) for i, t in enumerate(layer_types)}
-    cache.commit(st)
-    return st, outs
+def test_full_layers_are_paged_by_the_block_table():
+    pool = KVPool(config(types=(F,)), num_blocks=4, num_slots=1, max_chunk=BLOCK_SIZE, dtype=torch.float32)
+    table = [2, 0]                                   # positions 0..15 in block 2, 16..31 in block 0
+    layout = pool.layout([SeqStep(start=14, num_tokens=4, block_table=table, slot=0)])
+    assert layout.positions.tolist() == [14, 15, 16, 17]
+    assert layout.write[F].tolist() == [2 * BLOCK_SIZE + 14, 2 * BLOCK_SIZE + 15, 0, 1]
+    a = layout.attend[F]
+    assert a.key_rows.shape == (1, 18)
+    assert a.key_rows[0, :16].tolist() == list(range(2 * BLOCK_SIZE, 2 * BLOCK_SIZE + 16))
+    assert (a.q_lo.tolist(), a.q_hi.tolist()) == ([0, 0, 0, 0], [15, 16, 17, 18])     # causal
+    assert layout.logit_rows.tolist() == [3]
 
 
-def test_sliding_ring_wraps_and_masks_by_position():
-    cache = KVCache(config(window=3), max_chunk=2, dtype=torch.float32)
-    assert cache.ring == 5
-    for _ in range(3):
-        step(cache, (S, F, S), 2)                                  # positions 0..5
-    st, outs = step(cache, (S, F, S), 2)                           # positions 6, 7 -> rows 1, 2
-    keys = outs[0][0][:, 0, 0].tolist()
-    assert keys == [5.0, 6.0, 7.0, 3.0, 4.0]                       # ring rows hold positions 5, 6, 7, 3, 4
-    # query 6 sees 4, 5, 6 (p - j < 3); query 7 sees 5, 6, 7
-    assert st.masks[S].tolist() == [[True, True, False, False, True], [True, True, True, False, False]]
-    # full layer: every position up to the query
-    full_keys, _ = outs[1]
-    assert full_keys[:, 0, 0].tolist() == list(range(8))
-    assert st.masks[F].tolist() == [[True] * 7 + [False], [True] * 8]
-    assert cache.length == 8
+def test_sliding_ring_per_slot_and_window_ranges():
+    pool = KVPool(config(window=3, types=(S,)), num_blocks=1, num_slots=2, max_chunk=2, dtype=torch.float32)
+    assert pool.ring == 5
+    stored: dict[int, int] = {}
+    for start in range(0, 12, 2):                   # sequence in slot 1, two tokens a step: the ring wraps
+        layout = pool.layout([SeqStep(start, 2, [0], slot=1)])
+        rows = layout.write[S].tolist()
+        assert rows == [5 + (start % 5), 5 + ((start + 1) % 5)]       # slot 1 owns rows 5..9
+        stored.update(zip(rows, layout.positions.tolist()))
+        seen = seen_positions(pool, layout, 0, stored)
+        assert seen == [[p for p in range(q - 2, q + 1) if p >= 0] for q in (start, start + 1)]
 
 
-def test_chunk_larger_than_max_chunk_is_refused():
-    cache = KVCache(config(), max_chunk=2, dtype=torch.float32)
-    with pytest.raises(ValueError, match="a step holds 1..2 tokens"):
-        cache.begin(3)
+def test_two_sequences_in_one_step_see_only_their_own_keys():
+    pool = KVPool(config(window=3), num_blocks=4, num_slots=2, max_chunk=4, dtype=torch.float32)
+    layout = pool.layout([SeqStep(0, 3, [1], slot=0, logits=0), SeqStep(5, 1, [3], slot=1, logits=1)])
+    assert layout.positions.tolist() == [0, 1, 2, 5]
+    assert layout.logit_rows.tolist() == [3]                           # the first sequence only fills its cache
+    full = layout.attend[F]
+    assert full.q_seq.tolist() == [0, 0, 0, 1]
+    assert full.key_rows[1, :6].tolist() == [3 * BLOCK_SIZE + p for p in range(6)]
+    assert full.q_hi.tolist() == [1, 2, 3, 6]
+    slide = layout.attend[S]
+    assert slide.key_rows[1, :3].tolist() == [10, 11, 12]             # slot 1's ring is rows 7..13; positions 3..5
+    assert (slide.q_lo.tolist(), slide.q_hi.tolist()) == ([0, 0, 0, 0], [1, 2, 3, 3])
+    only_last = layout.logit_rows_only()
+    assert only_last.positions.tolist() == [5] and only_last.attend[F].q_seq.tolist() == [1]
+    assert only_last.logit_rows.tolist() == [0]
 
 
-def test_full_store_grows():
-    cache = KVCache(config(types=(F,)), max_chunk=1, dtype=torch.float32)
-    for _ in range(70):                                            # past the initial 64 rows
-        _, outs = step(cache, (F,), 1)
-    assert outs[0][0][:, 0, 0].tolist() == list(range(70))
-
-
-def test_shared_layer_reads_the_donor_of_its_type():
+def test_kv_shared_layers_read_their_donor_storage():
     cfg = config(types=(S, F, S, F), shared=2)
-    assert [s.kv_source for s in cfg.layers] == [0, 1, 0, 1]
-    cache = KVCache(cfg, max_chunk=4, dtype=torch.float32)
-    st = cache.begin(2)
-    k0, _ = cache.write(0, kv([0, 1]), kv([0, 1]))
-    k1, _ = cache.write(1, kv([0, 1]), kv([0, 1]) * 10)
-    read0 = cache.read(0)[0]
-    assert read0.data_ptr() == k0.data_ptr() and read0.shape == k0.shape == (2, 1, 2)   # the donor's rows, no copy
-    assert torch.equal(cache.read(1)[1][:, 0, 0], torch.tensor([0.0, 10.0]))
-    cache.commit(st)
-    assert set(cache._k) == {0, 1}                                 # shared layers own no storage
+    pool = KVPool(cfg, num_blocks=2, num_slots=1, max_chunk=4, dtype=torch.float32)
+    assert pool.store(2)[0] is pool.store(0)[0] and pool.store(3)[1] is pool.store(1)[1]
+    assert sorted(pool._k) == [0, 1]                                   # shared layers own nothing
 
 
-def test_slot_names_the_rows_a_kernel_writes_and_the_span_it_attends_to():
-    cfg = config(types=(S, F, S, F), shared=2, window=3)
-    cache = KVCache(cfg, max_chunk=2, dtype=torch.float32)             # ring = 3 + 2 rows
-    for _ in range(3):                                                 # positions 0..5; the ring wrapped
-        st = cache.begin(2)
-        pos = st.positions.tolist()
-        for i in (0, 1):
-            k_store, v_store, rows, span = cache.slot(i)
-            k_store[rows] = kv(pos)                                    # what a kernel does
-            assert span == (min(cache.ring, pos[-1] + 1) if i == 0 else pos[-1] + 1)
-        shared = cache.slot(2)
-        assert shared[0] is cache._k[0] and shared[2] is None and shared[3] == min(cache.ring, pos[-1] + 1)
-        with pytest.raises(RuntimeError, match="KV-shared"):
-            cache.write(2, kv(pos), kv(pos))
-        cache.commit(st)
-    assert cache._k[0][:, 0, 0].tolist() == [5.0, 1.0, 2.0, 3.0, 4.0]   # position p in row p % 5
-    assert cache._k[1][:6, 0, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    with pytest.raises(RuntimeError, match="outside begin"):
-        cache.slot(0)
+@pytest.mark.parametrize("bad, message", [
+    (SeqStep(0, 5, [0], 0), "1..4 tokens"),
+    (SeqStep(0, 2, [0], 3), "ring slot 3"),
+    (SeqStep(14, 4, [0], 0), "1 blocks cannot hold 18"),
+    (SeqStep(0, 2, [9], 0), "block ids must be in"),
+    (SeqStep(0, 2, [0], 0, logits=3), "logits of 3 rows"),
+])
+def test_layout_refuses_what_the_pool_cannot_hold(bad, message):
+    pool = KVPool(config(), num_blocks=2, num_slots=2, max_chunk=4, dtype=torch.float32)
+    with pytest.raises(ValueError, match=message):
+        pool.layout([bad])
 
 
-def test_sliding_keys_stop_at_the_rows_written_until_the_ring_wraps():
-    cache = KVCache(config(types=(S,)), max_chunk=4, dtype=torch.float32)     # ring = window + 4 rows
-    seen = []
-    for n in (3, 4, 4, 4):
-        st = cache.begin(n)
-        keys, _ = cache.write(0, kv(list(range(cache.length, cache.length + n))), kv([0] * n))
-        assert st.masks[S].shape == (n, keys.shape[0])
-        seen.append(keys.shape[0])
-        cache.commit(st)
-    ring = cache.ring
-    assert seen == [min(ring, end) for end in (3, 7, 11, 15)]
+def test_one_sequence_cache_grows_and_keeps_its_rows():
+    cfg = config(types=(F,))
+    cache = KVCache(cfg, max_chunk=2, dtype=torch.float32)
+    first = cache.pool
+    layout = cache.step(2)
+    first.store(0)[0][layout.write[F]] = 7.0
+    cache.commit(2)
+    for _ in range(40):                                                # past the first pool's 64 rows
+        cache.step(2)
+        cache.commit(2)
+    assert cache.pool is not first and cache.pool.num_blocks * BLOCK_SIZE >= 82
+    assert torch.all(cache.pool.store(0)[0][:2] == 7.0)
 
 
-def test_kv_bytes_per_token_counts_only_owners():
-    cfg = config(types=(S, F, S, F), shared=2)
-    assert kv_bytes_per_token(cfg, torch.bfloat16) == {S: 2 * 2 * 2, F: 2 * 2 * 2}
+def test_block_manager_tables_slots_and_capacity():
+    bm = BlockManager(num_blocks=4, block_size=4, num_slots=2)
+    bm.reserve("a", 5)
+    assert bm.table("a") == [0, 1] and bm.slot("a") == 0 and bm.free_blocks == 2
+    assert bm.capacity("b") == 8 and bm.capacity("b", spare=1) == 4
+    bm.reserve("b", 4)
+    assert bm.table("b") == [2] and bm.slot("b") == 1
+    assert not bm.can_reserve("c", 1)                                  # no ring slot left
+    assert bm.can_reserve("a", 12) and not bm.can_reserve("a", 13)
+    bm.free("a")
+    assert bm.free_blocks == 3 and bm.usage == 0.25
+    bm.reserve("c", 1)
+    assert bm.slot("c") == 0 and bm.table("c") == [0]
+    with pytest.raises(RuntimeError, match="no room"):
+        bm.reserve("c", 17)
+
+
+def test_pool_size_from_a_budget_or_the_context():
+    cfg = config(window=3, context=64)
+    per = kv_bytes_per_token(cfg, torch.bfloat16)
+    assert per == {S: 2 * 2 * 2 * 2, F: 2 * 2 * 2}                   # 2 sliding layers, 1 full, bf16 K and V
+    size = kv_pool_size(cfg, torch.bfloat16, max_chunk=4, num_slots=2, max_model_len=64, budget=None)
+    assert size.num_blocks == 2 * 4 and size.slot_bytes == per[S] * 7
+    size = kv_pool_size(cfg, torch.bfloat16, max_chunk=4, num_slots=2, max_model_len=64, budget=10_000)
+    assert size.num_blocks == (10_000 - 2 * per[S] * 7) // (per[F] * BLOCK_SIZE)
+    with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len 64"):
+        kv_pool_size(cfg, torch.bfloat16, max_chunk=4, num_slots=2, max_model_len=64, budget=500)

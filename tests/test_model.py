@@ -44,8 +44,8 @@ def test_chunked_prefill_then_decode_equals_full_pass(variants, name):
     full = model.logits(fx.ids)
     cache = model.new_cache(max_chunk=13)
     ids = torch.tensor(fx.ids)
-    parts = [model.forward(ids[s:s + 13], cache) for s in range(0, 26, 13)]      # two 13-token chunks
-    parts += [model.forward(ids[s:s + 1], cache) for s in range(26, len(fx.ids))]  # then one token at a time
+    parts = [model.extend(ids[s:s + 13], cache, logits=13) for s in range(0, 26, 13)]      # two 13-token chunks
+    parts += [model.extend(ids[s:s + 1], cache) for s in range(26, len(fx.ids))]  # then one token at a time
     stepped = torch.cat(parts)
     print(f"{name}: chunked vs full {rel_err(stepped, full):.2e}")
     assert cache.length == len(fx.ids)
@@ -59,10 +59,10 @@ def test_last_only_prefill_equals_last_row(variants, name):
     fx = variants[name]
     model = gem4.load(fx.hf_causal, dtype="float32")
     cache = model.new_cache(max_chunk=len(fx.ids) - 1)
-    last = model.forward(torch.tensor(fx.ids[:-1]), cache, last_only=True)
+    last = model.extend(torch.tensor(fx.ids[:-1]), cache)
     assert last.shape == (1, 512)
     assert_matches(last, fx.ref_logits[-2:-1])
-    nxt = model.forward(torch.tensor(fx.ids[-1:]), cache)                          # the cache is complete
+    nxt = model.extend(torch.tensor(fx.ids[-1:]), cache)                          # the cache is complete
     assert_matches(nxt, fx.ref_logits[-1:])
 
 

@@ -825,8 +825,8 @@ def test_connection_cap_default():
 
     parser = ArgParser()
     add_arguments(parser)
-    assert max_connections(parser.parse_args(["m"])) == 4 + 64 + 128
-    assert max_connections(parser.parse_args(["m", "--max-num-seqs", "8", "--max-waiting", "10"])) == 8 + 10 + 128
+    assert max_connections(parser.parse_args(["m"])) == 8 + 64 + 128             # the default --max-num-seqs
+    assert max_connections(parser.parse_args(["m", "--max-num-seqs", "3", "--max-waiting", "10"])) == 3 + 10 + 128
     assert max_connections(parser.parse_args(["m", "--max-connections", "7"])) == 7
 
 
@@ -1195,17 +1195,19 @@ def test_disconnect_stops_generation_and_the_next_request_is_served(served):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
-def test_eight_concurrent_streams_are_complete_distinct_and_correct(served):
+def test_sixteen_concurrent_streams_are_complete_distinct_and_batch_invariant(served):
+    """16 clients at once (4 decoded together, the others queued): each stream is complete and has exactly
+    the text the same seeded request gets alone."""
     client = client_for(served)
 
     def request(i: int, **kw):
         return dict(model="tiny", messages=user(f"Client number {i}"), max_tokens=10, seed=i, temperature=1.0,
                     extra_body={"ignore_eos": True}, **kw)
 
-    sequential = [client.chat.completions.create(**request(i)).choices[0].message.content for i in range(8)]
+    sequential = [client.chat.completions.create(**request(i)).choices[0].message.content for i in range(16)]
     results: dict[int, dict] = {}
     errors: list = []
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(16)
 
     def run(i: int):
         try:
@@ -1215,17 +1217,17 @@ def test_eight_concurrent_streams_are_complete_distinct_and_correct(served):
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append((i, e))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not errors, errors
-    assert sorted(results) == list(range(8))
-    assert all(results[i]["finish_reason"] == "length" for i in range(8))      # complete
-    assert len({results[i]["id"] for i in range(8)}) == 8
-    assert len({results[i]["content"] for i in range(8)}) == 8                 # distinct
-    assert [results[i]["content"] for i in range(8)] == sequential              # each its own, uncrossed
+    assert sorted(results) == list(range(16))
+    assert all(results[i]["finish_reason"] == "length" for i in range(16))      # complete
+    assert len({results[i]["id"] for i in range(16)}) == 16
+    assert len({results[i]["content"] for i in range(16)}) == 16                 # distinct
+    assert [results[i]["content"] for i in range(16)] == sequential              # each its own, uncrossed
 
 
 def test_metrics(served):
@@ -1316,7 +1318,7 @@ def test_serve_a_gguf_by_its_names_with_a_summary_and_request_log(tiny_dir, tmp_
     assert "Uvicorn running on" not in text and "Application startup complete" not in text
     (summary,) = [line for line in text.splitlines() if line.startswith("gem4: model ")]
     assert re.fullmatch(r"gem4: model tiny-q8_0: Gemma 4 dense, \d+ layers, float32, compiled kernels off, \d+ threads, "
-                        r"max_model_len \d+, KV cache up to [\d.]+ GiB \(2 sequences\)", summary), summary
+                        r"max_model_len \d+, KV cache [\d.]+ GiB \(\d+ tokens, 2 sequences\)", summary), summary
     requests = re.findall(r"request cmpl-\w+: prompt (\d+) tokens, output (\d+) tokens, TTFT \d+ ms, "
                           r"decode [\d.]+ tok/s, finish length", text)
     assert len(requests) == 3 and all(out == "3" for _, out in requests)

@@ -1,134 +1,286 @@
-"""KV cache for one sequence: a global append store per full layer, a ring per sliding layer.
+"""KV storage for every running sequence (the pool) and the layout of one forward step over it.
 
-The only module that knows the cache layout. Per forward step the model calls:
+The only module that knows the cache layout. Storage, per KV-owning layer, is [rows, n_kv_heads, head_dim]
+(docs/gemma4.md §2.5-§2.6):
+- full layers: `num_blocks` blocks of `block_size` rows (paged). Position p of a sequence lives in row
+  `block_table[p // block_size] * block_size + p % block_size`.
+- sliding layers: one ring of `ring = window + max_chunk` rows per sequence slot. Position p of the
+  sequence in slot s lives in row `s * ring + p % ring`. A step writes at most `max_chunk` tokens, so it
+  never overwrites a row that a query of the same step still needs (queries at p see p - window < j <= p).
+- KV-shared layers own no rows; they read their donor's (the donor runs first in the same step).
 
-    step = cache.begin(n_tokens)        # positions of the new tokens, one attention mask per layer type
-    K, V = cache.write(i, k, v)         # layer i owns KV: store this chunk, get every key/value it may attend to
-    K, V = cache.read(src)              # layer i is KV-shared: the K/V its donor `src` wrote in this same step
-    cache.commit(step)                  # the tokens are now part of the sequence
+Which blocks and which slot a sequence holds is decided elsewhere, in plain integers (the engine's block
+manager); per step the caller describes each sequence's part with a `SeqStep`, and `KVPool.layout` turns
+the list into one `StepLayout` of tensors:
 
-A kernel that writes and reads the cache itself (fast-mode decode) asks `cache.slot(i)` instead.
+    layout = pool.layout([SeqStep(...), ...])     # positions, rows to write, rows each query attends to
+    k_store, v_store = pool.store(layer)          # the layer's KV source: [rows, nkv, d] each
+    k_store[layout.write[type]] = k               # a KV-owning layer writes its new rows (KV-shared: none)
+    attention over layout.attend[type]            # each query row: a contiguous range of its sequence's keys
 
-Layout (docs/gemma4.md §2.5-§2.6):
-- full layers: rows [0, length) in position order, grown by doubling.
-- sliding layers: a ring of `window + max_chunk` rows; position p lives in row p % ring. A query at p may
-  attend to key position j iff j <= p and p - j < window. The ring is large enough that writing a chunk of
-  up to `max_chunk` tokens never overwrites a row that a query of the same chunk still needs.
-- KV-shared layers own no rows; they read their donor's rows (the donor runs first in the same step).
-K/V rows are stored as [rows, n_kv_heads, head_dim].
+A sequence's keys are listed in position order (`Attend.key_rows`), so the keys a query may see -- causal,
+and within the window on sliding layers -- are one range [q_lo, q_hi) of that list. No [T, S] masks.
+
+`KVCache` is one sequence in a pool of its own, grown on demand: the model's `logits()`, tests, benchmarks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from gem4.config import FULL, SLIDING, ModelConfig
 
-
-@dataclass
-class Step:
-    positions: torch.Tensor               # [T] absolute positions of the new tokens
-    masks: dict[str, torch.Tensor]        # layer type -> [T, S] bool, True = may attend
+BLOCK_SIZE = 16          # rows per full-attention block
 
 
-class KVCache:
-    def __init__(self, config: ModelConfig, max_chunk: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        if max_chunk < 1:
-            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence's part of a step, in plain integers.
+
+    Its tokens [start, start + num_tokens) are computed; K/V of positions [0, start) are already stored.
+    `logits`: how many of its last rows need logits (0: the step only fills the cache; 1: the next token;
+    num_tokens: every row, as `Model.logits` asks).
+    """
+
+    start: int
+    num_tokens: int
+    block_table: Sequence[int]            # full layers: the blocks holding positions [0, start + num_tokens)
+    slot: int                             # sliding layers: the sequence's ring
+    logits: int = 1
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass(frozen=True)
+class Attend:
+    """Which stored rows each query row of a step attends to, for one layer type.
+
+    key_rows [B, S] int64: sequence b's visible keys, as rows of the layer's storage, in position order
+    (padded with row 0 beyond its own count). Query row t belongs to sequence q_seq[t] and sees
+    key_rows[q_seq[t], q_lo[t]:q_hi[t]].
+    """
+
+    key_rows: torch.Tensor
+    q_seq: torch.Tensor                   # [T] int64
+    q_lo: torch.Tensor                    # [T] int64
+    q_hi: torch.Tensor                    # [T] int64
+
+    def select(self, rows: torch.Tensor) -> "Attend":
+        return replace(self, q_seq=self.q_seq[rows], q_lo=self.q_lo[rows], q_hi=self.q_hi[rows])
+
+    def mask(self) -> torch.Tensor:
+        """[T, S] bool over key_rows[q_seq[t]]: the ranges as a mask (the reference attention's form)."""
+        j = torch.arange(self.key_rows.shape[1], device=self.key_rows.device)[None, :]
+        return (j >= self.q_lo[:, None]) & (j < self.q_hi[:, None])
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One forward step over the flat tokens of several sequences (sequence after sequence)."""
+
+    positions: torch.Tensor                   # [T] int64, each token's position in its sequence
+    write: dict[str, torch.Tensor]            # layer type -> [T] rows the new K/V go to
+    attend: dict[str, Attend]                 # layer type -> the keys each query row sees
+    logit_rows: torch.Tensor                  # [M] rows (into the T) whose logits are wanted, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    def logit_rows_only(self) -> "StepLayout":
+        """The queries of the logit rows only (E2B/E4B: the KV-shared layers need no other row,
+        docs/gemma4.md §2.6); the writes stay as they are, KV-shared layers write nothing."""
+        rows = self.logit_rows
+        return StepLayout(self.positions[rows], self.write, {t: a.select(rows) for t, a in self.attend.items()},
+                          torch.arange(rows.numel(), device=rows.device))
+
+
+class KVPool:
+    """K/V storage of all running sequences: full layers in blocks, sliding layers in one ring per slot."""
+
+    def __init__(self, config: ModelConfig, *, num_blocks: int, num_slots: int, max_chunk: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", block_size: int = BLOCK_SIZE):
+        if min(num_blocks, num_slots, max_chunk, block_size) < 1:
+            raise ValueError(f"num_blocks ({num_blocks}), num_slots ({num_slots}), max_chunk ({max_chunk}) and "
+                             f"block_size ({block_size}) must be >= 1")
         self.config = config
+        self.num_blocks = num_blocks
+        self.num_slots = num_slots
+        self.block_size = block_size
         self.max_chunk = max_chunk
         self.window = config.sliding_window
         self.ring = config.sliding_window + max_chunk
         self.dtype = dtype
         self.device = torch.device(device)
-        self.length = 0                                  # tokens committed
-        self._k: dict[int, torch.Tensor] = {}            # layer -> [rows, nkv, d]
+        self._k: dict[int, torch.Tensor] = {}             # owning layer -> [rows, nkv, d]
         self._v: dict[int, torch.Tensor] = {}
-        # position held by each ring row (-1 = empty); shared by all sliding layers, which write the same positions
-        self._ring_pos = torch.full((self.ring,), -1, dtype=torch.long, device=self.device)
-        self._pending: torch.Tensor | None = None        # positions of the step in flight
         for spec in config.layers:
             if spec.owns_kv:
-                rows = self.ring if spec.is_sliding else max(64, max_chunk)
+                rows = num_slots * self.ring if spec.is_sliding else num_blocks * block_size
                 shape = (rows, spec.n_kv_heads, spec.head_dim)
-                self._k[spec.index] = torch.zeros(shape, dtype=dtype, device=self.device)
-                self._v[spec.index] = torch.zeros(shape, dtype=dtype, device=self.device)
+                # uninitialised: a row is only ever read after its sequence wrote it, and untouched pages
+                # cost no memory, so the pool's memory grows with the tokens actually held
+                self._k[spec.index] = torch.empty(shape, dtype=dtype, device=self.device)
+                self._v[spec.index] = torch.empty(shape, dtype=dtype, device=self.device)
 
-    def begin(self, n_tokens: int) -> Step:
-        if not 1 <= n_tokens <= self.max_chunk:
-            raise ValueError(f"a step holds 1..{self.max_chunk} tokens (the cache's max_chunk), got {n_tokens}")
-        start = self.length
-        positions = torch.arange(start, start + n_tokens, device=self.device)
-        self._pending = positions
-        q = positions[:, None]                                               # [T, 1]
-        masks = {}
-        # full: every committed position plus the causal part of this chunk
-        keys = torch.arange(start + n_tokens, device=self.device)[None, :]  # [1, S]
-        masks[FULL] = keys <= q
-        # sliding: ring rows as they will be after this chunk is written
-        ring_pos = self._ring_pos[: self._ring_rows()].clone()
-        ring_pos[positions % self.ring] = positions
-        masks[SLIDING] = (ring_pos[None, :] >= 0) & (ring_pos[None, :] <= q) & (q - ring_pos[None, :] < self.window)
-        return Step(positions=positions, masks=masks)
+    def store(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) storage [rows, nkv, d] that `layer` writes (if it owns KV) and reads: its KV source's."""
+        src = self.config.layers[layer].kv_source
+        return self._k[src], self._v[src]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v: [T, nkv, d] of the step in flight -> (K, V) [S, nkv, d] this layer attends to (cache dtype)."""
-        k_store, v_store, rows, span = self.slot(layer)
-        if rows is None:
-            raise RuntimeError(f"layer {layer} is KV-shared: it reads its donor's K/V and writes none")
-        k_store[rows] = k.to(self.dtype)
-        v_store[rows] = v.to(self.dtype)
-        return k_store[:span], v_store[:span]
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V that `layer` (a KV owner) holds after this step's write."""
-        k_store, v_store, _, span = self.slot(layer)
-        return k_store[:span], v_store[:span]
+    def layout(self, seqs: Sequence[SeqStep]) -> StepLayout:
+        """The tensors of one step over `seqs` (their tokens laid out one sequence after another)."""
+        if not seqs:
+            raise ValueError("a step needs at least one sequence")
+        dev, bs, ring, window = self.device, self.block_size, self.ring, self.window
+        positions, write_full, write_slide, logit_rows = [], [], [], []
+        full_keys, slide_keys = [], []
+        q_seq, full_hi, slide_lo, slide_hi = [], [], [], []
+        row = 0
+        for b, s in enumerate(seqs):
+            if not 1 <= s.num_tokens <= self.max_chunk or s.start < 0:
+                raise ValueError(f"a step holds 1..{self.max_chunk} tokens of a sequence (the pool's max_chunk), "
+                                 f"got {s.num_tokens} from position {s.start}")
+            if not 0 <= s.slot < self.num_slots:
+                raise ValueError(f"ring slot {s.slot} is not in [0, {self.num_slots})")
+            if len(s.block_table) < self.blocks_for(s.end):
+                raise ValueError(f"{len(s.block_table)} blocks cannot hold {s.end} positions")
+            if not 0 <= s.logits <= s.num_tokens:
+                raise ValueError(f"logits of {s.logits} rows asked of a {s.num_tokens}-token step")
+            table = torch.tensor(list(s.block_table[:self.blocks_for(s.end)]), dtype=torch.long, device=dev)
+            if table.numel() and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
+                raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+            pos = torch.arange(s.start, s.end, device=dev)                        # [n]
+            # full layers: every position so far, in order
+            every = torch.arange(s.end, device=dev)
+            full_keys.append(table[every // bs] * bs + every % bs)
+            write_full.append(full_keys[-1][s.start:])
+            full_hi.append(pos + 1)
+            # sliding layers: the positions some query of this step may see, from the oldest one on
+            first = max(0, s.start - window + 1)
+            seen = torch.arange(first, s.end, device=dev)
+            slide_keys.append(s.slot * ring + seen % ring)
+            write_slide.append(s.slot * ring + pos % ring)
+            slide_lo.append(torch.clamp(pos - window + 1, min=first) - first)
+            slide_hi.append(pos - first + 1)
+            positions.append(pos)
+            q_seq.append(torch.full((s.num_tokens,), b, dtype=torch.long, device=dev))
+            logit_rows.append(torch.arange(row + s.num_tokens - s.logits, row + s.num_tokens, device=dev))
+            row += s.num_tokens
+        q_seq_t = torch.cat(q_seq)
+        attend = {
+            FULL: Attend(_pad(full_keys), q_seq_t, torch.zeros_like(q_seq_t), torch.cat(full_hi)),
+            SLIDING: Attend(_pad(slide_keys), q_seq_t, torch.cat(slide_lo), torch.cat(slide_hi)),
+        }
+        return StepLayout(torch.cat(positions), {FULL: torch.cat(write_full), SLIDING: torch.cat(write_slide)},
+                          attend, torch.cat(logit_rows))
 
-    def slot(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-        """(K store, V store, rows, span) of `layer` for the step in flight: the whole [R, nkv, d] tensors of
-        its KV source, the rows [T] this step's k/v go to (None for a KV-shared layer, whose donor writes
-        them), and the span: attention sees rows [0, span). For a kernel that writes and reads the cache itself."""
-        positions = self._pending
-        if positions is None:
-            raise RuntimeError("KVCache used outside begin()/commit()")
-        spec = self.config.layers[layer]
-        src = spec.kv_source
-        if spec.is_sliding:
-            span = self._ring_rows()
-            rows = positions % self.ring if spec.owns_kv else None
-        else:
-            span = self._end()
-            if span > self._k[src].shape[0]:
-                self._grow(src, span)
-            rows = torch.arange(span - positions.numel(), span, device=self.device) if spec.owns_kv else None
-        return self._k[src], self._v[src], rows, span
 
-    def _end(self) -> int:
-        """Tokens in the sequence through the step in flight."""
-        return self.length + (0 if self._pending is None else self._pending.numel())
+def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence key rows -> [B, S] (row 0 beyond each sequence's count; the ranges never reach it)."""
+    out = torch.zeros((len(rows), max(r.numel() for r in rows)), dtype=torch.long, device=rows[0].device)
+    for b, r in enumerate(rows):
+        out[b, :r.numel()] = r
+    return out
 
-    def _ring_rows(self) -> int:
-        """Ring rows holding keys through the step in flight: position p lives in row p % ring, so until
-        the ring wraps only rows [0, end) do, and attention stops there."""
-        return min(self.ring, self._end())
 
-    def commit(self, step: Step) -> None:
-        positions = step.positions
-        self._ring_pos[positions % self.ring] = positions
-        self.length = int(positions[-1]) + 1
-        self._pending = None
+class KVCache:
+    """One sequence with a pool of its own: its blocks are allocated as it grows (the pool doubles when
+    full), its ring is slot 0. `step(n)` lays out its next n tokens; the model commits them."""
 
-    def _grow(self, layer: int, needed: int) -> None:
-        rows = self._k[layer].shape[0]
-        while rows < needed:
-            rows *= 2
-        for store in (self._k, self._v):
-            old = store[layer]
-            new = torch.zeros((rows, *old.shape[1:]), dtype=old.dtype, device=old.device)
-            new[: old.shape[0]] = old
-            store[layer] = new
+    def __init__(self, config: ModelConfig, max_chunk: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.config = config
+        self.max_chunk = max_chunk
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.length = 0                                   # tokens stored
+        self.pool = KVPool(config, num_blocks=max(1, -(-max(64, max_chunk) // BLOCK_SIZE)), num_slots=1,
+                           max_chunk=max_chunk, dtype=dtype, device=device)
+
+    def step(self, num_tokens: int, logits: int = 1) -> StepLayout:
+        """The layout of the next `num_tokens` tokens; `logits` of its last rows are wanted."""
+        end = self.length + num_tokens
+        if self.pool.blocks_for(end) > self.pool.num_blocks:
+            self._grow(self.pool.blocks_for(end))
+        table = range(self.pool.blocks_for(end))
+        return self.pool.layout([SeqStep(self.length, num_tokens, table, slot=0, logits=logits)])
+
+    def commit(self, num_tokens: int) -> None:
+        self.length += num_tokens
+
+    def _grow(self, blocks: int) -> None:
+        """More blocks for the full layers (the one sequence's table is 0, 1, 2, ...: rows stay where they are)."""
+        old = self.pool
+        n = old.num_blocks
+        while n < blocks:
+            n *= 2
+        new = KVPool(self.config, num_blocks=n, num_slots=1, max_chunk=self.max_chunk, dtype=self.dtype,
+                     device=self.device)
+        for layer, k in old._k.items():
+            new._k[layer][:k.shape[0]] = k
+            new._v[layer][:k.shape[0]] = old._v[layer]
+        self.pool = new
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    num_blocks: int
+    block_bytes: int          # one full-attention block, every owning layer, K and V
+    slot_bytes: int           # one sliding-layer ring, every owning layer, K and V
+    num_slots: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+
+    @property
+    def tokens(self) -> int:
+        """Full-attention positions the pool holds, all sequences together."""
+        return self.num_blocks * BLOCK_SIZE
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def kv_pool_size(config: ModelConfig, dtype: torch.dtype, *, max_chunk: int, num_slots: int, max_model_len: int,
+                 budget: int | None = None) -> PoolSize:
+    """How many full-attention blocks a KV pool gets: what `budget` bytes leave after `num_slots` rings, or by
+    default room for `num_slots` sequences of `max_model_len`, capped at half the available memory. Either
+    way at least one sequence of max_model_len fits (a budget too small for that is refused)."""
+    per_token = kv_bytes_per_token(config, dtype)
+    block_bytes = per_token[FULL] * BLOCK_SIZE
+    slot_bytes = per_token[SLIDING] * (config.sliding_window + max_chunk)
+    one_seq = -(-max_model_len // BLOCK_SIZE)
+    if budget is None:
+        blocks = one_seq * num_slots
+        free = available_memory()
+        if free is not None and block_bytes:
+            blocks = min(blocks, (free // 2 - num_slots * slot_bytes) // block_bytes)
+        blocks = max(blocks, one_seq)
+    else:
+        blocks = (budget - num_slots * slot_bytes) // block_bytes if block_bytes else one_seq
+        if blocks < one_seq:
+            need = num_slots * slot_bytes + one_seq * block_bytes
+            raise ValueError(f"a KV cache of {budget / 2**30:.3f} GiB cannot hold one sequence of max_model_len "
+                             f"{max_model_len} beside {num_slots} sliding-window rings: that needs "
+                             f"{need / 2**30:.3f} GiB")
+    return PoolSize(int(blocks), block_bytes, slot_bytes, num_slots)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:

@@ -38,14 +38,17 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections import Counter
 import threading
 import time
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass
 
+from gem4.engine.block_manager import BlockManager
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
 from gem4.engine.sequence import ABORT, RequestStats, Sequence, next_request_id
+from gem4.kv_cache import KVPool, kv_pool_size
 from gem4.sampling import InvalidParameter, SamplingParams
 
 log = logging.getLogger("gem4.engine")
@@ -141,16 +144,22 @@ class Generation:
 
 
 class Engine:
-    """Generation over one model: chunked prefill, cached decode, sampling, stop logic, streaming.
+    """Generation over one model: continuous batching of chunked prefills and decodes over one KV pool,
+    sampling, stop logic, streaming.
 
     model: a `gem4.load(...)` Model. tokenizer: a `gem4.Tokenizer`, needed for text prompts, text
     deltas and stop strings (without it prompts are token ids and events carry ids only).
-    prefill_chunk: most prompt tokens per forward pass (also each KV cache's step size).
+    prefill_chunk: most tokens of one sequence per step (also the slack of each sliding-layer ring).
     max_model_len: cap on prompt + generated tokens (default and upper bound: the model's
     max_position_embeddings).
     end_token_ids: the ids that end generation (unless params.ignore_eos); default: the tokenizer's
     eos, end-of-turn and the chat template's stop ids (`chat.stop_token_ids`), none without one.
-    max_num_seqs: requests admitted at once (1 = strictly one after the other).
+    max_num_seqs: requests running at once, decoded together (1 = strictly one after the other).
+    max_num_batched_tokens: tokens per step, all sequences together (default max(prefill_chunk,
+    max_num_seqs)).
+    kv_cache_bytes: the KV pool's size (`kv_pool_size` says what it holds); default: room for
+    max_num_seqs sequences of max_model_len, capped at half the memory available, and never less than
+    one sequence of max_model_len.
     """
 
     def __init__(
@@ -162,6 +171,8 @@ class Engine:
         max_model_len: int | None = None,
         end_token_ids: Seq[int] | None = None,
         max_num_seqs: int = 1,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_bytes: int | None = None,
     ):
         context = model.config.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= context:
@@ -178,8 +189,15 @@ class Engine:
             end_token_ids = stop_token_ids(tokenizer) if tokenizer is not None else ()
         self.end_token_ids = frozenset(int(i) for i in end_token_ids)
         self.prefill_chunk = prefill_chunk
-        self._scheduler = Scheduler(prefill_chunk, max_num_seqs)
-        self._runner = ModelRunner(model, prefill_chunk)
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.pool_size = kv_pool_size(model.config, model.dtype, max_chunk=prefill_chunk, num_slots=max_num_seqs,
+                                      max_model_len=self.max_model_len, budget=kv_cache_bytes)
+        pool = KVPool(model.config, num_blocks=self.pool_size.num_blocks, num_slots=max_num_seqs,
+                      max_chunk=prefill_chunk, dtype=model.dtype, device=model.device)
+        blocks = BlockManager(pool.num_blocks, pool.block_size, max_num_seqs)
+        self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens)
+        self._runner = ModelRunner(model, pool, blocks)
         # shared with caller threads, guarded by _lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -187,6 +205,7 @@ class Engine:
         self._streams: dict[str, Stream] = {}
         self._thread: threading.Thread | None = None
         self.steps = 0                                  # engine steps run (forward passes)
+        self.batch_sizes: Counter[int] = Counter()      # steps by the number of sequences they ran
 
     # ---- caller threads ----
 
@@ -229,6 +248,16 @@ class Engine:
                 return False
             self._aborts.add(request_id)
             return True
+
+    @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted so far (their KV freed for older ones; recomputed later)."""
+        return self._scheduler.num_preemptions
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool's full-attention blocks in use."""
+        return self._scheduler.blocks.usage
 
     def idle(self) -> bool:
         with self._lock:
@@ -307,6 +336,7 @@ class Engine:
         samples = self._runner.run(batch)
         step = self.steps
         self.steps += 1
+        self.batch_sizes[len(batch.chunks)] += 1
         for chunk, sample in zip(batch.chunks, samples, strict=True):
             if isinstance(sample, Failed):
                 self._fail_one(chunk.seq, sample.error, step)
@@ -369,6 +399,7 @@ class Engine:
             streams = [self._streams.pop(s.request_id) for s in seqs if s.request_id in self._streams]
             self._thread = None
         for seq in seqs:
+            self._scheduler.blocks.free(seq.request_id)
             self._runner.release(seq.request_id)
         for stream in streams:
             stream._put(_ERROR)

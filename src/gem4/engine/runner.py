@@ -1,20 +1,28 @@
-"""Batch -> tensors -> forward -> sample. The only part of the engine that touches tensors.
+"""Batch -> tensors -> one forward -> sample. The only part of the engine that touches tensors.
 
-The runner owns, per running sequence, its KV cache (`model.new_cache(max_chunk)`) and its sampling
-generator (one `SeedStream` per seeded request, kept for the request's lifetime so the same
-seed gives the same tokens whatever else runs; see sampling.py). It reads sequences and never
-changes them: the scheduler's `postprocess` does that with the ids `run` returns.
+The runner owns the KV pool's tensors (kv_cache.KVPool; where each sequence's K/V live is the block
+manager's, read here) and, per running request, its sampling generator (one `SeedStream` per seeded
+request, kept for the request's lifetime, preemptions included, so the same seed gives the same tokens
+whatever else runs; see sampling.py). It reads sequences and never changes them: the scheduler's
+`postprocess` does that with the ids `run` returns.
 
-Per chunk (the model runs one sequence at a time, so a batch is a loop over its chunks):
-    a prompt chunk that does not reach the end of the sequence only fills the cache: hidden states
-        with `last_only=True` (KV-shared layers skip the rows nobody reads), no LM head;
-    a chunk that reaches the end (the last prompt chunk, or a decode step) needs the next token:
-        logits of its last row only, [1, V].
-All rows that sample in one step go through the sampler together as one [B, V] batch.
+A step runs the batch's chunks through the model with their tokens laid out one sequence after another:
+each linear layer once over all rows of a forward pass, attention once per layer over all its sequences.
+A chunk that reaches the end of its sequence (the last prompt chunk, a decode step) samples its next
+token from its last row's logits; the other chunks only fill the cache. All sampling rows go through the
+sampler together as one [B, V] batch.
+
+Batch invariance: in the fast mode a linear layer takes up to DECODE_ROWS rows through the GEMV kernels
+and more through bf16 GEMM tiles, which round differently. So that a request's tokens never depend on its
+batch mates, a chunk's rows take the path its own size picks: chunks of at most DECODE_ROWS tokens
+(decode steps, short prompts) go through forward passes of at most DECODE_ROWS rows together, longer
+chunks through one pass of their own kind. A step with both costs one more pass over the weights.
 
 Failures stay with the request they concern: `run` returns, per chunk, a `Sample`, None (cache only) or a
 `Failed` holding the exception, and never raises for one request's fault:
-    - a forward pass that raises fails its own chunk only (each sequence has its own forward and cache);
+    - a forward pass that raises is run again chunk by chunk, each alone (the rows it wrote are written
+      again with the same values), so only the chunks that fail alone fail and the others get the
+      logits they get alone;
     - logits that are not all finite (NaN/inf: a broken checkpoint, an overflow) fail their row with
       `NonFiniteLogits` before the sampler sees them, so no request is ever given a token drawn from them;
     - a batched sampler call that raises is replayed row by row, each seeded row from the SeedStream state
@@ -27,8 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gem4.engine.scheduler import Batch
-from gem4.kv_cache import KVCache
+from gem4.engine.block_manager import BlockManager
+from gem4.engine.scheduler import Batch, Chunk
+from gem4.kv_cache import KVPool, SeqStep
+from gem4.model.layers import DECODE_ROWS
 from gem4.sampling import Sampler, SeedStream
 
 
@@ -51,51 +61,67 @@ class Failed:
 
 
 class ModelRunner:
-    def __init__(self, model, max_chunk: int):
+    def __init__(self, model, pool: KVPool, blocks: BlockManager):
         self.model = model
-        self.max_chunk = max_chunk
+        self.pool = pool
+        self.blocks = blocks                     # read only: the scheduler decides, the runner lays out
         self.device = model.device
         self.sampler = Sampler()
-        self._caches: dict[str, KVCache] = {}
         self._generators: dict[str, SeedStream | None] = {}
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[Sample | Failed | None]:
         """One forward step over the batch's chunks -> per chunk its sampled token (None: cache only)
         or `Failed` (see the module docstring)."""
-        out: list[Sample | Failed | None] = [None] * len(batch.chunks)
-        rows, logits = [], []                                   # chunk index, [1, V] per sampling chunk
-        for i, chunk in enumerate(batch.chunks):
-            try:
-                row = self._forward(chunk)
-            except Exception as e:                              # noqa: BLE001 - this request's failure only
-                out[i] = Failed(e)
-                continue
-            if row is not None:
+        chunks = batch.chunks
+        try:
+            rows = self._forward(chunks)
+        except Exception as e:                                  # noqa: BLE001 - find the chunks at fault
+            rows = [Failed(e)] if len(chunks) == 1 else [self._forward_alone(c) for c in chunks]
+        out: list[Sample | Failed | None] = [None] * len(chunks)
+        sampling, logits = [], []                               # chunk index, [1, V] per sampling chunk
+        for i, (chunk, row) in enumerate(zip(chunks, rows)):
+            if row is None or isinstance(row, Failed):
+                out[i] = row
+            elif not bool(torch.isfinite(row).all()):
+                position = chunk.start + chunk.num_tokens - 1
+                out[i] = Failed(NonFiniteLogits(
+                    f"the model produced non-finite logits (NaN or inf) at position {position}, "
+                    f"choosing completion token {len(chunk.seq.output_ids) + 1}"))
+            else:
+                sampling.append(i)
                 logits.append(row)
-                rows.append(i)
-        if rows:
-            for i, sample in zip(rows, self._sample([batch.chunks[i].seq for i in rows], torch.cat(logits))):
+        if sampling:
+            for i, sample in zip(sampling, self._sample([chunks[i].seq for i in sampling], torch.cat(logits))):
                 out[i] = sample
         return out
 
-    def _forward(self, chunk) -> torch.Tensor | None:
-        """The chunk through the model: its last row's logits [1, V] if it samples, else None."""
-        seq = chunk.seq
-        cache = self._cache(seq.request_id)
-        if cache.length != chunk.start:
-            raise RuntimeError(f"{seq.request_id}: chunk starts at {chunk.start}, cache holds {cache.length}")
-        ids = torch.tensor(seq.token_ids[chunk.start:chunk.start + chunk.num_tokens],
-                           dtype=torch.long, device=self.device)              # [T]
-        if not chunk.samples:
-            self.model.hidden_states(ids, cache, last_only=True)           # fills the cache only
-            return None
-        logits = self.model.forward(ids, cache, last_only=True)            # [1, V]
-        if not bool(torch.isfinite(logits).all()):
-            position = chunk.start + chunk.num_tokens - 1
-            raise NonFiniteLogits(f"the model produced non-finite logits (NaN or inf) at position {position}, "
-                                  f"choosing completion token {len(seq.output_ids) + 1}")
-        return logits
+    def _forward(self, chunks: tuple[Chunk, ...]) -> list[torch.Tensor | None]:
+        """The chunks through the model (in passes by chunk size, see the module docstring) -> per chunk its
+        last row's logits [1, V] if it samples, else None."""
+        out: dict[int, torch.Tensor | None] = {}
+        for group in _passes(chunks):
+            out.update(zip(group, self._forward_pass([chunks[i] for i in group])))
+        return [out[i] for i in range(len(chunks))]
+
+    def _forward_pass(self, chunks: list[Chunk]) -> list[torch.Tensor | None]:
+        """One forward pass over the chunks -> per chunk its last row's logits [1, V] if it samples, else None."""
+        steps, ids = [], []
+        for c in chunks:
+            request_id = c.seq.request_id
+            steps.append(SeqStep(c.start, c.num_tokens, self.blocks.table(request_id), self.blocks.slot(request_id),
+                                 logits=int(c.samples)))
+            ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
+                                    self.pool.layout(steps), self.pool)             # [M, V]
+        rows = iter(logits.split(1))
+        return [next(rows) if c.samples else None for c in chunks]
+
+    def _forward_alone(self, chunk: Chunk) -> torch.Tensor | Failed | None:
+        try:
+            return self._forward((chunk,))[0]
+        except Exception as e:                                  # noqa: BLE001 - this request's failure only
+            return Failed(e)
 
     def _sample(self, seqs, logits: torch.Tensor) -> list[Sample | Failed]:
         """All sampling rows together; if that raises, each row alone from the generator state it had."""
@@ -129,21 +155,24 @@ class ModelRunner:
                 for b in range(len(seqs))]
 
     def release(self, request_id: str) -> None:
-        """Free a finished or aborted sequence's cache and generator."""
-        self._caches.pop(request_id, None)
+        """Forget a finished or aborted request's generator (its KV is the block manager's to free)."""
         self._generators.pop(request_id, None)
-
-    def _cache(self, request_id: str) -> KVCache:
-        cache = self._caches.get(request_id)
-        if cache is None:
-            cache = self._caches[request_id] = self.model.new_cache(self.max_chunk)
-        return cache
 
     def _generator(self, request_id: str, params) -> SeedStream | None:
         if request_id not in self._generators:
             self._generators[request_id] = Sampler.make_generator(params)
         return self._generators[request_id]
 
-    @property
-    def num_live(self) -> int:
-        return len(self._caches)
+
+def _passes(chunks) -> list[list[int]]:
+    """Chunk indices grouped into forward passes: chunks of up to DECODE_ROWS tokens packed into passes of
+    at most DECODE_ROWS rows, longer chunks in one pass of their own."""
+    small, large = [], []
+    for i, c in enumerate(chunks):
+        if c.num_tokens > DECODE_ROWS:
+            large.append(i)
+        elif small and sum(chunks[j].num_tokens for j in small[-1]) + c.num_tokens <= DECODE_ROWS:
+            small[-1].append(i)
+        else:
+            small.append([i])
+    return small + ([large] if large else [])

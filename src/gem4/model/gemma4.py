@@ -4,7 +4,10 @@ Parameter names are the canonical tensor names every loader maps to (HF names wi
 `model.` prefix, e.g. `layers.3.self_attn.q_proj.weight`); the module tree is the one owner of
 which tensors a config needs and their shapes.
 
-One sequence at a time: activations are [T, H] for the T new tokens of a step.
+A step computes the new tokens of one or several sequences at once: activations are [T, H] for its T
+tokens, laid out one sequence after another; `StepLayout` (kv_cache.py) tells each layer where the new
+K/V go and which stored keys each row sees. Every linear layer runs once per step over all T rows. A lone
+sequence is a step of one (`Model.extend` with a `KVCache`).
 
 Precision: the residual stream, norms, RoPE, softmax and router run in float32 in every mode. The
 weight dtype (float32, or bfloat16 in "bfloat16" mode) is what matmul inputs are rounded to (products
@@ -20,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem4.config import ModelConfig, LayerSpec
-from gem4.kv_cache import KVCache, Step
+from gem4.kv_cache import KVCache, KVPool, StepLayout
 from gem4.model import kernels
 from gem4.model.layers import (
-    DECODE_ROWS, GEMM_ATTENTION_ROWS, QuantLinear, RMSNorm, attention, embed_scale, experts_forward, gelu_mul, glu,
+    DECODE_ROWS, QuantLinear, RMSNorm, attend, embed_scale, experts_forward, gelu_mul, glu,
     packed_linear, project, rms_norm, rope_cos_sin, softcap,
 )
 from gem4.weights.quants import GGMLType
@@ -46,7 +49,7 @@ class Attention(nn.Module):
             if not spec.k_eq_v:                # 12B/31B/26B full layers: V is the raw K projection
                 self.v_proj = QuantLinear(H, spec.n_kv_heads * d)
 
-    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: Step, cache: KVCache) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: StepLayout, pool: KVPool) -> torch.Tensor:
         spec, T = self.spec, h.shape[0]
         cos, sin = rope
         projections = [self.q_proj]
@@ -59,16 +62,12 @@ class Attention(nn.Module):
             v_raw = k_raw if spec.k_eq_v else qkv[2].view(T, spec.n_kv_heads, spec.head_dim)
             k = self.k_norm.with_rope(k_raw, cos, sin)
             v = (kernels.rms_norm if self.fused else rms_norm)(v_raw, None, self.eps)   # v_norm: no weight, no rope
-            keys, values = cache.write(spec.index, k, v)                          # [S, nkv, d]
-        else:
-            keys, values = cache.read(spec.kv_source)                             # donor wrote this step already
-        mask = step.masks[spec.layer_type]                                        # [T, S]
-        if not self.fused:
-            out = attention(q, keys, values, mask)                                # [T, nh*d]
-        elif T < GEMM_ATTENTION_ROWS:                                             # decode, short chunks: float32 dots
-            out = kernels.attend(q, keys, values, mask)
-        else:                                                                     # prefill: bf16 GEMMs per query block
-            out = kernels.attend_chunk(q, keys, values, mask)
+        k_store, v_store = pool.store(spec.index)                                 # [R, nkv, d]: every sequence's rows
+        if spec.owns_kv:                       # E2B/E4B: a KV-shared layer reads what its donor wrote this step
+            rows = step.write[spec.layer_type]                                    # [T]
+            k_store[rows] = k.to(k_store.dtype)
+            v_store[rows] = v.to(v_store.dtype)
+        out = attend(q, k_store, v_store, step.attend[spec.layer_type], self.fused)   # [T, nh*d]
         return self.o_proj(out)
 
 
@@ -201,13 +200,15 @@ class DecoderLayer(nn.Module):
                                                            for name in ("gate_up_proj", "down_proj")]
         return weights, dims
 
-    def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: Step, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: StepLayout, pool: KVPool) -> torch.Tensor:
+        spec = self.spec
         if self.plan is not None and x.shape[0] <= DECODE_ROWS:       # fast-mode decode: the layer in one call
-            k_store, v_store, rows, span = cache.slot(self.spec.index)
-            return kernels.decode_layer(x, ple, *rope, step.masks[self.spec.layer_type], k_store, v_store, rows, span,
+            k_store, v_store = pool.store(spec.index)
+            rows = step.write[spec.layer_type] if spec.owns_kv else None
+            return kernels.decode_layer(x, ple, *rope, k_store, v_store, rows, step.attend[spec.layer_type],
                                         *self.plan, self.eps)
         # attention block
-        attn = self.self_attn(self.input_layernorm(x), rope, step, cache)
+        attn = self.self_attn(self.input_layernorm(x), rope, step, pool)
         x = self.post_attention_layernorm.add_to(x, attn)
         # feed-forward block
         r = x
@@ -257,25 +258,27 @@ class Model(nn.Module):
         proj = self.per_layer_projection_norm(proj.view(-1, L, P))                # [T, L, P]
         return (proj + tok.view(-1, L, P)) * 2 ** -0.5
 
-    def hidden_states(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """ids [T] (the next T tokens of the sequence) -> final-normed hidden states [T, H] (or [1, H])."""
-        step = full_step = cache.begin(ids.numel())
+    def hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
+        """ids [T] (a step's new tokens) -> the final-normed hidden states of its logit rows [M, H]; the K/V of
+        all T tokens are stored in the pool."""
         x = self.embed_tokens.rows(ids) * self.embed_scale                         # [T, H]
         ple = self.per_layer_inputs(ids, x) if self.config.ple_dim else None       # [T, L, P]
         ropes = {t: rope_cos_sin(step.positions, getattr(self, f"inv_freq_{t}"))
                  for t, _ in self.config.rope_inv_freq}
-        first_shared = self.config.first_shared_layer
+        keep = step.logit_rows                                                     # [M]
         for layer in self.layers:
             i = layer.spec.index
-            if last_only and i == first_shared and x.shape[0] > 1:
-                # E2B/E4B: KV-shared layers write no cache, so only the rows whose logits are needed
-                # must go on (docs/gemma4.md §2.6). Their queries keep their own positions and masks.
-                x, ple = x[-1:], None if ple is None else ple[-1:]
-                step = Step(step.positions[-1:], {t: m[-1:] for t, m in step.masks.items()})
-                ropes = {t: (c[-1:], s[-1:]) for t, (c, s) in ropes.items()}
-            x = layer(x, None if ple is None else ple[:, i], ropes[layer.spec.layer_type], step, cache)
-        cache.commit(full_step)
-        return self.norm(x[-1:] if last_only else x)
+            if i == self.config.first_shared_layer and keep.numel() < x.shape[0]:
+                # E2B/E4B: KV-shared layers write no cache, so only the rows whose logits are needed must
+                # go on (docs/gemma4.md §2.6); their queries keep their own positions and keys.
+                if keep.numel() == 0:
+                    return x[:0]
+                x, ple = x[keep], None if ple is None else ple[keep]
+                ropes = {t: (c[keep], s[keep]) for t, (c, s) in ropes.items()}
+                step = step.logit_rows_only()
+                keep = step.logit_rows
+            x = layer(x, None if ple is None else ple[:, i], ropes[layer.spec.layer_type], step, pool)
+        return self.norm(x[keep] if keep.numel() < x.shape[0] else x)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final hidden [T, H] -> softcapped logits [T, V] float32 (tied head: the unscaled embedding)."""
@@ -284,9 +287,16 @@ class Model(nn.Module):
         return kernels.softcap(logits, cap) if self.fused and cap is not None else softcap(logits, cap)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """One step: ids [T] -> logits [T, V] (or [1, V] with last_only), float32."""
-        return self.head(self.hidden_states(ids, cache, last_only))
+    def forward(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
+        """One step over the pool: ids [T] -> logits of the step's logit rows [M, V], float32."""
+        h = self.hidden_states(ids, step, pool)
+        return self.head(h) if h.shape[0] else h.new_empty((0, self.config.vocab_size))
+
+    def extend(self, ids: torch.Tensor, cache: KVCache, logits: int = 1) -> torch.Tensor:
+        """The next tokens ids [T] of a one-sequence cache -> logits of its last `logits` rows [logits, V]."""
+        out = self.forward(ids, cache.step(ids.numel(), logits), cache.pool)
+        cache.commit(ids.numel())
+        return out
 
     def use_kernels(self) -> None:
         """Fast mode (bfloat16 on CPU with the compiled kernels), set once at load: every module that has
@@ -315,4 +325,4 @@ class Model(nn.Module):
             raise ValueError("token_ids is empty")
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-        return self.forward(ids, self.new_cache(max_chunk=ids.numel()))
+        return self.extend(ids, self.new_cache(max_chunk=ids.numel()), logits=ids.numel())

@@ -212,6 +212,39 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.reshape(nkv, g, T, d).permute(2, 0, 1, 3).reshape(T, nh * d).to(q.dtype)
 
 
+def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, fused: bool = False) -> torch.Tensor:
+    """Attention of a step's query rows q [T, nh, d] over the KV storage [R, nkv, d] of several sequences,
+    each row seeing the keys `a` (kv_cache.Attend) gives it -> [T, nh*d] float32.
+
+    Reference: one `attention` per sequence, on its keys gathered in position order and its rows' ranges
+    as a mask. Fast mode (`fused`): the rows of sequences with fewer than GEMM_ATTENTION_ROWS rows (decode
+    steps) in one kernels.attend call that reads the storage rows directly; a sequence with more (a prefill
+    chunk) through kernels.attend_chunk on its gathered keys.
+    """
+    T = q.shape[0]
+    if fused and T < GEMM_ATTENTION_ROWS:
+        return kernels.attend(q, k_store, v_store, a)
+    out = q.new_empty((T, q.shape[1] * q.shape[2]), dtype=torch.float32)
+    seqs, counts = torch.unique_consecutive(a.q_seq, return_counts=True)
+    short = []                                              # fast mode: rows of decode-sized sequences
+    row = 0
+    for b, n in zip(seqs.tolist(), counts.tolist()):
+        rows = slice(row, row + n)
+        row += n
+        if fused and n < GEMM_ATTENTION_ROWS:
+            short.append(torch.arange(rows.start, rows.stop))
+            continue
+        seen = int(a.q_hi[rows].max())                      # the sequence's keys its rows may see: [0, seen)
+        keys = a.key_rows[b, :seen]
+        k, v = k_store[keys], v_store[keys]                 # [S_b, nkv, d]
+        mask = a.select(torch.arange(rows.start, rows.stop)).mask()[:, :seen]     # [n, S_b]
+        out[rows] = kernels.attend_chunk(q[rows], k, v, mask) if fused else attention(q[rows], k, v, mask)
+    if short:
+        picked = torch.cat(short)
+        out[picked] = kernels.attend(q[picked], k_store, v_store, a.select(picked))
+    return out
+
+
 def experts_forward(x: torch.Tensor, gate_up, down, expert_idx: torch.Tensor, expert_w: torch.Tensor,
                     fused: bool = False) -> torch.Tensor:
     """Routed experts (26B-A4B), batched by expert.

@@ -49,7 +49,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device")
     p.add_argument("--threads", type=int_at_least(1), default=argparse.SUPPRESS,
                    help="torch intra-op threads (default: one per core)")
-    p.add_argument("--max-num-seqs", type=int_at_least(1), default=4, help="requests the engine runs at once")
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=8,
+                   help="requests decoded together in one pass over the weights (continuous batching)")
+    p.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
+                   help="tokens per engine step, all requests together (default: max(--prefill-chunk, "
+                        "--max-num-seqs)): a long prompt is prefilled a chunk per step beside the decodes")
+    p.add_argument("--kv-cache-memory", type=positive_float, default=None, metavar="GB",
+                   help="KV cache pool size in GiB (default: room for --max-num-seqs requests of "
+                        "--max-model-len, capped at half the available memory); when it is full the newest "
+                        "request is preempted and recomputed later")
     p.add_argument("--max-waiting", type=int_at_least(0), default=64,
                    help="queued requests beyond which new ones get 503")
     p.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
@@ -140,25 +148,20 @@ def _load(args: argparse.Namespace, path: str):
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
                          f"{model.config.vocab_size}: they do not belong together")
     return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                       max_num_seqs=args.max_num_seqs)
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30))
 
 
-def startup_summary(name: str, engine, max_num_seqs: int) -> str:
-    """One line: model, variant, dtype, kernels, threads, context and the KV memory it may take."""
+def startup_summary(name: str, engine) -> str:
+    """One line: model, variant, dtype, kernels, threads, context and the KV pool."""
     import torch
 
-    from gem4.kv_cache import kv_bytes_per_token
-
-    model = engine.model
-    config = model.config
-    per_token = kv_bytes_per_token(config, model.dtype)
-    full = per_token["full_attention"] * engine.max_model_len
-    sliding = per_token["sliding_attention"] * min(engine.max_model_len, config.sliding_window + engine.prefill_chunk)
-    kv = (full + sliding) * max_num_seqs
+    model, config, pool = engine.model, engine.model.config, engine.pool_size
     dtype = str(model.dtype).removeprefix("torch.")
     return (f"gem4: model {name}: Gemma 4 {config.variant}, {config.num_layers} layers, {dtype}, compiled kernels "
             f"{'on' if model.fused else 'off'}, {torch.get_num_threads()} threads, max_model_len "
-            f"{engine.max_model_len}, KV cache up to {kv / 2**30:.2f} GiB ({max_num_seqs} sequences)")
+            f"{engine.max_model_len}, KV cache {pool.total_bytes / 2**30:.2f} GiB ({pool.tokens} tokens, "
+            f"{pool.num_slots} sequences)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -214,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
         app.state.gem4.engine = engine
         host, port_ = server.servers[0].sockets[0].getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        _log(startup_summary(names[0], engine, args.max_num_seqs))
+        _log(startup_summary(names[0], engine))
         print(f"gem4: serving {', '.join(names)}; ready at http://{shown}:{port_}", flush=True)
 
     threading.Thread(target=loader, name="gem4-loader", daemon=True).start()

@@ -429,9 +429,10 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     return _ops().rms_norm_rope(x.contiguous(), weight, eps, cos, sin)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [T, nh, d] float32, k/v [S, nkv, d] bf16, mask [T, S] bool -> [T, nh*d] float32 (layers.attention)."""
-    return _ops().attend(q.contiguous(), k, v, mask.contiguous())
+def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a) -> torch.Tensor:
+    """q [T, nh, d] float32 against the bf16 KV storage [R, nkv, d] of several sequences; `a` (kv_cache.Attend)
+    says which rows each query row sees -> [T, nh*d] float32 (layers.attention)."""
+    return _ops().attend(q.contiguous(), k_store, v_store, a.key_rows, a.q_seq, a.q_lo, a.q_hi)
 
 
 def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -440,9 +441,11 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return _ops().attend_chunk(q.contiguous(), k, v, mask.contiguous())
 
 
-def decode_layer(x: torch.Tensor, ple: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                 k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor | None, span: int,
+def decode_layer(x: torch.Tensor, ple: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                 k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor | None, a,
                  weights: list[torch.Tensor], dims: list[int], eps: float) -> torch.Tensor:
     """One decoder layer for a decode-sized x [T, H] float32 (decode_layer.cpp lists the arguments); writes
-    this step's k/v into the cache stores at `rows` when the layer owns its KV."""
-    return _ops().decode_layer(x, ple, cos, sin, mask, k_store, v_store, rows, span, weights, dims, eps)
+    this step's k/v into the storage at `rows` when the layer owns its KV, then attends as `a`
+    (kv_cache.Attend) says."""
+    return _ops().decode_layer(x, ple, cos, sin, k_store, v_store, rows, a.key_rows, a.q_seq, a.q_lo, a.q_hi,
+                               weights, dims, eps)

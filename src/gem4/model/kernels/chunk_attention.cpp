@@ -28,7 +28,6 @@
 namespace {
 
 using namespace gem4_simd;
-using gem4_ops::check_attention_inputs;
 
 constexpr int64_t BLOCK_ROWS = 256;    // query rows (tokens x heads of a group) per task: the scores stay in L2
 constexpr int TILE_ROWS = 8;           // C tile: 8 rows x 32 columns, 16 accumulators
@@ -139,6 +138,17 @@ void softmax_row(float* sr, const bool* mrow, int64_t span, uint16_t* p, int64_t
     }
     to_bf16(sr, p, span);
     if (span_pad > span) p[span] = 0;
+}
+
+// The inputs of attend_chunk: q [T, nh, d] float32, k / v [S, nkv, d] bf16, mask [T, S] bool.
+void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask) {
+    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
+    TORCH_CHECK(k.dtype() == torch::kBFloat16 && v.dtype() == torch::kBFloat16 && k.is_contiguous() && v.is_contiguous()
+                && k.dim() == 3 && k.sizes() == v.sizes(), "k, v must be contiguous bf16 [S, kv_heads, d] of one shape");
+    const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
+    TORCH_CHECK(k.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
+    TORCH_CHECK(mask.dtype() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
+                "mask must be contiguous bool [T, S]");
 }
 
 torch::Tensor attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask) {

@@ -2,12 +2,12 @@
 // the same order on the same values (so the result is bit-identical), without a trip through Python and
 // the dispatcher for each of its ~20 operations.
 //
-//   decode_layer(x, ple, cos, sin, mask, k_store, v_store, rows, span, weights, dims, eps) -> x'
+//   decode_layer(x, ple, cos, sin, k_store, v_store, rows, key_rows, q_seq, q_lo, q_hi, weights, dims, eps) -> x'
 //
-// x [T, H] float32 (T <= a few rows); ple [T, P] (E2B/E4B per-layer input) or None; cos / sin [T, 1, d];
-// mask [T, span] bool. k_store / v_store [R, nkv, d] bf16 are the cache rows this layer attends to: a
-// KV-owning layer first writes its k / v to `rows` [T] (int64), a KV-shared layer (rows None) reads what
-// its donor wrote; attention sees rows [0, span).
+// x [T, H] float32 (T <= a few rows, of one or several sequences); ple [T, P] (E2B/E4B per-layer input) or
+// None; cos / sin [T, 1, d]. k_store / v_store [R, nkv, d] bf16 are the layer's KV storage: a KV-owning
+// layer first writes its k / v to `rows` [T] (int64), a KV-shared layer (rows None) reads what its donor
+// wrote; then query row t attends to key_rows[q_seq[t], q_lo[t] : q_hi[t]] (kv_cache.Attend, see attend).
 // weights, in this order (an empty tensor where a variant has none):
 //   norms:    input, q, k, post-attention, pre-feedforward, post-feedforward, post-per-layer-input, layer scalar
 //   linears:  q, k, v, o, gate, up, down, per-layer-input gate, per-layer projection
@@ -120,8 +120,9 @@ struct Layer {
 };
 
 torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, torch::Tensor cos, torch::Tensor sin,
-                           torch::Tensor mask, torch::Tensor k_store, torch::Tensor v_store, std::optional<torch::Tensor> rows,
-                           int64_t span, std::vector<torch::Tensor> weights, std::vector<int64_t> dims, double eps) {
+                           torch::Tensor k_store, torch::Tensor v_store, std::optional<torch::Tensor> rows,
+                           torch::Tensor key_rows, torch::Tensor q_seq, torch::Tensor q_lo, torch::Tensor q_hi,
+                           std::vector<torch::Tensor> weights, std::vector<int64_t> dims, double eps) {
     const bool described = (weights.size() == DENSE_WEIGHTS && dims.size() == DENSE_DIMS)
                            || (weights.size() == DENSE_WEIGHTS + N_MOE_WEIGHTS && dims.size() == DENSE_DIMS + N_MOE_DIMS);
     TORCH_CHECK(described, "decode_layer: weights / dims do not describe a decoder layer");
@@ -144,7 +145,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, to
         k_store.index_copy_(0, *rows, k.to(k_store.scalar_type()));
         v_store.index_copy_(0, *rows, v.to(v_store.scalar_type()));
     }
-    const torch::Tensor attn = attend(q, k_store.narrow(0, 0, span), v_store.narrow(0, 0, span), mask);   // [T, nh*d]
+    const torch::Tensor attn = attend(q, k_store, v_store, key_rows, q_seq, q_lo, q_hi);                 // [T, nh*d]
     x = rms_norm(L.apply(O, attn), L.norm(POST_ATTN), eps, x);
     // feed-forward block
     const torch::Tensor f = rms_norm(x, L.norm(PRE_FFN), eps, std::nullopt);
@@ -166,6 +167,7 @@ torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, to
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
-    m.def("decode_layer(Tensor x, Tensor? ple, Tensor cos, Tensor sin, Tensor mask, Tensor(a!) k_store, Tensor(b!) v_store, "
-          "Tensor? rows, int span, Tensor[] weights, int[] dims, float eps) -> Tensor", &decode_layer);
+    m.def("decode_layer(Tensor x, Tensor? ple, Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, "
+          "Tensor? rows, Tensor key_rows, Tensor q_seq, Tensor q_lo, Tensor q_hi, Tensor[] weights, int[] dims, "
+          "float eps) -> Tensor", &decode_layer);
 }

@@ -4,7 +4,8 @@
 // only the order of float additions differs (vector partial sums):
 //   rms_norm(x, w?, eps, residual?)       x * (mean(x^2) + eps)^-1/2 [* w] over the last dim [+ residual]
 //   rms_norm_rope(x, w, eps, cos, sin)    rms_norm, then NeoX RoPE (pair i, i + d/2) -- q/k norm + rope
-//   attend(q, k, v, mask)                 softmax(q k^T) v for a few query rows against a bf16 KV cache
+//   attend(q, k_store, v_store, key_rows, q_seq, q_lo, q_hi)   softmax(q k^T) v for a few query rows of
+//                                         several sequences against the bf16 KV storage
 //   gelu_mul(a, b)                        gelu_tanh(a) * b
 //   softcap(x, cap)                       cap * tanh(x / cap)
 // The decode step calls these ~100 times; as torch ops they were ~1,000 small ops per step.
@@ -136,17 +137,6 @@ torch::Tensor softcap(torch::Tensor x, double cap) {
     return out;
 }
 
-// The inputs of attend / attend_chunk: q [T, nh, d] float32, k / v [S, nkv, d] bf16, mask [T, S] bool.
-void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask) {
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
-    TORCH_CHECK(k.dtype() == torch::kBFloat16 && v.dtype() == torch::kBFloat16 && k.is_contiguous() && v.is_contiguous()
-                && k.dim() == 3 && k.sizes() == v.sizes(), "k, v must be contiguous bf16 [S, kv_heads, d] of one shape");
-    const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
-    TORCH_CHECK(k.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
-    TORCH_CHECK(mask.dtype() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
-                "mask must be contiguous bool [T, S]");
-}
-
 constexpr int HB = 8;              // query heads handled together: each K / V row is converted once per HB heads
 constexpr int64_t MIN_SPLIT = 64;  // fewest key rows per task when the keys are split across threads
 
@@ -198,37 +188,57 @@ void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int
     }
 }
 
-// q [T, nh, d] float32, k / v [S, nkv, d] bf16, mask [T, S] bool (true = may attend) -> [T, nh * d] float32.
-// Scale 1.0 (Gemma 4 normalises q and k). Each query row's visible keys are split into equal parts across
-// threads; each part keeps its own max and sum, and the parts are merged as one softmax would weigh them.
-// A query row that sees no key gets zeros.
-torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask) {
-    check_attention_inputs(q, k, v, mask);
-    const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
-    const int64_t g = nh / nkv;
-    // visible key rows of each query row
-    const bool* mp = mask.data_ptr<bool>();
-    std::vector<int64_t> rows(T * S), count(T, 0);
-    int64_t most = 0;
-    for (int64_t t = 0; t < T; ++t) {
-        for (int64_t s = 0; s < S; ++s)
-            if (mp[t * S + s]) rows[t * S + count[t]++] = s;
-        most = std::max(most, count[t]);
-    }
+// q [T, nh, d] float32; k_store / v_store [R, nkv, d] bf16 (a layer's KV storage: every sequence's rows);
+// key_rows [B, S] int64: sequence b's keys as storage rows, in position order; query row t belongs to
+// sequence q_seq[t] and sees key_rows[q_seq[t], q_lo[t] : q_hi[t]] -> [T, nh * d] float32 (kv_cache.Attend).
+// Scale 1.0 (Gemma 4 normalises q and k). A query row's keys are split into parts across threads, each part
+// keeping its own max and sum, merged as one softmax would weigh them. The number of parts depends only on
+// the row's own key count and the thread count, so a row's result never depends on the other rows of the
+// step (batch invariance). A query row that sees no key gets zeros.
+torch::Tensor attend(torch::Tensor q, torch::Tensor k_store, torch::Tensor v_store, torch::Tensor key_rows,
+                     torch::Tensor q_seq, torch::Tensor q_lo, torch::Tensor q_hi) {
+    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
+    TORCH_CHECK(k_store.dtype() == torch::kBFloat16 && v_store.dtype() == torch::kBFloat16 && k_store.is_contiguous()
+                && v_store.is_contiguous() && k_store.dim() == 3 && k_store.sizes() == v_store.sizes(),
+                "k_store, v_store must be contiguous bf16 [R, kv_heads, d] of one shape");
+    const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), R = k_store.size(0), nkv = k_store.size(1);
+    TORCH_CHECK(k_store.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
+    TORCH_CHECK(key_rows.dtype() == torch::kInt64 && key_rows.is_contiguous() && key_rows.dim() == 2,
+                "key_rows must be contiguous int64 [B, S]");
+    for (const torch::Tensor* t : {&q_seq, &q_lo, &q_hi})
+        TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 && t->size(0) == T,
+                    "q_seq, q_lo, q_hi must be contiguous int64 [T]");
+    const int64_t B = key_rows.size(0), S = key_rows.size(1), g = nh / nkv;
+    const int64_t* kr = key_rows.data_ptr<int64_t>();
+    const int64_t *seq = q_seq.data_ptr<int64_t>(), *lo = q_lo.data_ptr<int64_t>(), *hi = q_hi.data_ptr<int64_t>();
     const int64_t threads = at::get_num_threads();
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((most + MIN_SPLIT - 1) / MIN_SPLIT,
-                                                                 (2 * threads + T * nkv - 1) / (T * nkv)));
-    // per (t, kvh, part): g maxima, g sums, g x d partial outputs
-    std::vector<float> m(T * nkv * parts * g), l(T * nkv * parts * g), acc(T * nkv * parts * g * d);
+    const int64_t max_parts = std::max<int64_t>(1, (2 * threads + nkv - 1) / nkv);
+    // per query row: its first key (a pointer into key_rows), its count, its parts, its first task
+    std::vector<int64_t> count(T), parts(T), first_task(T + 1, 0);
+    for (int64_t t = 0; t < T; ++t) {
+        TORCH_CHECK(0 <= seq[t] && seq[t] < B && 0 <= lo[t] && lo[t] <= hi[t] && hi[t] <= S,
+                    "attend: query row ", t, " has keys [", lo[t], ", ", hi[t], ") of sequence ", seq[t], " outside key_rows");
+        count[t] = hi[t] - lo[t];
+        const int64_t* rows = kr + seq[t] * S + lo[t];
+        for (int64_t i = 0; i < count[t]; ++i) TORCH_CHECK(0 <= rows[i] && rows[i] < R, "attend: key row outside the storage");
+        parts[t] = std::max<int64_t>(1, std::min<int64_t>((count[t] + MIN_SPLIT - 1) / MIN_SPLIT, max_parts));
+        first_task[t + 1] = first_task[t] + nkv * parts[t];
+    }
+    const int64_t tasks = first_task[T];
+    // per task (t, kvh, part): g maxima, g sums, g x d partial outputs
+    std::vector<float> m(tasks * g), l(tasks * g), acc(tasks * g * d);
+    std::vector<int64_t> task_row(tasks);
+    for (int64_t t = 0; t < T; ++t) std::fill(task_row.begin() + first_task[t], task_row.begin() + first_task[t + 1], t);
     const float* qp = q.data_ptr<float>();
-    const uint16_t* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>());
-    const uint16_t* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
-    at::parallel_for(0, T * nkv * parts, 1, [&](int64_t a, int64_t b) {
+    const uint16_t* kp = reinterpret_cast<const uint16_t*>(k_store.data_ptr<at::BFloat16>());
+    const uint16_t* vp = reinterpret_cast<const uint16_t*>(v_store.data_ptr<at::BFloat16>());
+    at::parallel_for(0, tasks, 1, [&](int64_t a, int64_t b) {
         for (int64_t task = a; task < b; ++task) {
-            const int64_t t = task / (nkv * parts), kvh = (task / parts) % nkv, part = task % parts;
-            const int64_t span = (count[t] + parts - 1) / parts;
+            const int64_t t = task_row[task], local = task - first_task[t];
+            const int64_t kvh = local / parts[t], part = local % parts[t];
+            const int64_t span = (count[t] + parts[t] - 1) / parts[t];
             const int64_t i0 = std::min(count[t], part * span), i1 = std::min(count[t], i0 + span);
-            attend_part(qp, kp, vp, rows.data() + t * S + i0, i1 - i0, t, kvh, nh, nkv, d,
+            attend_part(qp, kp, vp, kr + seq[t] * S + lo[t] + i0, i1 - i0, t, kvh, nh, nkv, d,
                         m.data() + task * g, l.data() + task * g, acc.data() + task * g * d);
         }
     });
@@ -237,14 +247,14 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::T
     for (int64_t t = 0; t < T; ++t)
         for (int64_t kvh = 0; kvh < nkv; ++kvh)
             for (int64_t j = 0; j < g; ++j) {
-                const int64_t first = (t * nkv + kvh) * parts;
+                const int64_t first = first_task[t] + kvh * parts[t];
                 float mx = -INFINITY;
-                for (int64_t pt = 0; pt < parts; ++pt)
+                for (int64_t pt = 0; pt < parts[t]; ++pt)
                     if (l[(first + pt) * g + j] > 0) mx = std::max(mx, m[(first + pt) * g + j]);
                 float* o = op + (t * nh + kvh * g + j) * d;
                 std::fill(o, o + d, 0.0f);
                 float total = 0.0f;
-                for (int64_t pt = 0; pt < parts; ++pt) {
+                for (int64_t pt = 0; pt < parts[t]; ++pt) {
                     const int64_t at = (first + pt) * g + j;
                     if (l[at] == 0) continue;                                   // a part with no visible keys
                     const float w = std::exp(m[at] - mx);
@@ -265,7 +275,8 @@ using namespace gem4_ops;
 TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
     m.def("rms_norm(Tensor x, Tensor? w, float eps, Tensor? residual=None) -> Tensor", &rms_norm);
     m.def("rms_norm_rope(Tensor x, Tensor w, float eps, Tensor cos, Tensor sin) -> Tensor", &rms_norm_rope);
-    m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor", &attend);
+    m.def("attend(Tensor q, Tensor k_store, Tensor v_store, Tensor key_rows, Tensor q_seq, Tensor q_lo, Tensor q_hi) -> Tensor",
+          &attend);
     m.def("gelu_mul(Tensor a, Tensor b) -> Tensor", &gelu_mul);
     m.def("softcap(Tensor x, float cap) -> Tensor", &softcap);
 }

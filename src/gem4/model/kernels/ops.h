@@ -1,5 +1,5 @@
 // What one kernel source uses of another: the kernels decode_layer.cpp combines (each is also a torch op
-// of its own) and the attention kernels' shared input check.
+// of its own).
 #pragma once
 #include <torch/extension.h>
 #include <optional>
@@ -19,8 +19,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
 // decode_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps, std::optional<torch::Tensor> residual);
 torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask);
-void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask);
+torch::Tensor attend(torch::Tensor q, torch::Tensor k_store, torch::Tensor v_store, torch::Tensor key_rows,
+                     torch::Tensor q_seq, torch::Tensor q_lo, torch::Tensor q_hi);
 torch::Tensor gelu_mul(torch::Tensor a, torch::Tensor b);
 
 }  // namespace gem4_ops
