@@ -206,6 +206,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.steps = 0                                  # engine steps run (forward passes)
         self.batch_sizes: Counter[int] = Counter()      # steps by the number of sequences they ran
+        self.step_tokens: Counter[int] = Counter()      # steps by the number of tokens they ran
 
     # ---- caller threads ----
 
@@ -258,6 +259,12 @@ class Engine:
     def kv_cache_usage(self) -> float:
         """Fraction of the KV pool's full-attention blocks in use."""
         return self._scheduler.blocks.usage
+
+    def request_counts(self) -> tuple[int, int]:
+        """(running, waiting): sequences in the running batch, and those queued behind them (the
+        scheduler's waiting queue, preempted ones included, and the inbox). Any thread; for metrics."""
+        with self._lock:                                  # the inbox's hand-over to the scheduler is atomic
+            return len(self._scheduler.running), len(self._scheduler.waiting) + len(self._inbox)
 
     def idle(self) -> bool:
         with self._lock:
@@ -337,6 +344,7 @@ class Engine:
         step = self.steps
         self.steps += 1
         self.batch_sizes[len(batch.chunks)] += 1
+        self.step_tokens[batch.num_tokens] += 1
         for chunk, sample in zip(batch.chunks, samples, strict=True):
             if isinstance(sample, Failed):
                 self._fail_one(chunk.seq, sample.error, step)
