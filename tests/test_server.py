@@ -39,10 +39,12 @@ from text_fixtures import tiny_tokenizer, tiny_tokenizer_dir
 import gem4
 from gem4.chat import encode_prompt, stop_token_ids
 from gem4.engine import EngineError, GenerationEvent
+from gem4.kv_cache import kv_pool_size
 from gem4.parser import Gemma4Parser, parse
 from gem4.sampling import SamplingParams
 from gem4.server import ServerConfig, create_app
 from gem4.server.http11 import guarded_protocol
+from gem4.server.metrics import Metrics
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -683,6 +685,25 @@ def test_health_is_503_until_the_engine_is_ready():
         assert r.choices[0].message.content == expected("PLAIN").content
 
 
+def test_each_app_has_its_own_metrics_and_a_stand_in_engine_gets_the_estimate():
+    apps = [create_app(ServerConfig(served_model_name=name, max_num_seqs=2), ScriptedEngine()) for name in "ab"]
+    a, b = (app.state.gem4.metrics for app in apps)
+    a.request_rejected()
+    for _ in range(3):
+        a.request_admitted(5)
+    assert 'gem4:request_rejected_total{model_name="a"} 1.0' in a.render()
+    assert 'gem4:request_rejected_total{model_name="b"} 0.0' in b.render()
+    text = a.render()
+    assert 'gem4:num_requests_running{model_name="a"} 2.0' in text           # FCFS: the first max_num_seqs
+    assert 'gem4:num_requests_waiting{model_name="a"} 1.0' in text
+    assert 'gem4:prompt_tokens_total{model_name="a"} 15.0' in text
+    # a stand-in engine without the engine's counters: the families are declared, with no sample
+    for family in ("gem4:kv_cache_usage_perc", "gem4:num_preemptions_total", "gem4:iteration_tokens_total"):
+        assert f"# TYPE {family} " in text and not re.search(rf"^{re.escape(family)}(_bucket|_count)?\{{", text, re.M)
+    assert "_created" not in text
+    assert Metrics("c", 1).render().count("gem4:num_requests_running{") == 1   # no engine yet: estimate 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Bounded work before admission and connection guards, in process (raw sockets where the point is
 # what the server does before or without a complete request)
@@ -1234,9 +1255,13 @@ def test_metrics(served):
     text = httpx.get(served + "/metrics").text
     for family in ("gem4:num_requests_running", "gem4:num_requests_waiting", "gem4:prompt_tokens_total",
                    "gem4:generation_tokens_total", "gem4:time_to_first_token_seconds_bucket",
-                   "gem4:inter_token_latency_seconds_count", "gem4:e2e_request_latency_seconds_sum"):
+                   "gem4:inter_token_latency_seconds_count", "gem4:e2e_request_latency_seconds_sum",
+                   "gem4:kv_cache_usage_perc", "gem4:num_preemptions_total", "gem4:iteration_tokens_total_bucket",
+                   "gem4:iteration_seqs_total_count", "gem4:request_success_total", "gem4:request_rejected_total"):
         assert re.search(rf"^{re.escape(family)}\{{", text, re.MULTILINE), family
+    assert "_created" not in text
     assert metric(served, "gem4:prompt_tokens_total") > 0 and metric(served, "gem4:generation_tokens_total") > 0
+    assert metric(served, "gem4:iteration_tokens_total_count") == metric(served, "gem4:iteration_seqs_total_count") > 0
     assert metric(served, "gem4:time_to_first_token_seconds_count") > 0
     assert metric(served, "gem4:time_to_first_token_seconds_bucket", le="+Inf") == \
         metric(served, "gem4:time_to_first_token_seconds_count")
@@ -1280,6 +1305,96 @@ def test_real_engine_stops_a_disconnected_stream_within_one_step(tiny_dir):
         r = client_for(base).chat.completions.create(model="tiny", messages=user("Next"), max_tokens=3,
                                                      extra_body={"ignore_eos": True})
         assert r.usage.completion_tokens == 3
+
+
+class SteppedEngine(gem4.Engine):
+    """gem4.Engine whose steps each wait for a permit (`permits`), so a test can look at it between steps;
+    `at_gate` counts the steps that reached the gate (the engine is still there until a permit comes)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.permits = threading.Semaphore(0)
+        self.at_gate = 0
+        self.free = False
+
+    def _step(self):
+        self.at_gate += 1
+        if not self.free:
+            self.permits.acquire()
+        super()._step()
+
+
+def scrape(base: str) -> dict[str, float]:
+    """One /metrics scrape: {sample name with its labels other than model_name: value}."""
+    out = {}
+    for line in httpx.get(base + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[re.sub(r',?model_name="[^"]*"', "", key).replace("{}", "")] = float(value)
+    return out
+
+
+def test_engine_metrics_with_a_pool_small_enough_to_preempt(tiny_dir):
+    """The engine's own families on a real engine: the running / waiting counts are the scheduler's (not the
+    estimate), the KV usage is the pool's and falls back to 0 when idle, preemptions are counted, and both
+    per-step histograms observe every step once."""
+    model = gem4.load(tiny_dir, dtype="float32")
+    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_slots=4, max_model_len=64, budget=None)
+    engine = SteppedEngine(model, gem4.Tokenizer.from_file(tiny_dir), prefill_chunk=8, max_num_seqs=4,
+                           max_model_len=64, kv_cache_bytes=4 * size.slot_bytes + 6 * size.block_bytes)
+    assert engine.pool_size.num_blocks == 6                 # 96 positions for 4 requests of 6 + 40 tokens
+    app = create_app(ServerConfig(served_model_name="tiny", max_num_seqs=4), engine)
+    usage: list[int] = []
+
+    def complete(i: int) -> None:
+        body = {"prompt": [10 + i, 20, 30 + i, 40, 50 + i, 60], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        usage.append(r.json()["usage"]["completion_tokens"])
+
+    with InProcessServer(app) as base:
+        m = scrape(base)
+        assert (m["gem4:kv_cache_usage_perc"], m["gem4:num_preemptions_total"], m["gem4:iteration_tokens_total_count"],
+                m["gem4:iteration_seqs_total_count"]) == (0, 0, 0, 0)
+        threads = [threading.Thread(target=complete, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: engine.request_counts() == (0, 4), timeout=30)    # all in, the first step held
+            m = scrape(base)
+            assert (m["gem4:num_requests_running"], m["gem4:num_requests_waiting"]) == (0, 4)   # estimate: (4, 0)
+            seen_usage = 0.0
+            for _ in range(12):                              # one step at a time, looking between steps
+                reached = engine.at_gate
+                engine.permits.release()
+                wait_for(lambda: engine.at_gate > reached, timeout=30)
+                m = scrape(base)
+                assert (m["gem4:num_requests_running"], m["gem4:num_requests_waiting"]) == engine.request_counts()
+                assert m["gem4:kv_cache_usage_perc"] == engine.kv_cache_usage
+                assert m["gem4:iteration_seqs_total_count"] == m["gem4:iteration_tokens_total_count"] == engine.steps
+                seen_usage = max(seen_usage, m["gem4:kv_cache_usage_perc"])
+            assert 0 < seen_usage <= 1
+        finally:
+            engine.free = True
+            engine.permits.release()
+            for t in threads:
+                t.join(120)
+        assert usage == [40] * 4
+        wait_for(engine.idle)
+        m = scrape(base)
+        assert m["gem4:kv_cache_usage_perc"] == 0
+        assert (m["gem4:num_requests_running"], m["gem4:num_requests_waiting"]) == (0, 0)
+        assert m["gem4:num_preemptions_total"] == engine.num_preemptions > 0
+        steps = engine.steps
+        assert m["gem4:iteration_tokens_total_count"] == m["gem4:iteration_seqs_total_count"] == steps
+        assert m['gem4:iteration_seqs_total_bucket{le="4.0"}'] == steps              # never above max_num_seqs
+        assert m['gem4:iteration_seqs_total_bucket{le="1.0"}'] < steps               # some steps ran several
+        assert m["gem4:iteration_seqs_total_sum"] == sum(k * n for k, n in engine.batch_sizes.items())
+        assert m['gem4:iteration_tokens_total_bucket{le="8.0"}'] == steps            # the step budget: 8 tokens
+        # every prompt token and every generated one but each request's last ran once, and the preempted
+        # sequences' tokens ran again
+        ran = m["gem4:iteration_tokens_total_sum"]
+        assert ran == sum(k * n for k, n in engine.step_tokens.items())
+        assert ran > m["gem4:prompt_tokens_total"] + m["gem4:generation_tokens_total"] - 4
 
 
 def test_serve_demo(tmp_path):

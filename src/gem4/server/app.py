@@ -91,7 +91,7 @@ from gem4.parser import (
 )
 from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
-from gem4.server.metrics import Metrics
+from gem4.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE, Metrics
 from gem4.server.protocol import APIError, bad_request
 
 log = logging.getLogger("gem4.server")
@@ -103,7 +103,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokeniz
 
 
 class EngineLike(Protocol):
-    """What the server needs of an engine (`gem4.Engine` is one)."""
+    """What the server needs of an engine (`gem4.Engine` is one). Read by /metrics when present, not
+    required: `request_counts()`, `kv_cache_usage`, `num_preemptions`, `step_tokens`, `batch_sizes`."""
 
     tokenizer: Any
     max_model_len: int
@@ -135,7 +136,7 @@ class ServerState:
     def __init__(self, config: ServerConfig, engine: EngineLike | None = None):
         self.config = config
         self.engine: EngineLike | None = engine
-        self.metrics = Metrics(config.served_model_name, config.max_num_seqs)
+        self.metrics = Metrics(config.served_model_name, config.max_num_seqs, engine=lambda: self.engine)
         self.created = int(time.time())
         self._token_chars: tuple[Any, int | None] | None = None
 
@@ -209,7 +210,7 @@ class Generation:
 
         engine, metrics, config = state.ready_engine(), state.metrics, state.config
         if metrics.in_flight >= config.max_num_seqs + config.max_waiting:
-            metrics.rejected += 1
+            metrics.request_rejected()
             raise APIError(503, f"The server is busy: {metrics.waiting} requests are already waiting. "
                                 "Retry shortly.", type="server_error", code="server_busy",
                            headers={"Retry-After": "1"})
@@ -219,8 +220,7 @@ class Generation:
             raise bad_request(f"Invalid '{e.param}': {e.reason}", e.param) from None
         except ValueError as e:
             raise bad_request(str(e)) from None
-        metrics.in_flight += 1
-        metrics.prompt_tokens += len(prompt_ids)
+        metrics.request_admitted(len(prompt_ids))
         loop = asyncio.get_running_loop()
         threading.Thread(target=_relay, args=(stream, loop, self._deliver), daemon=True,
                          name=f"gem4-relay-{request_id}").start()
@@ -247,8 +247,7 @@ class Generation:
     def _end(self, now: float, reason: str | None) -> None:
         if not self.finished:
             self.finished = True
-            self.state.metrics.in_flight -= 1
-            self.state.metrics.e2e.observe(now - self._start)
+            self.state.metrics.request_ended(now - self._start)
             log.info("%s", self._summary(now, reason))
 
     def _summary(self, now: float, reason: str | None) -> str:
@@ -282,7 +281,7 @@ class Generation:
             self._getter.cancel()
         if not self.finished:
             self.state.engine.abort(self.request_id)
-        self.state.metrics.finished[reason] += 1
+        self.state.metrics.request_finished(reason)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -828,7 +827,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     def model_card() -> P.ModelCard:
         engine = state.ready_engine()
