@@ -5,6 +5,7 @@ script) with the demo tokenizer, so every expected text is exact and hand-checka
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -401,8 +402,8 @@ class NoisyModel(ScriptedModel):
             g = torch.Generator().manual_seed(position)
             logits = 2.0 * torch.randn(1, self.config.vocab_size, generator=g)
             out.append(torch.full_like(logits, float("nan")) if what == "nan" else logits)
-        for slot, r in seqs:
-            self.calls.append(("logits" if r[-1] in rows else "hidden", len(r), self.prompts[slot]))
+        for slot, r in seqs:                          # (a forked choice's slot never saw position 0: None)
+            self.calls.append(("logits" if r[-1] in rows else "hidden", len(r), self.prompts.get(slot)))
         return torch.cat(out) if out else torch.empty(0, self.config.vocab_size)
 
 
@@ -517,7 +518,7 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     batch = sched.schedule()
     assert plan(batch) == [("b", 3, 1, True), ("a", 8, 1, True)]           # decodes first, then prefill
     sched.postprocess(batch, [5, 6], 0.0)
-    assert sched.remove("b") is b and sched.remove("b") is None
+    assert sched.remove("b") == [b] and sched.remove("b") == []
     batch = sched.schedule()
     assert plan(batch) == [("a", 9, 1, True), ("c", 0, 2, True)]           # c admitted when a slot frees
 
@@ -586,3 +587,216 @@ def test_seeded_sampling_survives_preemption(variants):
                     kv_cache_bytes=4 * size.slot_bytes + 6 * size.block_bytes)
     streams = [engine.submit(p, q) for p, q in zip(prompts, params)]
     assert [[e.token_id for e in s] for s in streams] == want and engine.num_preemptions > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Several choices of one prompt (n > 1): the prompt computed once, the choices forked off it
+# ---------------------------------------------------------------------------------------------
+
+
+def recording(model, engine_box: list):
+    """Wrap model.forward: record each pass's rows and the full-attention blocks in use when it runs."""
+    real = model.forward
+    rows, blocks = [], []
+
+    def forward(ids, layout, pool):
+        rows.append(ids.numel())
+        bm = engine_box[0]._scheduler.blocks
+        blocks.append(bm.num_blocks - bm.free_blocks)
+        return real(ids, layout, pool)
+
+    model.forward = forward
+    return rows, blocks
+
+
+def choices(stream) -> dict[int, list]:
+    """Events of a request by choice index; checks each choice ends with exactly one final event."""
+    out: dict[int, list] = {}
+    for e in stream:
+        assert not (out.get(e.index) and out[e.index][-1].finished), "an event after the choice's final one"
+        out.setdefault(e.index, []).append(e)
+    assert all(evs[-1].finished for evs in out.values())
+    return dict(sorted(out.items()))
+
+
+def test_n_greedy_choices_equal_the_single_output_with_the_prompt_computed_once(variants):
+    fx = variants["dense_plain"]
+    model = gem4.load(fx.hf_causal, dtype="float32")
+    prompt, new = fx.ids[:21], 20                          # 21 tokens: the shared last block is partly filled
+    want = greedy_alone(model, prompt, new)
+    box: list = []
+    rows, blocks = recording(model, box)
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=4)
+    box.append(engine)
+    got = choices(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=new), n=3))
+    assert list(got) == [0, 1, 2]
+    assert [[e.token_id for e in evs] for evs in got.values()] == [want] * 3
+    assert all(evs[-1].finish_reason == "length" and evs[-1].stats.prompt_tokens == 21 for evs in got.values())
+    # the prompt's 21 rows once (chunks of 8, 8, 5), then one row per choice per decode step
+    assert sum(rows) == 21 + 3 * (new - 1) and rows[:3] == [8, 8, 5] and set(rows[3:]) == {3}
+    # block 0 (positions 0-15) stays shared; block 1 is copied by two choices on their first write, and
+    # each choice grows its own block 2 (positions 32-40): 1 + 3 + 3 blocks instead of 3 x 3
+    assert max(blocks) == 7
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0 and not engine._runner._generators
+
+
+@pytest.mark.parametrize("name, dtype", [("dense_plain", "float32"), ("ple_kvshare", "bfloat16")])
+def test_seeded_choices_differ_reproduce_and_equal_single_requests_with_seed_plus_index(variants, name, dtype):
+    """Choice i of a request with seed s == the same request alone with n=1 and seed s + i: tokens and
+    logprobs (so its K/V after the choices diverged are its own: copy-on-write kept them apart). The fast
+    mode is batch invariant bit for bit; float32 decodes 3 rows through a GEMM that rounds a little
+    differently from 1 row, so there the logprobs agree to 1e-5."""
+    fx = variants[name]
+    model = gem4.load(fx.gguf["q8_0"] if dtype == "bfloat16" else fx.hf_causal, dtype=dtype)
+    prompt = fx.ids[3:22]                                  # 19 tokens (window 8: rings wrap)
+    params = SamplingParams(temperature=1.0, seed=41, max_tokens=24, logprobs=True, top_logprobs=2)
+
+    def single(seed):
+        evs = list(Engine(model, prefill_chunk=8).generate(prompt, dataclasses.replace(params, seed=seed)))
+        return [(e.token_id, e.logprob, e.top_logprobs) for e in evs]
+
+    def grouped(engine):
+        got = choices(engine.submit(prompt, params, n=3))
+        return [[(e.token_id, e.logprob, e.top_logprobs) for e in evs] for evs in got.values()]
+
+    def same(got, ref):
+        if dtype != "float32":
+            return got == ref
+        def ids(r):
+            return [(t, [i for i, _ in top]) for c in r for t, _, top in c]
+
+        def floats(r):
+            return [x for c in r for _, lp, top in c for x in (lp, *(v for _, v in top))]
+
+        return ids(got) == ids(ref) and floats(got) == pytest.approx(floats(ref), rel=1e-5)
+
+    want = [single(41 + i) for i in range(3)]
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=4)
+    first = grouped(engine)
+    assert same(first, want)
+    assert grouped(Engine(model, prefill_chunk=8, max_num_seqs=4)) == first            # reproducible
+    tokens = [[t for t, _, _ in c] for c in first]
+    assert len({tuple(t) for t in tokens}) == 3 and all(len(set(t)) > 3 for t in tokens)  # distinct choices
+    # the choices decode beside another request and keep their tokens
+    other = engine.submit(fx.ids[:9], SamplingParams(temperature=0.7, seed=5, max_tokens=30))
+    assert same(grouped(engine), want) and len(list(other)) == 30
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0
+
+
+def test_abort_ends_every_choice_and_frees_the_shared_blocks(variants):
+    fx = variants["dense_plain"]
+    model = gem4.load(fx.hf_causal, dtype="float32")
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=3)
+    stream = engine.submit(fx.ids[:20], SamplingParams(temperature=1.0, max_tokens=200), n=3)
+    seen = set()
+    for e in stream:                                       # wait until every choice has a token
+        seen.add(e.index)
+        if len(seen) == 3:
+            break
+    assert engine.abort(stream.request_id)
+    finals = [e for e in stream if e.finished]
+    assert sorted(e.index for e in finals) == [0, 1, 2] and {e.finish_reason for e in finals} == {"abort"}
+    assert stream.finished
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0 and not engine._runner._generators
+
+
+def test_choices_preempted_for_room_still_give_their_tokens(variants):
+    fx = variants["dense_plain"]
+    model = gem4.load(fx.hf_causal, dtype="float32")
+    prompt = fx.ids[:6]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=40)
+    want = [[e.token_id for e in Engine(model, prefill_chunk=8).generate(prompt, dataclasses.replace(params, seed=7 + i))]
+            for i in range(4)]
+    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_slots=4, max_model_len=64, budget=None)
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_model_len=64,
+                    kv_cache_bytes=4 * size.slot_bytes + 6 * size.block_bytes)   # 6 blocks for 4 x 46 tokens
+    got = choices(engine.submit(prompt, params, n=4))
+    assert [[e.token_id for e in evs] for evs in got.values()] == want and engine.num_preemptions > 0
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0
+
+
+def test_one_failing_choice_fails_its_request_once_and_no_other(caplog):
+    params = SamplingParams(temperature=1.0, seed=100, max_tokens=12)
+    model = NoisyModel()
+    engine = Engine(model, max_num_seqs=4, prefill_chunk=2)
+    real = engine._runner.sampler.sample
+
+    def sample(logits, ps, generated, *args, **kw):
+        out = real(logits, ps, generated, *args, **kw)
+        if any(p.seed == 101 and len(g) == 3 for p, g in zip(ps, generated)):   # choice 1, its 4th token
+            raise RuntimeError("injected sampler failure")
+        return out
+
+    engine._runner.sampler.sample = sample
+    with caplog.at_level("ERROR", logger="gem4.engine"):
+        doomed = engine.submit(PROMPTS["b"], params, n=3, request_id="b")
+        other = engine.submit(PROMPTS["a"], SEEDED["a"], request_id="a")
+        events = []
+        with pytest.raises(EngineError, match="injected"):
+            for e in doomed:
+                events.append(e)
+        assert [e.token_id for e in other] == alone("a")
+    assert not any(e.finished for e in events) and {e.index for e in events} == {0, 1, 2}
+    records = [r for r in caplog.records if r.name == "gem4.engine"]
+    assert len(records) == 1 and "request b failed at engine step" in records[0].getMessage()
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0 and not engine._runner._generators
+
+
+def test_non_finite_logits_at_the_fork_fail_every_choice_once(caplog):
+    model = NoisyModel()
+    model.poison = lambda first, position: "nan" if first == 30 and position == 3 else None   # the prompt's last row
+    engine = Engine(model, max_num_seqs=3)
+    with caplog.at_level("ERROR", logger="gem4.engine"):
+        stream = engine.submit(PROMPTS["c"], SEEDED["c"], n=3, request_id="c")
+        with pytest.raises(EngineError, match="non-finite logits"):
+            list(stream)
+    assert len([r for r in caplog.records if r.name == "gem4.engine"]) == 1
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0
+
+
+def test_n_is_checked_at_submit():
+    engine = Engine(NoisyModel(), max_num_seqs=4)
+    for bad in (0, 5, True, 2.0):
+        with pytest.raises(InvalidParameter, match=r"\[1, 4\]") as info:
+            engine.submit([1, 2], SamplingParams(max_tokens=1), n=bad)
+        assert info.value.param == "n"
+    with pytest.raises(InvalidParameter, match="seed \\+ n - 1") as info:
+        engine.submit([1, 2], SamplingParams(seed=2**64 - 2, max_tokens=1), n=3)
+    assert info.value.param == "seed"
+    assert len(choices(engine.submit([1, 2], SamplingParams(seed=2**64 - 2, max_tokens=1), n=2))) == 2
+
+
+def test_scheduler_forks_the_choices_at_the_prompts_last_chunk():
+    def seq(name, n, index=0):
+        return Sequence(name, list(range(n)), GREEDY, max_tokens=4, end_ids=(), index=index)
+
+    bm = BlockManager(num_blocks=8, block_size=4, num_slots=3)
+    sched = Scheduler(bm, max_chunk=4, max_num_seqs=3, max_num_batched_tokens=6)
+    parent, c1, c2 = seq("r", 6), seq("r", 6, 1), seq("r", 6, 2)
+    parent.forks = [c1, c2]
+    late = seq("late", 2)
+    sched.add(parent)
+    sched.add(late)
+
+    def plan(batch):
+        return [(ch.seq.index, ch.start, ch.num_tokens, ch.source) for ch in batch.chunks]
+
+    batch = sched.schedule()
+    assert plan(batch) == [(0, 0, 4, None)] and not batch.slot_copies      # late waits: r's group fills the slots
+    sched.postprocess(batch, [None], 0.0)
+    batch = sched.schedule()
+    assert plan(batch) == [(0, 4, 2, None), (1, 6, 0, 0), (2, 6, 0, 0)]      # the last chunk samples for three
+    assert batch.slot_copies == ((0, 1), (0, 2)) and batch.block_copies == ()
+    assert bm.table(c1.seq_id) == bm.table(parent.seq_id) == [0, 1] and bm.refs(1) == 3
+    sched.postprocess(batch, [5, 6, 7], 0.0)
+    assert [s.output_ids for s in (parent, c1, c2)] == [[5], [6], [7]] and c2.num_computed == 6
+    batch = sched.schedule()                                                # position 6 is in shared block 1
+    assert plan(batch) == [(0, 6, 1, None), (1, 6, 1, None), (2, 6, 1, None)]
+    assert batch.block_copies == ((1, 2), (1, 3)) and bm.refs(1) == 1      # the last writer keeps block 1
+    assert sched.remove("r") == [parent, c1, c2] and bm.usage == 0

@@ -135,3 +135,70 @@ def test_pool_size_from_a_budget_or_the_context():
     assert size.num_blocks == (10_000 - 2 * per[S] * 7) // (per[F] * BLOCK_SIZE)
     with pytest.raises(ValueError, match="cannot hold one sequence of max_model_len 64"):
         kv_pool_size(cfg, torch.bfloat16, max_chunk=4, num_slots=2, max_model_len=64, budget=500)
+
+
+def test_block_manager_fork_shares_blocks_and_copies_on_write():
+    bm = BlockManager(num_blocks=6, block_size=4, num_slots=3)
+    bm.reserve("p", 6)                                                 # positions 0..5: block 0 full, block 1 partial
+    bm.fork("p", "c")
+    assert bm.table("c") == [0, 1] and bm.slot("c") == 1 and bm.refs(0) == bm.refs(1) == 2
+    assert bm.free_blocks == 4 and bm.usage == pytest.approx(2 / 6)                  # shared blocks count once
+    with pytest.raises(RuntimeError, match="already holds"):
+        bm.fork("p", "c")
+    # the child writes position 6 (block 1, shared): it gets a copy; block 0 (not written) stays shared
+    assert bm.capacity("c", start=6) == 4 * 4 + 4                      # 2 blocks held + 4 free - 1 for the copy
+    bm.reserve("c", 7, start=6)
+    assert bm.table("c") == [0, 2] and bm.take_copies() == [(1, 2)] and bm.take_copies() == []
+    assert bm.refs(1) == 1 and bm.refs(2) == 1 and bm.refs(0) == 2
+    bm.reserve("p", 7, start=6)                                        # the parent now holds block 1 alone: no copy
+    assert bm.table("p") == [0, 1] and bm.take_copies() == []
+    bm.reserve("c", 9, start=7)                                        # growing takes a fresh block, no copy
+    assert bm.table("c") == [0, 2, 3] and bm.take_copies() == []
+    bm.free("p")
+    assert bm.refs(0) == 1 and bm.refs(1) == 0 and bm.free_blocks == 3
+    bm.free("c")
+    assert bm.usage == 0 and bm.free_blocks == 6 and all(bm.refs(b) == 0 for b in range(6))
+
+
+def test_block_manager_copy_needs_a_free_block_and_a_freed_destination_drops_its_copy():
+    bm = BlockManager(num_blocks=2, block_size=4, num_slots=2)
+    bm.reserve("p", 6)
+    bm.fork("p", "c")
+    assert not bm.can_reserve("c", 7, start=6)                         # the copy of block 1 needs a free block
+    bm.free("p")
+    assert bm.can_reserve("c", 7, start=6)                             # block 1 is the child's alone now
+    bm.reserve("c", 7, start=6)
+    assert bm.take_copies() == []
+    bm2 = BlockManager(num_blocks=4, block_size=4, num_slots=3)
+    bm2.reserve("p", 2)
+    bm2.fork("p", "c")
+    bm2.reserve("c", 3, start=2)                                       # copy 0 -> 1 recorded
+    bm2.free("c")                                                      # ... into a block freed before it ran
+    assert bm2.take_copies() == []
+    bm2.fork("p", "x")
+    bm2.fork("p", "y")                                                 # the third and last ring slot
+    with pytest.raises(RuntimeError, match="no ring slot"):
+        bm2.fork("p", "z")
+
+
+def test_pool_copies_blocks_and_rings_in_every_owning_layer():
+    cfg = config(window=3, types=(S, F, S, F), shared=0)
+    pool = KVPool(cfg, num_blocks=4, num_slots=3, max_chunk=2, dtype=torch.float32, block_size=4)
+    for layer in range(4):
+        k, v = pool.store(layer)
+        k.copy_(torch.arange(k.numel(), dtype=torch.float32).view_as(k) + 1000 * layer)
+        v.copy_(-k)
+    before = {layer: [t.clone() for t in pool.store(layer)] for layer in range(4)}
+    pool.copy_blocks([(1, 3), (3, 0)])                                 # sources are read before any write
+    pool.copy_slots([(2, 0)])
+    for layer in range(4):
+        for new, old in zip(pool.store(layer), before[layer]):
+            if cfg.layers[layer].is_sliding:                           # ring = window + max_chunk = 5 rows
+                assert torch.equal(new[0:5], old[10:15]) and torch.equal(new[5:], old[5:])
+            else:
+                assert torch.equal(new[12:16], old[4:8]) and torch.equal(new[0:4], old[12:16])
+                assert torch.equal(new[4:12], old[4:12])
+    with pytest.raises(ValueError, match="block 4 is not in"):
+        pool.copy_blocks([(0, 4)])
+    with pytest.raises(ValueError, match="destination of two copies"):
+        pool.copy_slots([(0, 1), (2, 1)])

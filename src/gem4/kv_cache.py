@@ -21,6 +21,11 @@ the list into one `StepLayout` of tensors:
 A sequence's keys are listed in position order (`Attend.key_rows`), so the keys a query may see -- causal,
 and within the window on sliding layers -- are one range [q_lo, q_hi) of that list. No [T, S] masks.
 
+Sharing (several choices of one prompt): a block may be in several sequences' tables, read-only; the
+block manager decides when a copy is needed and the pool performs it: `copy_blocks` copies whole blocks'
+rows in every KV-owning full layer (copy-on-write), `copy_slots` whole rings in every KV-owning sliding
+layer (a forked sequence's ring starts as its parent's).
+
 `KVCache` is one sequence in a pool of its own, grown on demand: the model's `logits()`, tests, benchmarks.
 """
 from __future__ import annotations
@@ -134,6 +139,34 @@ class KVPool:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """For each (src, dst): block dst's rows become block src's, in every KV-owning full layer. Every
+        source is read before any destination is written."""
+        self._copy(pairs, self.num_blocks, self.block_size, sliding=False, what="block")
+
+    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """For each (src, dst): ring slot dst becomes a copy of ring slot src, in every KV-owning sliding
+        layer. Every source is read before any destination is written."""
+        self._copy(pairs, self.num_slots, self.ring, sliding=True, what="ring slot")
+
+    def _copy(self, pairs, count: int, rows: int, *, sliding: bool, what: str) -> None:
+        if not pairs:
+            return
+        ids = [i for pair in pairs for i in pair]
+        bad = next((i for i in ids if not 0 <= i < count), None)
+        if bad is not None:
+            raise ValueError(f"{what} {bad} is not in [0, {count})")
+        dsts = [d for _, d in pairs]
+        if len(set(dsts)) != len(dsts):
+            raise ValueError(f"a {what} is the destination of two copies: {pairs}")
+        offsets = torch.arange(rows, device=self.device)
+        src = (torch.tensor([a for a, _ in pairs], device=self.device)[:, None] * rows + offsets).flatten()
+        dst = (torch.tensor(dsts, device=self.device)[:, None] * rows + offsets).flatten()
+        for spec in self.config.layers:
+            if spec.owns_kv and spec.is_sliding == sliding:
+                for store in (self._k[spec.index], self._v[spec.index]):
+                    store[dst] = store[src]                         # the gather copies first
 
     def layout(self, seqs: Sequence[SeqStep]) -> StepLayout:
         """The tensors of one step over `seqs` (their tokens laid out one sequence after another)."""

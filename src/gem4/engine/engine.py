@@ -13,6 +13,13 @@ Thread model (what runs where):
   thread. Each iteration: take the inbox and the abort requests (under the lock), then one step
   outside it: `schedule` (policy, no tensors) -> `runner.run` (tensors) -> `postprocess` (stop
   logic, text) -> put each request's events on its queue.
+- **Several choices** (`submit(..., n=3)`, OpenAI's `n`): one request, one stream; its events carry the
+  choice's `index` and the stream ends after every choice's final event. The prompt is prefilled once
+  and the choices fork off it (scheduler.py says how), sharing its KV blocks until they write. Seeds:
+  choice i samples with `seed + i` (vLLM's rule), so the choices differ from each other, the whole
+  response is reproducible, and choice i's tokens are exactly those of the same request with n=1 and
+  seed `seed + i` (unseeded choices draw from torch's global generator). n is at most max_num_seqs
+  (all choices of a request run at once).
 - **Cancellation** is a flag checked between steps: an aborted request gets its final "abort" event
   before the next step starts, so it stops within one step of `abort()` returning. A consumer that
   closes or drops the iterator `generate()` returned before the end aborts its request the same way.
@@ -30,7 +37,8 @@ Errors:
   (`NonFiniteLogits`): the request ends at that step and no token is drawn from them. This is the
   engine's error finish; vLLM calls it finish_reason "error" (FinishReason.ERROR), which its OpenAI
   server turns into a 500 or a streamed error object, exactly what our server does with `EngineError`,
-  so "error" never appears as a finish_reason on the wire.
+  so "error" never appears as a finish_reason on the wire. The unit of failure is the request: when one
+  choice fails the request's other choices end with it (one response, one error).
 - Only a failure outside any one request (the scheduler itself) ends every request in flight; the
   engine thread then exits and the next `submit` starts a fresh one.
 """
@@ -42,14 +50,14 @@ from collections import Counter
 import threading
 import time
 from collections.abc import Iterator, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gem4.engine.block_manager import BlockManager
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
-from gem4.engine.sequence import ABORT, RequestStats, Sequence, next_request_id
+from gem4.engine.sequence import ABORT, RequestStats, Sequence, Status, next_request_id
 from gem4.kv_cache import KVPool, kv_pool_size
-from gem4.sampling import InvalidParameter, SamplingParams
+from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
 
 log = logging.getLogger("gem4.engine")
 
@@ -72,6 +80,7 @@ class GenerationEvent:
     logprob: float | None = None                          # when params.logprobs
     top_logprobs: list[tuple[int, float]] | None = None   # when params.top_logprobs > 0
     stats: RequestStats | None = None                     # on the last event only
+    index: int = 0                                        # the choice (0..n-1) this event belongs to
 
     @property
     def finished(self) -> bool:
@@ -82,13 +91,16 @@ _ERROR = object()   # queue marker: the engine failed; the exception follows
 
 
 class Stream:
-    """The events of one request, in order; iteration ends after the final event."""
+    """The events of one request, in order (with n choices: interleaved, each with its `index`);
+    iteration ends after the final event of every choice."""
 
-    def __init__(self, engine: "Engine", request_id: str, prompt_ids: list[int]):
+    def __init__(self, engine: "Engine", request_id: str, prompt_ids: list[int], n: int = 1):
         self.request_id = request_id
         self.prompt_ids = prompt_ids
+        self.n = n
         self._engine = engine
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._open = n                      # choices without their final event yet
         self.finished = False
 
     def get(self, timeout: float | None = None) -> GenerationEvent:
@@ -99,7 +111,8 @@ class Stream:
             cause = self._queue.get()
             raise EngineError(f"{self.request_id}: generation failed: {cause}") from cause
         if item.finished:
-            self.finished = True
+            self._open -= 1
+            self.finished = self._open == 0
         return item
 
     def __iter__(self) -> Iterator[GenerationEvent]:
@@ -203,6 +216,7 @@ class Engine:
         self._inbox: list[Sequence] = []
         self._aborts: set[str] = set()
         self._streams: dict[str, Stream] = {}
+        self._open: dict[str, int] = {}                 # request id -> choices not finished yet
         self._thread: threading.Thread | None = None
         self.steps = 0                                  # engine steps run (forward passes)
         self.batch_sizes: Counter[int] = Counter()      # steps by the number of sequences they ran
@@ -211,24 +225,32 @@ class Engine:
     # ---- caller threads ----
 
     def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None) -> Stream:
-        """Queue a request; returns its event stream. Raises ValueError for a request that cannot run
-        (`InvalidParameter` for a sampling parameter)."""
+               request_id: str | None = None, n: int = 1) -> Stream:
+        """Queue a request for `n` choices (see the module docstring); returns its event stream. Raises
+        ValueError for a request that cannot run (`InvalidParameter` for a sampling parameter or n)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(prompt_ids), params)
         self._check_params(params)
+        self._check_n(n, params)
         request_id = request_id if request_id is not None else next_request_id()
-        detok = self.tokenizer.detokenizer(skip_special=True) if self.tokenizer is not None else None
-        seq = Sequence(request_id, prompt_ids, params, max_tokens=max_tokens, end_ids=self.end_token_ids,
-                       detokenizer=detok, arrival_time=time.perf_counter())
-        stream = Stream(self, request_id, prompt_ids)
+        now = time.perf_counter()
+        seqs = [Sequence(request_id, prompt_ids, params if params.seed is None or i == 0
+                         else replace(params, seed=params.seed + i),             # choice i: seed + i
+                         max_tokens=max_tokens, end_ids=self.end_token_ids, arrival_time=now, index=i,
+                         detokenizer=self.tokenizer.detokenizer(skip_special=True) if self.tokenizer is not None
+                         else None)
+                for i in range(n)]
+        seq = seqs[0]
+        seq.forks = seqs[1:]
+        stream = Stream(self, request_id, prompt_ids, n)
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
+            self._open[request_id] = n
             self._inbox.append(seq)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gem4-engine", daemon=True)
@@ -236,10 +258,10 @@ class Engine:
         return stream
 
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None) -> Generation:
+                 request_id: str | None = None, n: int = 1) -> Generation:
         """Submit now (errors raise here) and return an iterator over the events; closing or dropping
         it before the final event aborts the request."""
-        return Generation(self.submit(prompt, params, request_id=request_id))
+        return Generation(self.submit(prompt, params, request_id=request_id, n=n))
 
     def abort(self, request_id: str) -> bool:
         """Ask the engine to stop a request; its stream ends with an "abort" event within one step.
@@ -298,6 +320,16 @@ class Engine:
             if bad is not None:
                 raise InvalidParameter(name, f"token ids must be < the vocabulary size {self.vocab_size}, got {bad}")
 
+    def _check_n(self, n: int, params: SamplingParams) -> None:
+        """n choices must run at once (one ring slot each), and seed + n - 1 must still be a seed."""
+        max_n = self._scheduler.max_num_seqs
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_n:
+            raise InvalidParameter("n", f"must be an integer in [1, {max_n}] (max_num_seqs: the choices run at "
+                                        f"once), got {n!r}")
+        if params.seed is not None and params.seed + n - 1 > SEED_MAX:
+            raise InvalidParameter("seed", f"choice i samples with seed + i, so seed + n - 1 must be at most "
+                                           f"2^64 - 1 (got seed {params.seed} with n={n})")
+
     def _max_tokens(self, n_prompt: int, params: SamplingParams) -> int:
         room = self.max_model_len - n_prompt
         if room < 1:
@@ -346,6 +378,8 @@ class Engine:
         self.batch_sizes[len(batch.chunks)] += 1
         self.step_tokens[batch.num_tokens] += 1
         for chunk, sample in zip(batch.chunks, samples, strict=True):
+            if chunk.seq.is_finished:                     # another choice of its request failed this step
+                continue
             if isinstance(sample, Failed):
                 self._fail_one(chunk.seq, sample.error, step)
                 continue
@@ -362,53 +396,62 @@ class Engine:
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                     prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids),
                     logprob=sample.logprob, top_logprobs=sample.top_logprobs,
-                    stats=seq.stats() if finished else None,
+                    stats=seq.stats() if finished else None, index=seq.index,
                 ), finished)
 
     def _fail_one(self, seq: Sequence, error: BaseException, step: int) -> None:
-        """End one request with `error` (its stream raises EngineError); log it once."""
+        """End one request with `error` (its stream raises EngineError), every choice of it; log it once."""
         if isinstance(error, NonFiniteLogits):            # a model fault, not a bug: no traceback
             log.error("request %s failed at engine step %d: %s", seq.request_id, step, error)
         else:
             log.error("request %s failed at engine step %d: %s: %s", seq.request_id, step,
                       type(error).__name__, error, exc_info=error)
-        self._scheduler.remove(seq.request_id)
-        self._runner.release(seq.request_id)
+        for s in {seq, *self._scheduler.remove(seq.request_id)}:
+            s.status = Status.FINISHED                    # its other chunks of this step are skipped
+            self._runner.release(s.seq_id)
         with self._lock:
             stream = self._streams.pop(seq.request_id, None)
+            self._open.pop(seq.request_id, None)
         if stream is not None:
             stream._put(_ERROR)
             stream._put(error)
 
     def _abort(self, request_id: str) -> None:
-        seq = self._scheduler.remove(request_id)
-        if seq is None:                                   # finished meanwhile
-            return
-        text = seq.abort(time.perf_counter())
-        self._publish(seq, GenerationEvent(
-            request_id=request_id, token_id=None, text=text, finish_reason=ABORT, stop_reason=None,
-            prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids), stats=seq.stats(),
-        ), True)
+        now = time.perf_counter()
+        for seq in self._scheduler.remove(request_id):    # [] if it finished meanwhile
+            text = seq.abort(now)
+            self._publish(seq, GenerationEvent(
+                request_id=request_id, token_id=None, text=text, finish_reason=ABORT, stop_reason=None,
+                prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids), stats=seq.stats(),
+                index=seq.index,
+            ), True)
 
     def _publish(self, seq: Sequence, event: GenerationEvent, finished: bool) -> None:
         if finished:
-            self._runner.release(seq.request_id)
+            self._runner.release(seq.seq_id)
         with self._lock:
-            stream = self._streams.pop(seq.request_id) if finished else self._streams[seq.request_id]
+            stream = self._streams[seq.request_id]
+            if finished:
+                self._open[seq.request_id] -= 1
+                if not self._open[seq.request_id]:
+                    del self._streams[seq.request_id], self._open[seq.request_id]
         stream._put(event)
 
     def _fail(self, error: BaseException) -> None:
         with self._lock:
             seqs = list(self._scheduler.running) + list(self._scheduler.waiting) + self._inbox
+            seqs += [c for s in seqs for c in s.forks]
             self._scheduler.running.clear()
             self._scheduler.waiting.clear()
             self._inbox.clear()
             self._aborts.clear()
             streams = [self._streams.pop(s.request_id) for s in seqs if s.request_id in self._streams]
+            for s in seqs:
+                self._open.pop(s.request_id, None)
             self._thread = None
         for seq in seqs:
-            self._scheduler.blocks.free(seq.request_id)
-            self._runner.release(seq.request_id)
+            self._scheduler.blocks.free(seq.seq_id)
+            self._runner.release(seq.seq_id)
         for stream in streams:
             stream._put(_ERROR)
             stream._put(error)

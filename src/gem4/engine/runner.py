@@ -9,8 +9,15 @@ whatever else runs; see sampling.py). It reads sequences and never changes them:
 A step runs the batch's chunks through the model with their tokens laid out one sequence after another:
 each linear layer once over all rows of a forward pass, attention once per layer over all its sequences.
 A chunk that reaches the end of its sequence (the last prompt chunk, a decode step) samples its next
-token from its last row's logits; the other chunks only fill the cache. All sampling rows go through the
-sampler together as one [B, V] batch.
+token from its last row's logits; the other chunks only fill the cache. A fork (a zero-token chunk: a
+further choice of a request, see scheduler.py) computes nothing and samples its first token from its source
+chunk's logits row, with its own generator. All sampling rows go through the sampler together as one
+[B, V] batch.
+
+Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool: the
+copy-on-write block copies before the forward (the copy must hold the shared rows before a choice writes
+over them), the forked choices' ring copies after it (the parent's last prompt chunk writes its newest ring
+rows in that forward). A copy that raises is no one request's fault: it fails the step.
 
 Batch invariance: in the fast mode a linear layer takes up to DECODE_ROWS rows through the GEMV kernels
 and more through bf16 GEMM tiles, which round differently. So that a request's tokens never depend on its
@@ -20,6 +27,7 @@ chunks through one pass of their own kind. A step with both costs one more pass 
 
 Failures stay with the request they concern: `run` returns, per chunk, a `Sample`, None (cache only) or a
 `Failed` holding the exception, and never raises for one request's fault:
+    - a fork shares its source chunk's outcome: the same logits, or the same `Failed`;
     - a forward pass that raises is run again chunk by chunk, each alone (the rows it wrote are written
       again with the same values), so only the chunks that fail alone fail and the others get the
       logits they get alone;
@@ -67,24 +75,36 @@ class ModelRunner:
         self.blocks = blocks                     # read only: the scheduler decides, the runner lays out
         self.device = model.device
         self.sampler = Sampler()
-        self._generators: dict[str, SeedStream | None] = {}
+        self._generators: dict[int, SeedStream | None] = {}   # seq_id ->
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[Sample | Failed | None]:
         """One forward step over the batch's chunks -> per chunk its sampled token (None: cache only)
         or `Failed` (see the module docstring)."""
         chunks = batch.chunks
+        if batch.block_copies:
+            self.pool.copy_blocks(batch.block_copies)
+        computed = [i for i, c in enumerate(chunks) if c.num_tokens]
+        work = tuple(chunks[i] for i in computed)
         try:
-            rows = self._forward(chunks)
+            done = self._forward(work)
         except Exception as e:                                  # noqa: BLE001 - find the chunks at fault
-            rows = [Failed(e)] if len(chunks) == 1 else [self._forward_alone(c) for c in chunks]
+            done = [Failed(e)] if len(work) == 1 else [self._forward_alone(c) for c in work]
+        rows: list = [None] * len(chunks)
+        for i, row in zip(computed, done):
+            rows[i] = row
+        for i, c in enumerate(chunks):
+            if c.source is not None:                            # a fork: its parent's logits
+                rows[i] = rows[c.source]
+        if batch.slot_copies:
+            self.pool.copy_slots(batch.slot_copies)
         out: list[Sample | Failed | None] = [None] * len(chunks)
         sampling, logits = [], []                               # chunk index, [1, V] per sampling chunk
         for i, (chunk, row) in enumerate(zip(chunks, rows)):
             if row is None or isinstance(row, Failed):
                 out[i] = row
             elif not bool(torch.isfinite(row).all()):
-                position = chunk.start + chunk.num_tokens - 1
+                position = chunk.start + chunk.num_tokens - 1           # a fork: its source's last row
                 out[i] = Failed(NonFiniteLogits(
                     f"the model produced non-finite logits (NaN or inf) at position {position}, "
                     f"choosing completion token {len(chunk.seq.output_ids) + 1}"))
@@ -108,8 +128,8 @@ class ModelRunner:
         """One forward pass over the chunks -> per chunk its last row's logits [1, V] if it samples, else None."""
         steps, ids = [], []
         for c in chunks:
-            request_id = c.seq.request_id
-            steps.append(SeqStep(c.start, c.num_tokens, self.blocks.table(request_id), self.blocks.slot(request_id),
+            seq_id = c.seq.seq_id
+            steps.append(SeqStep(c.start, c.num_tokens, self.blocks.table(seq_id), self.blocks.slot(seq_id),
                                  logits=int(c.samples)))
             ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
@@ -125,7 +145,7 @@ class ModelRunner:
 
     def _sample(self, seqs, logits: torch.Tensor) -> list[Sample | Failed]:
         """All sampling rows together; if that raises, each row alone from the generator state it had."""
-        generators = [self._generator(s.request_id, s.params) for s in seqs]
+        generators = [self._generator(s.seq_id, s.params) for s in seqs]
         states = [None if g is None else g.get_state() for g in generators]
         try:
             return self._sample_rows(seqs, logits, generators)
@@ -154,14 +174,14 @@ class ModelRunner:
                        None if result.top_logprobs is None else result.top_logprobs[b])
                 for b in range(len(seqs))]
 
-    def release(self, request_id: str) -> None:
-        """Forget a finished or aborted request's generator (its KV is the block manager's to free)."""
-        self._generators.pop(request_id, None)
+    def release(self, seq_id: int) -> None:
+        """Forget a finished or aborted sequence's generator (its KV is the block manager's to free)."""
+        self._generators.pop(seq_id, None)
 
-    def _generator(self, request_id: str, params) -> SeedStream | None:
-        if request_id not in self._generators:
-            self._generators[request_id] = Sampler.make_generator(params)
-        return self._generators[request_id]
+    def _generator(self, seq_id: int, params) -> SeedStream | None:
+        if seq_id not in self._generators:
+            self._generators[seq_id] = Sampler.make_generator(params)
+        return self._generators[seq_id]
 
 
 def _passes(chunks) -> list[list[int]]:

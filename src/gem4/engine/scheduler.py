@@ -16,6 +16,17 @@ When a decoding sequence needs a block and the pool has none, the newest running
 (vLLM's recompute policy): its blocks are freed and it goes back to the front of the queue with nothing
 computed; readmitted, it prefills its prompt and the tokens it had generated, then goes on sampling with
 the same generator, so its output is the one it would have had.
+
+Several choices of one prompt (OpenAI's `n`): only choice 0, the parent, is queued and prefilled; it is
+admitted when its whole group fits (a ring slot for each choice within `max_num_seqs`, counted from
+admission). At the step whose chunk completes its prompt (the chunk that samples), the scheduler forks the
+other choices off it: each shares the parent's blocks (`BlockManager.fork`) and gets a zero-token `Chunk`
+whose `source` is the parent's chunk, so the runner samples its first token from the same logits row with
+the choice's own generator. The parent's ring is copied into each child's slot after that step's forward
+(`Batch.slot_copies`: the last chunk writes the ring's newest rows in the same forward). From the next step
+on the choices are independent sequences decoding in the same batches; a shared block is copied before one
+of them writes into it (`Batch.block_copies`, done before the forward). A preempted choice is recomputed
+alone, like any sequence. So the prompt is computed once, whatever n.
 """
 from __future__ import annotations
 
@@ -29,11 +40,15 @@ from gem4.engine.sequence import Sequence, Status, TokenOutput
 
 @dataclass(frozen=True)
 class Chunk:
-    """Run `seq.token_ids[start : start + num_tokens]` through the model (start = seq.num_computed)."""
+    """Run `seq.token_ids[start : start + num_tokens]` through the model (start = seq.num_computed).
+
+    A fork (num_tokens 0, `source` set) computes nothing: its sequence samples its first token from the
+    logits of chunk `source` of the same batch (its parent's last prompt chunk)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    source: int | None = None
 
     @property
     def samples(self) -> bool:
@@ -43,7 +58,12 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Batch:
+    """One step. The runner copies `block_copies` (full-attention blocks, source -> destination) before the
+    forward and `slot_copies` (sliding-layer rings of forked choices, parent -> child) after it."""
+
     chunks: tuple[Chunk, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()
+    slot_copies: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -75,15 +95,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, request_id: str) -> Sequence | None:
-        """Take a request out of the queues and give back its KV (abort, failure); the caller finishes it."""
+    def remove(self, request_id: str) -> list[Sequence]:
+        """Take every choice of a request out of the queues and give back their KV (abort, failure); the
+        caller finishes them. Choices not yet forked come with their parent. [] if none is queued."""
+        out = []
         for queue in (self.running, self.waiting):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self.blocks.free(request_id)
-                    return seq
-        return None
+            for seq in [s for s in queue if s.request_id == request_id]:
+                queue.remove(seq)
+                self.blocks.free(seq.seq_id)
+                out += [seq, *seq.forks]
+                seq.forks = []
+        return sorted(out, key=lambda s: s.index)
+
+    def _occupied(self) -> int:
+        """Ring slots the running sequences hold or will hold once their choices are forked."""
+        return len(self.running) + sum(len(s.forks) for s in self.running)
 
     def schedule(self) -> Batch:
         budget = self.max_num_batched_tokens
@@ -92,22 +118,25 @@ class Scheduler:
         for seq in decoding:                                                 # 1. decode steps
             if seq not in self.running:                                      # preempted for an older one
                 continue
-            while not self.blocks.can_reserve(seq.request_id, seq.num_tokens):
+            while not self.blocks.can_reserve(seq.seq_id, seq.num_tokens, seq.num_computed):
                 self._preempt(self.running[-1])
                 if seq not in self.running:
                     break
             else:
-                self.blocks.reserve(seq.request_id, seq.num_tokens)
+                self.blocks.reserve(seq.seq_id, seq.num_tokens, seq.num_computed)
                 chunks.append(Chunk(seq, seq.num_computed, 1))
                 budget -= 1
+        forks: list[Sequence] = []
         for seq in [s for s in self.running if s not in decoding]:            # 2. prompts in progress
             n = self._room(seq, budget)
             if n:
                 chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
-        while self.waiting and len(self.running) < self.max_num_seqs:        # 3. admissions
-            seq = self.waiting[0]
-            n = self._room(seq, budget, spare=len(self.running))             # a block in hand for each decode
+                forks.append(seq)
+        while self.waiting and self._occupied() + 1 + len(self.waiting[0].forks) <= self.max_num_seqs:
+            seq = self.waiting[0]                                            # 3. admissions
+            # a block in hand for each decode, and for each choice of this request
+            n = self._room(seq, budget, spare=self._occupied() + len(seq.forks))
             if not n:
                 break
             self.waiting.popleft()
@@ -115,21 +144,35 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
-        return Batch(tuple(chunks))
+            forks.append(seq)
+        slot_copies = []
+        for seq in forks:                                                    # 4. choices forked off
+            i = next(i for i, c in enumerate(chunks) if c.seq is seq)
+            if not (seq.forks and chunks[i].samples):
+                continue
+            for child in seq.forks:
+                self.blocks.fork(seq.seq_id, child.seq_id)
+                slot_copies.append((self.blocks.slot(seq.seq_id), self.blocks.slot(child.seq_id)))
+                child.status = Status.RUNNING
+                child.scheduled_time = seq.scheduled_time
+                self.running.append(child)
+                chunks.append(Chunk(child, seq.num_tokens, 0, source=i))
+            seq.forks = []
+        return Batch(tuple(chunks), tuple(self.blocks.take_copies()), tuple(slot_copies))
 
     def _room(self, seq: Sequence, budget: int, spare: int = 0) -> int:
         """The longest next chunk of `seq` that the budget and the pool allow, leaving `spare` blocks free;
         its blocks are reserved. 0 if none fits."""
         n = min(seq.num_pending, self.max_chunk, budget,
-                self.blocks.capacity(seq.request_id, spare) - seq.num_computed)
+                self.blocks.capacity(seq.seq_id, spare, seq.num_computed) - seq.num_computed)
         if n > 0:
-            self.blocks.reserve(seq.request_id, seq.num_computed + n)
+            self.blocks.reserve(seq.seq_id, seq.num_computed + n, seq.num_computed)
         return max(n, 0)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's KV and queue it first, to be recomputed from its first token."""
         self.running.remove(seq)
-        self.blocks.free(seq.request_id)
+        self.blocks.free(seq.seq_id)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -147,6 +190,6 @@ class Scheduler:
             out = seq.append_token(token, now)
             if seq.is_finished:
                 self.running.remove(seq)
-                self.blocks.free(seq.request_id)
+                self.blocks.free(seq.seq_id)
             outputs.append((seq, out))
         return outputs

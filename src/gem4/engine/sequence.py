@@ -1,4 +1,9 @@
-"""Request state: one `Sequence` per request, plain Python (no tensors).
+"""Request state: one `Sequence` per choice of a request, plain Python (no tensors).
+
+A request asking for n choices (OpenAI's `n`) is n Sequences with the same `request_id` and indices
+0..n-1; each has its own `seq_id` (the key of its KV blocks and its sampling generator). Choice 0 is the
+parent: it alone is queued and prefilled, and carries the others in `forks` until the scheduler forks
+them off at the step where its prompt's last chunk samples (scheduler.py says how).
 
 A Sequence is built and validated in the caller's thread (`Engine.submit`); from then on only the
 engine thread touches it. It knows its token ids, how many of them are in the KV cache
@@ -95,6 +100,7 @@ class StopStrings:
 
 
 _request_counter = itertools.count()
+_seq_counter = itertools.count()
 
 
 def next_request_id() -> str:
@@ -114,8 +120,12 @@ class Sequence:
         end_ids: Collection[int],
         detokenizer=None,
         arrival_time: float = 0.0,
+        index: int = 0,
     ):
         self.request_id = request_id
+        self.index = index                            # the choice's index within its request
+        self.seq_id = next(_seq_counter)              # unique per sequence: the block manager's and runner's key
+        self.forks: list[Sequence] = []               # choice 0 only, until forked: the other choices
         self.prompt_ids: list[int] = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
@@ -208,5 +218,6 @@ class Sequence:
         )
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+        choice = f"[{self.index}]" if self.index else ""
+        return (f"Sequence({self.request_id!r}{choice}, {self.status.value}, prompt={self.num_prompt_tokens}, "
                 f"output={len(self.output_ids)}, computed={self.num_computed})")
