@@ -33,8 +33,8 @@ def text_files(*tops: str):
     """(path, text) of every text file under the given top-level folders (binary files skipped)."""
     for top in tops:
         for path in sorted((REPO / top).rglob("*")):
-            if not path.is_file() or "__pycache__" in path.parts:
-                continue
+            if not path.is_file() or any(part == "__pycache__" or part.endswith(".egg-info") for part in path.parts):
+                continue                                          # generated: bytecode, pip's copy of the README
             with path.open("rb") as f:
                 if b"\0" in f.read(8192):
                     continue  # binary: the vocab GGUF, compiled objects
