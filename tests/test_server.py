@@ -220,7 +220,8 @@ class ScriptedEngine:
         key = max(found)[1] if found else "PLAIN"
         return key, ids_of(SCRIPTS[key])
 
-    def submit(self, prompt, params: SamplingParams, *, request_id: str) -> FakeStream:
+    def submit(self, prompt, params: SamplingParams, *, request_id: str, n: int = 1) -> FakeStream:
+        assert n == 1, "the scripted engine serves one choice (n > 1 is tested on the real engine)"
         prompt = list(prompt)
         if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError("too long")
@@ -1011,6 +1012,77 @@ def test_completions(served, oracle):
     assert r4.choices[0].text == text[:text.index(stop)] and r4.choices[0].finish_reason == "stop"
 
 
+def by_choice(chunks) -> dict[int, list]:
+    """Streamed chunks split per choice index (one choice per chunk); the usage chunk is left out."""
+    out: dict[int, list] = {}
+    for ch in chunks:
+        if ch.choices:
+            (choice,) = ch.choices
+            out.setdefault(choice.index, []).append(ch)
+    return dict(sorted(out.items()))
+
+
+def test_n_chat_choices_are_indexed_seeded_per_choice_and_counted_once(served, oracle):
+    """n=2: choice i is the request alone with seed + i (the engine's rule), streamed or not; usage counts
+    the prompt once and the tokens of both choices."""
+    client = client_for(served)
+    messages = user("Tell me a story")
+    kwargs = {"model": "tiny", "messages": messages, "max_tokens": 14, "seed": 77, "temperature": 1.0, "n": 2}
+    want = [oracle_chat(oracle, messages, SamplingParams(temperature=1.0, seed=77 + i, max_tokens=14),
+                        enable_thinking=False) for i in range(2)]
+    r = client.chat.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.message.content for c in r.choices] == [w.content for w, _ in want]
+    assert r.choices[0].message.content != r.choices[1].message.content
+    assert [c.finish_reason for c in r.choices] == [
+        "length" if ev[-1].finish_reason == "length" else "stop" for _, ev in want]
+    assert r.usage.prompt_tokens == want[0][1][-1].prompt_tokens
+    assert r.usage.completion_tokens == sum(ev[-1].completion_tokens for _, ev in want)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    per = by_choice(chunks)
+    assert list(per) == [0, 1] and all(len(ch.choices) == 1 for ch in chunks if ch.choices)
+    for i, sub in per.items():
+        s = accumulate(sub)
+        assert s["content"] == r.choices[i].message.content and s["finish_reason"] == r.choices[i].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == r.usage.model_dump()
+    # greedy: every choice is the one greedy reply
+    g = client.chat.completions.create(**{**kwargs, "temperature": 0, "seed": None, "n": 3})
+    (greedy, _), = [oracle_chat(oracle, messages, SamplingParams(temperature=0, max_tokens=14),
+                                enable_thinking=False)]
+    assert [c.message.content for c in g.choices] == [greedy.content] * 3 and [c.index for c in g.choices] == [0, 1, 2]
+
+
+def test_n_completions_streamed_and_not(served, oracle):
+    engine, tok = oracle
+    client = client_for(served)
+    kwargs = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 12, "seed": 5, "temperature": 1.0, "n": 2}
+    want = [list(engine.generate("Once upon a time", SamplingParams(temperature=1.0, seed=5 + i, max_tokens=12)))
+            for i in range(2)]
+    r = client.completions.create(**kwargs)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == ["".join(e.text for e in ev) for ev in want]
+    assert r.choices[0].text != r.choices[1].text
+    assert [c.finish_reason for c in r.choices] == [ev[-1].finish_reason for ev in want]
+    assert r.usage.prompt_tokens == want[0][-1].prompt_tokens and r.usage.completion_tokens == 24
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    per = by_choice(chunks)
+    assert {i: "".join(c.choices[0].text for c in sub) for i, sub in per.items()} == {0: r.choices[0].text,
+                                                                                      1: r.choices[1].text}
+    assert [[c.choices[0].finish_reason for c in sub][-1] for sub in per.values()] == [c.finish_reason
+                                                                                        for c in r.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    # echo and a stop string apply to each choice
+    first = r.choices[0].text
+    stop = next((first[i:i + 2] for i in range(2, len(first) - 2) if first[i:i + 2].strip()), None)
+    assert stop is not None
+    r2 = client.completions.create(**kwargs, stop=[stop], echo=True)
+    for c, full in zip(r2.choices, (x.text for x in r.choices)):
+        cut = full[:full.index(stop)] if stop in full else full
+        assert c.text == "Once upon a time" + cut
+    assert r2.choices[0].finish_reason == "stop"
+
+
 def test_tokenize_and_detokenize(served, oracle):
     _, tok = oracle
     headers = {"Authorization": f"Bearer {API_KEY}"}
@@ -1056,7 +1128,8 @@ BAD_INPUTS = [
         "name": "my tool"}}]}, None, 400, "tools[0].function.name", None),
     ("tool_choice required", "/v1/chat/completions", {**OK_CHAT, "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f"}}]}, None, 400, "tool_choice", None),
-    ("n > 1", "/v1/chat/completions", {**OK_CHAT, "n": 2}, None, 400, "n", None),
+    ("n above max_num_seqs", "/v1/chat/completions", {**OK_CHAT, "n": 5}, None, 400, "n", None),
+    ("n = 0", "/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, None, 400, "n", None),
     ("top_p = 0", "/v1/chat/completions", {**OK_CHAT, "top_p": 0}, None, 400, "top_p", None),
     ("logit_bias outside the vocabulary", "/v1/chat/completions", {**OK_CHAT, "logit_bias": {"100000": 1}}, None,
      400, "logit_bias", None),

@@ -52,6 +52,15 @@ content), the rest to `content`. Stop strings apply to the content, server side:
 matches, the reply ends there and the engine request is aborted. With `parallel_tool_calls=false`
 the reply ends after the first complete call the same way. Streaming and non-streaming run the
 same code (`ChatOutput`), so they give the same message for the same seed.
+
+Several choices (`n`, at most the server's max_num_seqs: the engine runs a request's choices at once and
+answers 400 naming `n` beyond that): one engine request, its prompt computed once; its events carry the
+choice index and each choice has its own `ChatOutput` / `CompletionOutput` (stop strings, tool calls,
+finish_reason, logprobs per choice). As vLLM's server does: `choices[i].index` is i; a stream opens
+with a role chunk per choice, then each chunk carries one choice's delta, and each choice ends with its
+own finish chunk; usage counts the prompt once and the completion tokens of every choice. A choice that
+the server ends early (a stop string, a single tool call) is only cut from the reply; the engine request
+is aborted, every choice with it, once every choice is complete.
 """
 from __future__ import annotations
 
@@ -110,7 +119,7 @@ class EngineLike(Protocol):
     max_model_len: int
     vocab_size: int
 
-    def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str): ...
+    def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str, n: int = 1): ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -184,7 +193,7 @@ def _relay(stream, loop: asyncio.AbstractEventLoop, deliver: Callable[[object], 
             loop.call_soon_threadsafe(deliver, item)
         except RuntimeError:        # the loop is closed: the server is shutting down
             return
-        if isinstance(item, BaseException) or item.finished:
+        if isinstance(item, BaseException) or stream.finished:    # every choice's final event
             return
 
 
@@ -195,17 +204,21 @@ class Generation:
     so a request that was abandoned is still accounted for when the engine finishes it.
     """
 
-    def __init__(self, state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams):
+    def __init__(self, state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 n: int = 1):
         self.state = state
         self.request_id = request_id
         self.prompt_ids = prompt_ids
-        self.finished = False           # the engine sent the final event (or failed)
+        self.n = n
+        self._open = n                  # choices without their final event yet
+        self.finished = False           # the engine sent every choice's final event (or failed)
         self.closed = False             # the handler is done with it
         self._queue: asyncio.Queue = asyncio.Queue()
         self._getter: asyncio.Future | None = None
         self._start = time.perf_counter()
         self._first_token: float | None = None
         self._last_token: float | None = None
+        self._last_of: dict[int, float] = {}          # choice -> its last token's time (inter-token latency)
         self._n_tokens = 0
 
         engine, metrics, config = state.ready_engine(), state.metrics, state.config
@@ -215,7 +228,7 @@ class Generation:
                                 "Retry shortly.", type="server_error", code="server_busy",
                            headers={"Retry-After": "1"})
         try:
-            stream = engine.submit(prompt_ids, params, request_id=request_id)
+            stream = engine.submit(prompt_ids, params, request_id=request_id, n=n)
         except InvalidParameter as e:         # checked against the model (top_k, token ids): 400 naming it
             raise bad_request(f"Invalid '{e.param}': {e.reason}", e.param) from None
         except ValueError as e:
@@ -235,11 +248,13 @@ class Generation:
                 if self._last_token is None:
                     self._first_token = now
                     m.ttft.observe(now - self._start)
-                else:
-                    m.itl.observe(now - self._last_token)
-                self._last_token = now
+                elif item.index in self._last_of:
+                    m.itl.observe(now - self._last_of[item.index])
+                self._last_token = self._last_of[item.index] = now
             if item.finished:
-                self._end(now, item.finish_reason)
+                self._open -= 1
+                if not self._open:
+                    self._end(now, item.finish_reason)
         else:
             self._end(time.perf_counter(), "error")
         self._queue.put_nowait(item)
@@ -719,12 +734,13 @@ async def _unless_disconnected(request: Request, work) -> Any:
     return None
 
 
-async def _whole_reply(request: Request, gen: Generation, out, build: Callable[[], Any]):
-    """A non-streaming reply: feed `out` (ChatOutput / CompletionOutput) until done, racing the
-    client's disconnect (-> abort), then `build()` the response object."""
+async def _whole_reply(request: Request, gen: Generation, outs: list, build: Callable[[], Any]):
+    """A non-streaming reply: feed each choice's `outs[i]` (ChatOutput / CompletionOutput) until every one
+    is done, racing the client's disconnect (-> abort), then `build()` the response object."""
     async def collect():
-        while not out.done:
-            out.feed(await gen.next())
+        while not all(o.done for o in outs):
+            ev = await gen.next()
+            outs[ev.index].feed(ev)
         return build()
 
     try:
@@ -735,7 +751,7 @@ async def _whole_reply(request: Request, gen: Generation, out, build: Callable[[
     if result is None:                       # nobody is listening any more
         gen.close("abort")
         return Response(status_code=499)
-    gen.close(out.finish_reason)
+    gen.close(outs[0].finish_reason)
     return P.dump(result)
 
 
@@ -910,24 +926,24 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
                                              add_generation_prompt=req.add_generation_prompt,
                                              enable_thinking=thinking, kwargs=kwargs)
         _check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages")
-        out = ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
-                         parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
-                         top_logprobs=req.top_logprobs or 0)
+        outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
+                           parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
+                           top_logprobs=req.top_logprobs or 0) for _ in range(req.n)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = Generation(state, request_id, prompt_ids, params)
+        gen = Generation(state, request_id, prompt_ids, params, req.n)
         created = int(time.time())
         name = config.served_model_name
 
         if req.stream:
-            return EventStream(_chat_stream(gen, out, request_id, created, name, req.include_usage,
+            return EventStream(_chat_stream(gen, outs, request_id, created, name, req.include_usage,
                                             config.heartbeat_s),
                                on_close=lambda: gen.close("abort"))
 
-        return await _whole_reply(request, gen, out, lambda: P.ChatCompletion(
+        return await _whole_reply(request, gen, outs, lambda: P.ChatCompletion(
             id=request_id, created=created, model=name,
-            choices=[P.ChatChoice(index=0, message=out.message(), logprobs=out.choice_logprobs(),
-                                  finish_reason=out.finish_reason)],
-            usage=_usage(len(prompt_ids), out.n_tokens)))
+            choices=[P.ChatChoice(index=i, message=out.message(), logprobs=out.choice_logprobs(),
+                                  finish_reason=out.finish_reason) for i, out in enumerate(outs)],
+            usage=_usage(len(prompt_ids), sum(o.n_tokens for o in outs))))
 
     # ---- completions ----
 
@@ -955,14 +971,15 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
                            logprobs=req.logprobs is not None, top_logprobs=n_top)
         _check_length(len(prompt_ids), req.max_tokens, engine.max_model_len, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = Generation(state, request_id, prompt_ids, params)
+        gen = Generation(state, request_id, prompt_ids, params, req.n)
         created = int(time.time())
         name = config.served_model_name
-        out = CompletionOutput(tok, req.logprobs is not None, n_top, prompt_text if req.echo else "")
+        outs = [CompletionOutput(tok, req.logprobs is not None, n_top, prompt_text if req.echo else "")
+                for _ in range(req.n)]
 
-        def chunk(text: str, finish: str | None, logprobs=None, usage=None) -> P.Completion:
-            c = P.Completion(id=request_id, created=created, model=name,
-                             choices=[P.CompletionChoice(index=0, text=text, logprobs=logprobs, finish_reason=finish)])
+        def chunk(index: int, text: str, finish: str | None, logprobs=None, usage=None) -> P.Completion:
+            c = P.Completion(id=request_id, created=created, model=name, choices=[
+                P.CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish)])
             if req.include_usage:
                 c.usage = usage
             return c
@@ -970,23 +987,24 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
         if req.stream:
             async def stream() -> AsyncIterator[str]:
                 try:
-                    if out.echo:
-                        yield _sse(chunk(out.echo, None))
-                    while True:
+                    for i, out in enumerate(outs):
+                        if out.echo:
+                            yield _sse(chunk(i, out.echo, None))
+                    while not all(o.done for o in outs):
                         ev = await gen.next(config.heartbeat_s)
                         if ev is None:
                             yield _PING
                             continue
+                        out = outs[ev.index]
                         text = out.feed(ev)
                         if ev.finished:
-                            yield _sse(chunk(text, ev.finish_reason, out.take_logprobs()))
-                            break
-                        if text:
-                            yield _sse(chunk(text, None, out.take_logprobs()))
+                            yield _sse(chunk(ev.index, text, ev.finish_reason, out.take_logprobs()))
+                        elif text:
+                            yield _sse(chunk(ev.index, text, None, out.take_logprobs()))
                     if req.include_usage:
                         yield _sse(P.Completion(id=request_id, created=created, model=name, choices=[],
-                                                usage=_usage(len(prompt_ids), out.n_tokens)))
-                    gen.close(out.finish_reason)
+                                                usage=_usage(len(prompt_ids), sum(o.n_tokens for o in outs))))
+                    gen.close(outs[0].finish_reason)
                 except EngineError as e:
                     gen.close("error")
                     yield _sse_error(e)
@@ -994,38 +1012,45 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
             return EventStream(stream(), on_close=lambda: gen.close("abort"))
 
-        return await _whole_reply(request, gen, out, lambda: P.Completion(
+        return await _whole_reply(request, gen, outs, lambda: P.Completion(
             id=request_id, created=created, model=name,
-            choices=[P.CompletionChoice(index=0, text=out.echo + "".join(out.text), logprobs=out.all_logprobs(),
-                                        finish_reason=out.finish_reason)],
-            usage=_usage(len(prompt_ids), out.n_tokens)))
+            choices=[P.CompletionChoice(index=i, text=out.echo + "".join(out.text), logprobs=out.all_logprobs(),
+                                        finish_reason=out.finish_reason) for i, out in enumerate(outs)],
+            usage=_usage(len(prompt_ids), sum(o.n_tokens for o in outs))))
 
     return app
 
 
-async def _chat_stream(gen: Generation, out: ChatOutput, request_id: str, created: int, name: str,
+async def _chat_stream(gen: Generation, outs: list[ChatOutput], request_id: str, created: int, name: str,
                        include_usage: bool, heartbeat_s: float) -> AsyncIterator[str]:
-    def chunk(delta: P.ChatDelta, finish: str | None = None, logprobs=None) -> P.ChatCompletionChunk:
+    """The SSE body of a chat request: a role chunk per choice, then each choice's deltas as its events
+    come (one choice per chunk), each choice's finish chunk when it is complete, the usage, [DONE]."""
+    def chunk(index: int, delta: P.ChatDelta, finish: str | None = None, logprobs=None) -> P.ChatCompletionChunk:
         c = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=[
-            P.ChatChunkChoice(index=0, delta=delta, logprobs=logprobs, finish_reason=finish)])
+            P.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish)])
         if include_usage:
             c.usage = None
         return c
 
     try:
-        yield _sse(chunk(P.ChatDelta(role="assistant", content="")))
-        while not out.done:
+        for i in range(len(outs)):
+            yield _sse(chunk(i, P.ChatDelta(role="assistant", content="")))
+        while not all(o.done for o in outs):
             ev = await gen.next(heartbeat_s)
             if ev is None:
                 yield _PING                       # nothing yet (a long prefill): keep the connection alive
                 continue
+            out = outs[ev.index]
+            if out.done:                          # ended by the server (a stop string): the rest is cut
+                continue
             for delta in out.feed(ev):
-                yield _sse(chunk(delta, logprobs=out.take_logprobs()))
-        yield _sse(chunk(P.ChatDelta(), out.finish_reason, out.take_logprobs()))
-        gen.close(out.finish_reason)
+                yield _sse(chunk(ev.index, delta, logprobs=out.take_logprobs()))
+            if out.done:
+                yield _sse(chunk(ev.index, P.ChatDelta(), out.finish_reason, out.take_logprobs()))
+        gen.close(outs[0].finish_reason)
         if include_usage:
             final = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=[],
-                                          usage=_usage(len(gen.prompt_ids), out.n_tokens))
+                                          usage=_usage(len(gen.prompt_ids), sum(o.n_tokens for o in outs)))
             yield _sse(final)
     except EngineError as e:
         gen.close("error")

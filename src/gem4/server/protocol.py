@@ -311,7 +311,7 @@ class _SamplingRequest(_In):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     max_tokens: int | None = Field(None, ge=1)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1)                     # at most the engine's max_num_seqs (checked at submit)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -350,13 +350,6 @@ class _SamplingRequest(_In):
                                  f"in ASCII digits (at most 10)")
             if not -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE:
                 raise ValueError(f"values must be in [-100, 100], got {b}")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported")
         return v
 
     def stop_list(self) -> list[str]:
