@@ -871,6 +871,13 @@ def tiny_dir(tmp_path_factory) -> Path:
 @contextlib.contextmanager
 def gem4_serve(args: list[str], log: Path, env: dict | None = None):
     """`gem4 serve ARGS --host 127.0.0.1 --port 0` in a subprocess; yields the URL from its ready line."""
+    with gem4_serve_process(args, log, env) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def gem4_serve_process(args: list[str], log: Path, env: dict | None = None):
+    """gem4_serve, yielding (URL, the server's Popen)."""
     cmd = [sys.executable, "-m", "gem4.cli", "serve", *args, "--host", HOST, "--port", "0"]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -889,7 +896,7 @@ def gem4_serve(args: list[str], log: Path, env: dict | None = None):
                     continue
                 m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
                 url = m and m.group(1)
-            yield url
+            yield url, proc
         finally:
             proc.terminate()
             try:

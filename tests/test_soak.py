@@ -6,23 +6,15 @@ stay healthy, and its resident memory must come back to where it was before the 
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import re
-import shutil
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-from model_fixtures import build_hf
-from test_server import API_KEY, HOST, client_for, user
-from text_fixtures import tiny_tokenizer_dir
+from test_server import API_KEY, client_for, gem4_serve_process, tiny_dir, user  # noqa: F401  (tiny_dir: a fixture)
 
 SOAK_SECONDS = 20.0
 BODY_MIB = 1                 # --max-request-body-mb
@@ -80,47 +72,13 @@ def silent_connection(base: str) -> None:
         assert s.recv(4096) is not None                                        # closed (408 or EOF) in time
 
 
-@contextlib.contextmanager
-def serving(args: list[str], log: Path):
-    """`gem4 serve ARGS` on a free loopback port in a subprocess -> (base URL, its pid)."""
-    cmd = [sys.executable, "-m", "gem4.cli", "serve", *args, "--host", HOST, "--port", "0"]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
-        try:
-            deadline = time.monotonic() + 180
-            for line in proc.stdout:                       # the ready line comes once the model is loaded
-                m = re.search(r"ready at (http://127\.0\.0\.1:\d+)", line)
-                if m:
-                    break
-                assert time.monotonic() < deadline
-            else:
-                raise AssertionError(f"gem4 serve did not start:\n{log.read_text()}")
-            yield m.group(1), proc.pid
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-@pytest.fixture(scope="module")
-def soak_dir(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("soak") / "tiny"
-    causal, _ = build_hf("dense_plain")
-    causal.save_pretrained(d)
-    for f in tiny_tokenizer_dir().iterdir():
-        shutil.copy(f, d / f.name)
-    return d
-
-
-def test_valid_requests_are_unhurt_by_bad_ones_and_memory_comes_back(soak_dir, tmp_path):
+def test_valid_requests_are_unhurt_by_bad_ones_and_memory_comes_back(tiny_dir, tmp_path):
     log = tmp_path / "stderr.txt"
-    args = [str(soak_dir), "--dtype", "float32", "--api-key", API_KEY, "--served-model-name", "soak",
+    args = [str(tiny_dir), "--dtype", "float32", "--api-key", API_KEY, "--served-model-name", "soak",
             "--max-num-seqs", "4", "--max-model-len", "256", "--max-request-body-mb", str(BODY_MIB),
             "--header-timeout", str(HEADER_TIMEOUT), "--log-level", "warning"]
-    with serving(args, log) as (base, pid):
+    with gem4_serve_process(args, log) as (base, proc):
+        pid = proc.pid
         client = client_for(base)
         alone = {i: client.chat.completions.create(**valid_request(i)).choices[0].message.content for i in range(6)}
         for what, body, status in BAD:                                       # every kind once, then measure

@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from gem4.numbers import is_finite_number
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -51,18 +53,11 @@ class ConfigError(ValueError):
         self.field = field
 
 
-def _finite(x) -> bool:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:   # an int beyond float's range
-        return False
 
 
 def check_rope_theta(theta, what: str = "rope_theta") -> float:
     """A RoPE base must be a finite number > 0 (NaN, 0 or a negative base gives NaN angles)."""
-    if not _finite(theta) or theta <= 0:
+    if not is_finite_number(theta) or theta <= 0:
         raise ConfigError(f"{what} must be a finite number > 0, got {theta!r}", "rope_theta")
     return float(theta)
 
@@ -144,9 +139,9 @@ def rope_default(theta: float, head_dim: int) -> tuple[float, ...]:
 def rope_proportional(theta: float, head_dim: int, partial_rotary_factor: float, factor: float = 1.0) -> tuple[float, ...]:
     """Full layers: the first int(p*d/2) pairs rotate with f_i = theta^(-2i/d) (denominator the FULL d), the rest not."""
     check_rope_theta(theta)
-    if not _finite(partial_rotary_factor) or not 0 <= partial_rotary_factor <= 1:
+    if not is_finite_number(partial_rotary_factor) or not 0 <= partial_rotary_factor <= 1:
         raise ConfigError(f"partial_rotary_factor must be in [0, 1], got {partial_rotary_factor!r}", "rope_theta")
-    if not _finite(factor) or factor <= 0:
+    if not is_finite_number(factor) or factor <= 0:
         raise ConfigError(f"rope factor must be a finite number > 0, got {factor!r}", "rope_theta")
     n_rot = int(partial_rotary_factor * head_dim // 2)
     exponent = torch.arange(0, 2 * n_rot, 2, dtype=torch.float32) / head_dim
@@ -261,7 +256,7 @@ def build_config(
     if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and 0 < rms_norm_eps <= MAX_RMS_NORM_EPS):
         raise ConfigError(f"rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {rms_norm_eps!r}",
                           "rms_norm_eps")
-    if final_logit_softcap is not None and not (_finite(final_logit_softcap) and final_logit_softcap > 0):
+    if final_logit_softcap is not None and not (is_finite_number(final_logit_softcap) and final_logit_softcap > 0):
         raise ConfigError(f"final_logit_softcapping must be a finite number > 0 or absent, got {final_logit_softcap!r}",
                           "final_logit_softcap")
     if (ple_dim > 0) != (ple_vocab_size > 0):
@@ -302,7 +297,7 @@ def build_config(
             raise ConfigError(f"RoPE for {t} has {len(rope_inv_freq[t])} frequencies; layers of that type need head_dim/2")
         # angles are positions * inv_freq in float32: NaN, inf or a product past float32's range is NaN in cos/sin
         top = max(rope_inv_freq[t], default=0.0)
-        if not all(_finite(f) and f >= 0 for f in rope_inv_freq[t]) or top * max_position_embeddings >= _FLOAT32_MAX:
+        if not all(is_finite_number(f) and f >= 0 for f in rope_inv_freq[t]) or top * max_position_embeddings >= _FLOAT32_MAX:
             raise ConfigError(f"RoPE frequencies for {t} must be finite and >= 0 with context length x frequency "
                               f"finite in float32, got up to {top!r}", f"rope.{t}")
     if moe is not None:

@@ -66,11 +66,12 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from gem4.numbers import is_finite_number
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300                 # entries per request
@@ -111,13 +112,6 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_real(x) -> bool:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return False
-    try:
-        return math.isfinite(x)
-    except OverflowError:  # an int beyond float's range
-        return False
 
 
 class SeedStream:
@@ -179,18 +173,18 @@ class SamplingParams:
             shown = _show(getattr(self, name) if value is None else value)
             raise InvalidParameter(name, f"{why} (got {shown})")
 
-        if not _is_real(self.temperature) or self.temperature < 0:
+        if not is_finite_number(self.temperature) or self.temperature < 0:
             fail("temperature", "must be a finite number >= 0 (0 = greedy)")
         if not _is_int(self.top_k) or not -1 <= self.top_k <= MAX_TOKEN_ID:
             fail("top_k", f"must be an int in [-1, {MAX_TOKEN_ID}] (0 or -1 = off)")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_finite_number(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", "must be in (0, 1] (1 = off)")
-        if not _is_real(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "must be in [0, 1] (0 = off)")
-        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if not is_finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             fail("repetition_penalty", "must be a finite number > 0 (1 = off)")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not _is_real(getattr(self, name)) or not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+            if not is_finite_number(getattr(self, name)) or not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
                 fail(name, f"must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}] (0 = off)")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             fail("seed", "must be None or an int in [-2^63, 2^64 - 1] (a signed or unsigned 64-bit integer)")
@@ -233,7 +227,7 @@ class SamplingParams:
         bad = next((t for t, _ in pairs if not (_is_int(t) and 0 <= t <= MAX_TOKEN_ID)), None)
         if bad is not None:
             fail("logit_bias", f"token ids must be ints in [0, {MAX_TOKEN_ID}]", bad)
-        bad = next((b for _, b in pairs if not (_is_real(b) and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE)), None)
+        bad = next((b for _, b in pairs if not (is_finite_number(b) and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE)), None)
         if bad is not None:
             fail("logit_bias", f"biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]", bad)
         if len({t for t, _ in pairs}) != len(pairs):
