@@ -12,12 +12,16 @@ import sys
 
 # Runtime settings read when torch loads (so set before `import torch`; an explicit value in the
 # environment wins):
-# - GOMP_SPINCOUNT: OpenMP worker threads sleep after this many idle spins; on small VMs waking them
-#   costs milliseconds, which made each decode matmul 20x slower than spinning a little longer
-#   (measured: Q8_0 GEMV 1.3 -> 40 GB/s on 2 threads).
+# - GOMP_SPINCOUNT: an idle OpenMP worker spins this many times (~20 ns each here) before it sleeps;
+#   libgomp's default is 300000 (~5 ms). 1000 (~20-40 us) bridges the gaps between one decode step's
+#   matmuls, so the workers are awake when the next one starts, yet gives a shared core back at once:
+#   a worker spinning for milliseconds burns the time slice of the thread it waits for. E2B Q4_0
+#   decode loop on 2 cores (benchmarks/RESULTS.md §4): free cores 12.4 tok/s (100000: 14.1, 0:
+#   11.5); beside one busy process 7.3 (100000: 1.6, 0: 7.6). The demo model's 64-token request
+#   beside a busy process took 9 s with 100000 and 0.2 s without spinning.
 # (The packed weights ask for transparent huge pages themselves, in kernels/ggml_gemv.cpp; torch's
 # THP_MEM_ALLOC_ENABLE, which does it for every large tensor, made prefill's temporaries fault slowly.)
-_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "100000"}
+_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "1000"}
 if any(key not in os.environ for key in _ENV_DEFAULTS) and "torch" in sys.modules:
     import warnings
 
