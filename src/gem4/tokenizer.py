@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import codecs
 import enum
+import functools
 import json
 import os
 import pathlib
@@ -483,12 +484,10 @@ class Tokenizer:
         parse_special: match CONTROL tokens (`<|turn>`, `<bos>`, ...) written in the text. Off by
         default so that user text cannot inject them. USER_DEFINED tokens are matched either way,
         like llama.cpp.
+        Runs through `encode_batch`: `tokenizers` releases the GIL there and holds it in its `encode`
+        for the whole text (4M characters kept every other thread of a server waiting 15 s).
         """
-        tk = self._tk_special if parse_special else self._tk_plain
-        ids = tk.encode(text, add_special_tokens=False).ids
-        if (self.add_bos if add_bos is None else add_bos) and self.special.bos is not None:
-            ids = [self.special.bos] + ids
-        return ids
+        return self.encode_batch([text], add_bos=add_bos, parse_special=parse_special)[0]
 
     def encode_batch(
         self, texts: Sequence[str], *, add_bos: bool | None = None, parse_special: bool = False
@@ -496,6 +495,14 @@ class Tokenizer:
         tk = self._tk_special if parse_special else self._tk_plain
         bos = (self.add_bos if add_bos is None else add_bos) and self.special.bos is not None
         return [([self.special.bos] if bos else []) + e.ids for e in tk.encode_batch(list(texts), add_special_tokens=False)]
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for (a scan of the vocabulary, once). A BPE
+        token stands for its own string ('▁' is one space), an added token (`<|turn>`, ...) for its
+        literal text, a byte token for a byte of a character (its string `<0x0A>` overcounts, which only
+        loosens the bound). So a text of n characters is at least ceil(n / max_token_chars) tokens."""
+        return max(map(len, self.tokens))
 
     def piece_table(self) -> list[bytes]:
         """`piece_bytes` for every id, as one shared list (read-only by convention)."""

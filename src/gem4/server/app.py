@@ -13,8 +13,8 @@ Thread model (what runs where):
   requests, building SamplingParams, feeding generated token ids to the output parser
   (`gem4.parser`), formatting JSON and SSE, heartbeats, metrics. It never blocks on the engine.
   Rendering a chat template and tokenizing run in the default thread pool (`asyncio.to_thread`),
-  tokenizing through `encode_batch`, which releases the GIL (`encode` holds it for the whole text:
-  4M characters kept the loop, /health included, from running for 15 s). Parsing a body's JSON
+  and `Tokenizer.encode` releases the GIL while it works (4M characters once kept the loop, /health
+  included, from running for 15 s). Parsing a body's JSON
   holds the GIL wherever it runs, so it stays on the loop: 1.5 ms (ASCII) to 12 ms (CJK) per MiB,
   0.2 s at most at the largest default body limit (17 MiB, a 256K context).
 - **The engine thread** (owned by `gem4.Engine`) is the only one that touches the model. A handler
@@ -36,7 +36,7 @@ Bounded work before admission (each limit refuses before the work it bounds):
   max_model_len, see `default_body_limit`): 413 when Content-Length says more (nothing is read),
   or as soon as a chunked body passes it. Authentication (a dependency) runs before any body is
   read; `http11.py` closes a connection whose request was answered before its body arrived.
-- **Characters before tokens**: no token stands for more than `max_token_chars` characters (31
+- **Characters before tokens**: no token stands for more than `Tokenizer.max_token_chars` characters (31
   for Gemma 4), so a text of n characters is at least n / 31 tokens. A completion prompt, the
   user/system/developer texts of a chat (before rendering), and the rendered chat prompt (before
   tokenizing, whatever the template did) that cannot fit max_model_len that way get the
@@ -147,7 +147,6 @@ class ServerState:
         self.engine: EngineLike | None = engine
         self.metrics = Metrics(config.served_model_name, config.max_num_seqs, engine=lambda: self.engine)
         self.created = int(time.time())
-        self._token_chars: tuple[Any, int | None] | None = None
 
     def ready_engine(self) -> EngineLike:
         if self.engine is None:
@@ -160,12 +159,6 @@ class ServerState:
         if self.config.max_request_body is not None:
             return self.config.max_request_body
         return default_body_limit(self.ready_engine().max_model_len)
-
-    def token_chars(self, tokenizer) -> int | None:
-        """max_token_chars(tokenizer), computed once per tokenizer (a scan of the vocabulary)."""
-        if self._token_chars is None or self._token_chars[0] is not tokenizer:
-            self._token_chars = (tokenizer, max_token_chars(tokenizer))
-        return self._token_chars[1]
 
     def check_model(self, name: str | None) -> None:
         c = self.config
@@ -600,16 +593,6 @@ def _too_large(size: str, limit: int) -> APIError:
                     headers={"Connection": "close"})
 
 
-def max_token_chars(tokenizer) -> int | None:
-    """The most characters of text one token can stand for, from the vocabulary (None if the
-    tokenizer does not list it). A BPE token stands for its own string (`'▁'` is one space), an
-    added token (`<|turn>`, ...) for its literal text, a byte token for a byte of a character (its
-    string `<0x0A>` overcounts, which only loosens the bound). So a text of n characters is at least
-    ceil(n / max_token_chars) tokens, whatever it holds."""
-    tokens = getattr(tokenizer, "tokens", None)
-    return max(map(len, tokens)) if tokens else None
-
-
 def _check_chars(n_chars: int, token_chars: int | None, max_tokens: int | None, max_model_len: int,
                  where: str) -> None:
     """The early bound: refuse a text of `n_chars` characters if even ceil(n_chars / token_chars)
@@ -639,18 +622,10 @@ def _chat_chars(messages) -> int:
     return n
 
 
-def _encode(tokenizer, text: str, **kwargs) -> list[int]:
-    """`tokenizer.encode(text, **kwargs)`, through `encode_batch` where the tokenizer has one:
-    `tokenizers` releases the GIL there, but holds it in `encode` for the whole text."""
-    batch = getattr(tokenizer, "encode_batch", None)
-    return batch([text], **kwargs)[0] if batch is not None else tokenizer.encode(text, **kwargs)
-
-
 class _PromptTokenizer:
     """The engine's tokenizer as `render_chat` passes it to `encode_prompt`: the rendered prompt is
     held to the early character bound (`check(n_chars)`) before it is tokenized, whatever the
-    template rendered, and is tokenized with the GIL released (`_encode`). Everything else is the
-    tokenizer's own."""
+    template rendered. Everything else is the tokenizer's own."""
 
     def __init__(self, tokenizer, check: Callable[[int], None]):
         self._tokenizer = tokenizer
@@ -661,7 +636,7 @@ class _PromptTokenizer:
 
     def encode(self, text: str, **kwargs) -> list[int]:
         self._check(len(text))
-        return _encode(self._tokenizer, text, **kwargs)
+        return self._tokenizer.encode(text, **kwargs)
 
 
 def _vocab_size(engine: EngineLike) -> int:
@@ -870,11 +845,11 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
         tok = engine.tokenizer
         # only what cannot fit the context at all is refused (max_tokens 0): the early bound keeps
         # /tokenize from tokenizing megabytes
-        token_chars = state.token_chars(tok)
+        token_chars = getattr(tok, "max_token_chars", None)
         if req.prompt is not None:
             _check_chars(len(req.prompt), token_chars, 0, engine.max_model_len, "prompt")
             add_bos = req.add_special_tokens and tok.add_bos and not req.prompt.startswith("<bos>")
-            ids = await asyncio.to_thread(_encode, tok, req.prompt, add_bos=add_bos, parse_special=True)
+            ids = await asyncio.to_thread(tok.encode, req.prompt, add_bos=add_bos, parse_special=True)
         else:
             _check_chars(_chat_chars(req.messages), token_chars, 0, engine.max_model_len, "messages")
             thinking, kwargs = _template_kwargs(config.default_chat_template_kwargs, req.chat_template_kwargs)
@@ -917,7 +892,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
         max_tokens = req.token_limit
         params = _sampling(req, _vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
                            top_logprobs=req.top_logprobs or 0)
-        token_chars = state.token_chars(engine.tokenizer)
+        token_chars = getattr(engine.tokenizer, "max_token_chars", None)
         _check_chars(_chat_chars(req.messages), token_chars, max_tokens, engine.max_model_len, "messages")
         messages = [_message_dict(m) for m in req.messages]
         bounded = _PromptTokenizer(engine.tokenizer, lambda n: _check_chars(n, token_chars, max_tokens,
@@ -956,9 +931,9 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
         tok = engine.tokenizer
         if isinstance(req.prompt, str):
-            _check_chars(len(req.prompt), state.token_chars(tok), req.max_tokens, engine.max_model_len, "prompt")
+            _check_chars(len(req.prompt), getattr(tok, "max_token_chars", None), req.max_tokens, engine.max_model_len, "prompt")
             add_bos = tok.add_bos and not req.prompt.startswith("<bos>")
-            prompt_ids = await asyncio.to_thread(_encode, tok, req.prompt, add_bos=add_bos, parse_special=True)
+            prompt_ids = await asyncio.to_thread(tok.encode, req.prompt, add_bos=add_bos, parse_special=True)
             prompt_text = req.prompt
         else:
             prompt_ids = list(req.prompt)
