@@ -422,3 +422,16 @@ def test_gemv_rows_do_not_depend_on_their_batch_mates():
     x = torch.randn(DECODE_ROWS, 320, generator=g)
     together = kernels.gemv_bf16(x, w)
     assert all(torch.equal(together[i], kernels.gemv_bf16(x[i:i + 1], w)[0]) for i in range(DECODE_ROWS))
+
+
+@pytest.mark.parametrize("preset, expect", [(None, "1000"), ("7", "7")])
+def test_openmp_spin_default_and_an_explicit_value_wins(preset, expect):
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    if preset is not None:
+        env["GOMP_SPINCOUNT"] = preset
+    out = subprocess.run([sys.executable, "-c", "import gem4, os; print(os.environ['GOMP_SPINCOUNT'])"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert out == expect
