@@ -12,8 +12,8 @@ client, repeat and N, the same for both engines), temperature 0, `max_tokens` --
 Then the server's peak RSS (VmHWM of its process) is read and the server is stopped.
 
 Choices made:
-- Both servers get the same per-sequence context: gem4 `--max-model-len P+O+16` (its KV pool defaults to
-  --max-num-seqs such sequences), llama-server `-np N -c N*(P+O+16)` (the context is split among the
+- Both servers get the same per-sequence context C (--ctx, default P+O+16): gem4 `--max-model-len C` (its KV
+  pool defaults to --max-num-seqs such sequences), llama-server `-np N -c N*C` (the context is split among the
   slots), and the same threads (`--threads T` / `-t T -tb T`). llama-server runs with `--cache-ram 0` and
   requests set `cache_prompt: false` (no prompt reuse; the prompts are distinct anyway).
 - Each SSE event that carries text counts as one arrival. Both servers hold back a token whose text is
@@ -54,7 +54,7 @@ def free_port() -> int:
 
 
 def server_command(engine: str, a: argparse.Namespace, n: int, port: int) -> list[str]:
-    ctx = a.prompt + a.output + SLACK
+    ctx = a.ctx or a.prompt + a.output + SLACK
     if engine == "gem4":
         return [sys.executable, "-m", "gem4.cli", "serve", a.model, "--port", str(port), "--max-num-seqs", str(n),
                 "--max-model-len", str(ctx), "--threads", str(a.threads), "--log-level", "warning"]
@@ -171,6 +171,8 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=None,
+                    help=f"context per sequence (default: prompt + output + {SLACK}); e.g. 1024 for the RSS target")
     ap.add_argument("--ready-timeout", type=float, default=300)
     ap.add_argument("--log", default="benchmarks/out/serve-servers.log", help="the servers' stderr")
     ap.add_argument("--save", default="benchmarks/out/serve-runs.json")
@@ -204,7 +206,8 @@ def main() -> None:
                          for k in ("output_tps", "decode_tps", "ttft_s", "itl_ms", "rss_gb")}
     cols = [("output_tps", "output tok/s", 2), ("decode_tps", "decode tok/s", 2), ("ttft_s", "TTFT s", 2),
             ("itl_ms", "ITL ms", 1), ("rss_gb", "peak RSS GB", 2)]
-    print(f"\nmedians of {a.repeats} repeats; prompt {a.prompt}, output {a.output}, threads {a.threads}\n")
+    print(f"\nmedians of {a.repeats} repeats; prompt {a.prompt}, output {a.output}, threads {a.threads}, "
+          f"context per sequence {a.ctx or a.prompt + a.output + SLACK}\n")
     head = "| N | " + " | ".join(f"{e} {c}" for _, c, _ in cols for e in engines)
     if engines == ["gem4", "llama"]:
         head += " | " + " | ".join(f"gem4/llama {c}" for _, c, _ in cols)
