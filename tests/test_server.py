@@ -1519,3 +1519,18 @@ def test_serve_a_gguf_by_its_names_with_a_summary_and_request_log(tiny_dir, tmp_
     assert len(requests) == 3 and all(out == "3" for _, out in requests)
     assert re.search(r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ tokens/s, "
                      r"Running: \d+ reqs, Waiting: \d+ reqs", text)
+
+
+def test_model_ids_of_a_file_a_directory_and_a_hub_name(tmp_path):
+    from gem4.argtypes import ArgParser
+    from gem4.server.main import add_arguments, model_ids
+
+    parser = ArgParser()
+    add_arguments(parser)
+    (tmp_path / "m-q4_0.gguf").write_bytes(b"GGUF")
+    (tmp_path / "hf").mkdir()
+    for model, want in ((str(tmp_path / "m-q4_0.gguf"), ["m-q4_0", "m-q4_0.gguf", str(tmp_path / "m-q4_0.gguf")]),
+                        (str(tmp_path / "hf") + "/", ["hf", str(tmp_path / "hf") + "/"]),
+                        ("owner/repo-GGUF:Q4_K_M", ["owner/repo-GGUF:Q4_K_M"])):
+        assert model_ids(parser.parse_args([model]), model) == want
+    assert model_ids(parser.parse_args(["owner/r", "--served-model-name", "a", "b"]), "owner/r") == ["a", "b", "owner/r"]

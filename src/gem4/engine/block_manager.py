@@ -48,9 +48,6 @@ class BlockManager:
         """Fraction of the full-attention blocks in use (a shared block counts once)."""
         return 1.0 - len(self._free_blocks) / self.num_blocks
 
-    def holds(self, seq_id: Hashable) -> bool:
-        return seq_id in self._slots
-
     def refs(self, block: int) -> int:
         """How many sequences hold `block`."""
         return self._refs[block]

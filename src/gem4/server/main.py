@@ -112,14 +112,17 @@ class _NoEarlyReadiness(logging.Filter):
 
 def model_ids(args: argparse.Namespace, path: str) -> list[str]:
     """The ids a client may ask for: --served-model-name (the first is reported), else the file's stem and
-    name (`gemma-4-E2B-it-Q4_0`, `gemma-4-E2B-it-Q4_0.gguf`) or the directory's name; MODEL as typed too."""
+    name (`gemma-4-E2B-it-Q4_0`, `gemma-4-E2B-it-Q4_0.gguf`), the directory's name, or a hub name as typed
+    (`owner/name:TAG`, as vLLM reports a repo id); MODEL as typed too."""
+    p = Path(path.rstrip("/"))
     if args.served_model_name:
         names = list(args.served_model_name)
     elif args.demo:
         names = ["gem4-demo"]
+    elif p.is_file():
+        names = [p.stem, p.name]
     else:
-        p = Path(path.rstrip("/"))
-        names = [p.stem, p.name] if p.is_file() else [p.name]
+        names = [p.name] if p.is_dir() else [path]
     if args.model is not None and args.model not in names:
         names.append(args.model)
     return list(dict.fromkeys(names))
