@@ -73,29 +73,18 @@ def _model_path(args: argparse.Namespace) -> str:
 
 
 def _open(args: argparse.Namespace):
-    """-> (Engine, Tokenizer) for MODEL or --demo, with a load progress bar on stderr.
-
-    The checkpoint is opened before the tokenizer is read, so the first error names the real cause:
-    no such file, not a model file, an unsupported architecture, and only then a missing tokenizer.
-    """
+    """-> (Engine, Tokenizer) for MODEL or --demo, with a load progress bar on stderr (errors name the real
+    cause first: weights.loader.load_with_tokenizer)."""
     import gem4
     from gem4.tokenizer import TokenizerError
-    from gem4.weights.checkpoint import open_checkpoint
-    from gem4.weights.loader import bind
+    from gem4.weights.loader import load_with_tokenizer
 
-    path = _model_path(args)
-    checkpoint = open_checkpoint(path)
     try:
-        tokenizer = gem4.Tokenizer.from_file(args.tokenizer or path)
+        model, tokenizer = load_with_tokenizer(_model_path(args), args.tokenizer, dtype=args.dtype, progress=True)
     except TokenizerError as e:
-        checkpoint.close()
         hint = "" if args.tokenizer else " (MODEL carries no usable tokenizer: pass --tokenizer PATH, a GGUF " \
                                          "file, an HF directory or a tokenizer.json)"
         raise ValueError(f"{e}{hint}") from None
-    model = bind(checkpoint, dtype=args.dtype, progress=True)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
-                         f"{model.config.vocab_size}: they do not belong together")
     return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk), tokenizer
 
 

@@ -139,17 +139,11 @@ def max_connections(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace, path: str):
     """-> a gem4.Engine for the checkpoint at `path` (runs in the loader thread)."""
     import gem4
-    from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.hub import resolve
-    from gem4.weights.loader import bind
+    from gem4.weights.loader import load_with_tokenizer
 
     path = str(resolve(path, _log))                     # a local path as is; owner/name[:TAG] from the hub
-    checkpoint = open_checkpoint(path)                  # the real cause first: file, format, architecture
-    tokenizer = gem4.Tokenizer.from_file(args.tokenizer or path)
-    model = bind(checkpoint, dtype=args.dtype, device=args.device, progress=True)
-    if tokenizer.vocab_size > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only "
-                         f"{model.config.vocab_size}: they do not belong together")
+    model, tokenizer = load_with_tokenizer(path, args.tokenizer, dtype=args.dtype, device=args.device, progress=True)
     return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30))

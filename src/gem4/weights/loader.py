@@ -71,6 +71,30 @@ def _block_storage(name: str, entry, packed_kernels: bool) -> str | None:
     return None
 
 
+def load_with_tokenizer(path: str | Path, tokenizer: str | Path | None = None, dtype: str = "auto",
+                        device: str = "cpu", progress: bool = False):
+    """-> (Model, Tokenizer) of the checkpoint at `path`, the tokenizer read from `tokenizer` (a file or
+    directory) or from the checkpoint itself.
+
+    The checkpoint is opened before the tokenizer is read, so the first error names the real cause: no
+    such file, not a model file, an unsupported architecture, and only then a missing tokenizer
+    (TokenizerError). A tokenizer with more tokens than the model's vocabulary is refused.
+    """
+    from gem4.tokenizer import Tokenizer
+
+    ckpt = open_checkpoint(path)
+    try:
+        tok = Tokenizer.from_file(tokenizer or path)
+    except BaseException:
+        ckpt.close()
+        raise
+    model = bind(ckpt, dtype=dtype, device=device, progress=progress)
+    if tok.vocab_size > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} tokens, the model only "
+                         f"{model.config.vocab_size}: they do not belong together")
+    return model, tok
+
+
 def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: bool = False) -> Model:
     if dtype == "auto":
         dtype = AUTO_DTYPE
