@@ -414,6 +414,27 @@ def sample(
     return torch.where(stochastic, drawn, ids)
 
 
+def probabilities(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """The distribution `sample` draws each row of (filtered) logits from: softmax(logits / T), one-hot at the
+    argmax for greedy rows (T < 1e-5). [B, V] float32. Speculative verification (engine/speculative.py)
+    compares the drafter's probabilities with these."""
+    greedy_rows = temperature < GREEDY_BELOW  # [B]
+    t = torch.where(greedy_rows, torch.ones_like(temperature), temperature)
+    probs = apply_temperature(logits, t).softmax(dim=-1)  # [B, V]
+    one_hot = torch.nn.functional.one_hot(greedy(logits), logits.shape[-1]).to(probs.dtype)
+    return torch.where(greedy_rows[:, None], one_hot, probs)
+
+
+def draw_uniform(generator: Generator) -> float:
+    """One U[0, 1) number from a row's generator, as `sample` draws it (SeedStream, torch.Generator or None)."""
+    return float(_draw_uniforms([0], [generator], 1)[0])
+
+
+def draw_from(probs: torch.Tensor, u: float) -> int:
+    """The token inverse-CDF sampling picks from probs [V] (need not sum to 1) for the uniform u, as `sample`."""
+    return int(_inverse_cdf(probs[None], torch.tensor([u], dtype=torch.float64, device=probs.device))[0])
+
+
 def gather_logprobs(
     logprobs: torch.Tensor, token_ids: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

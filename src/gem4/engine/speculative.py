@@ -1,0 +1,198 @@
+"""Speculative decoding, the pure parts: prompt-lookup drafts and the acceptance maths (issue 16).
+
+No tensors of the model, no cache, no engine state: plain token ids in, token ids out, so the scheduler
+and runner can call these per sequence. The assistant (MTP) drafter is model/assistant.py.
+
+Prompt lookup (`NgramDrafter`, vLLM's `ngram` method). For n from `prompt_lookup_max` down to
+`prompt_lookup_min`: take the sequence's last n tokens and look for the EARLIEST earlier occurrence of
+them (an occurrence that ends before the last token, so never the suffix itself); the first n that has one
+wins and the drafts are up to `num_speculative_tokens` tokens that followed it (fewer when the sequence
+ends sooner). No match, or fewer than prompt_lookup_min tokens: no drafts. vLLM's defaults: both bounds 5
+when neither is given, one given sets the other; 1 <= min <= max.
+
+Verification (`verify`): the target scored the K + 1 rows [last token, d_1 .. d_K] in one forward; row j
+gives the distribution of the token after d_j (row 0: after the last token). Every row goes through
+gem4.sampling's pipeline with the history it would have had in plain decoding (row j's penalties see
+the generated tokens plus d_1 .. d_j), so p_j is exactly the distribution plain sampling would draw from:
+
+- A deterministic drafter (prompt lookup; the assistant, which drafts greedily as transformers and
+  llama.cpp do) is q = one-hot(d_j). Exact rejection sampling then accepts d_j with probability p_j(d_j)
+  and on rejection draws from p_j without d_j, renormalised -- which is precisely "draw x ~ p_j with the
+  plain sampler; accept while x == d_j; the first x != d_j is the output token". That is what runs: each
+  row is sampled with `gem4.sampling.sample` and its one uniform, until the first mismatch or the bonus
+  row K. Greedy rows (temperature < 1e-5) reduce to the longest prefix of drafts equal to the target's
+  argmax, then the target's argmax.
+- A sampling drafter gives its probabilities q_j (`draft_probs`, the distribution each d_j was drawn
+  from, after the drafter's own transforms). Standard rejection sampling (Leviathan et al., Chen et al.):
+  accept d_j when u * q_j(d_j) < p_j(d_j), i.e. with probability min(1, p/q); on the first rejection draw
+  from normalise(max(0, p_j - q_j)); with all K accepted, draw the bonus token from p_K.
+Either way the returned tokens are distributed exactly as plain sampling's (tests/test_speculative.py
+checks it with a chi-square test against a deliberately bad drafter).
+
+Seeds and draws. A request's generator (SeedStream / torch.Generator / None, as `Sampler.make_generator`)
+is shared with plain decoding and consumed in order:
+- deterministic drafter: one uniform per emitted token, in the same order as plain decoding, and the same
+  inverse-CDF draw; a seeded request therefore gives the same text with and without speculation (up to
+  float rounding: the verification forward and single-token decode steps may differ in the last bits,
+  which moves a draw only when u falls within that rounding of a CDF boundary). Greedy rows draw nothing.
+- sampling drafter: one uniform per checked draft plus one for the final token (residual or bonus):
+  reproducible for a seed, the same distribution, not the same text as plain decoding.
+
+Logprobs are those plain sampling reports: the log-softmax of each emitted row's adjusted logits (bias
+and penalties, before filters and temperature), with the row's own history.
+
+What the caller does with the result: append `tokens` (the accepted drafts and one more), stop at the
+first stop token or max_tokens inside them (drop the rest), keep the cache of the accepted rows only
+(the target's K/V of positions past the last accepted draft are rolled back), and for the assistant take
+the target's hidden state of row `num_accepted` (the row that predicted the final token).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gem4.sampling import (
+    Generator, Sampler, SamplingParams, adjust_logits, draw_from, draw_uniform, filter_logits, gather_logprobs,
+    probabilities, sample,
+)
+
+DEFAULT_PROMPT_LOOKUP = 5          # vLLM's prompt_lookup_min / max when neither is given
+
+
+# ---- prompt lookup ----
+
+@dataclass(frozen=True)
+class NgramDrafter:
+    """Prompt-lookup drafts (see the module docstring): vLLM's `ngram` method and its three fields."""
+
+    num_speculative_tokens: int                 # K, the most drafts per step
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={self.prompt_lookup_max}")
+
+    @classmethod
+    def from_config(cls, num_speculative_tokens: int, prompt_lookup_max: int | None = None,
+                    prompt_lookup_min: int | None = None) -> "NgramDrafter":
+        """vLLM's defaulting: neither bound -> both 5; one bound -> the other equals it."""
+        if prompt_lookup_max is None and prompt_lookup_min is None:
+            prompt_lookup_max = prompt_lookup_min = DEFAULT_PROMPT_LOOKUP
+        elif prompt_lookup_min is None:
+            prompt_lookup_min = prompt_lookup_max
+        elif prompt_lookup_max is None:
+            prompt_lookup_max = prompt_lookup_min
+        return cls(num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)
+
+    def propose(self, tokens: Sequence[int], max_drafts: int | None = None) -> list[int]:
+        """tokens: the sequence so far (prompt + generated). -> up to min(K, max_drafts) drafts ([] if none).
+        `max_drafts`: the caller's own cap (tokens left before max_tokens or the context end)."""
+        k = self.num_speculative_tokens if max_drafts is None else min(self.num_speculative_tokens, max_drafts)
+        n_tokens = len(tokens)
+        if k <= 0 or n_tokens < self.prompt_lookup_min + 1:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.prompt_lookup_max, n_tokens - 1), self.prompt_lookup_min - 1, -1):
+            suffix = arr[-n:]
+            # windows starting at 0 .. n_tokens - n - 1: every n-gram that ends before the last token
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)           # [n_tokens - n, n]
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[0]) + n                                              # earliest occurrence
+                return arr[start:start + k].tolist()
+        return []
+
+
+# ---- verification ----
+
+@dataclass(frozen=True)
+class Verdict:
+    """The tokens a verification step emits: the accepted drafts, then one token from the target."""
+
+    tokens: list[int]                               # num_accepted drafts + 1
+    num_accepted: int
+    logprobs: list[float] | None = None             # per emitted token, when the request asked for logprobs
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def verify(
+    logits: torch.Tensor,
+    drafts: Sequence[int],
+    params: SamplingParams,
+    generated: Sequence[int],
+    prompt: Sequence[int] | None = None,
+    generator: Generator = None,
+    draft_probs: torch.Tensor | None = None,
+) -> Verdict:
+    """Exact acceptance for one sequence (module docstring).
+
+    logits [K + 1, V] float32: the target's rows for [last token, d_1 .. d_K]; drafts: the K draft ids;
+    params / generated / prompt / generator: as `Sampler.sample` takes them for this sequence (generated:
+    its tokens before this step); draft_probs [K, V]: the distributions a sampling drafter drew d_j from,
+    None for a deterministic drafter (prompt lookup, the greedy assistant).
+    """
+    k = len(drafts)
+    if logits.dim() != 2 or logits.shape[0] != k + 1:
+        raise ValueError(f"verify: {k} drafts need {k + 1} logits rows, got shape {tuple(logits.shape)}")
+    vocab = logits.shape[1]
+    if any(not 0 <= d < vocab for d in drafts):
+        raise ValueError(f"verify: draft ids must be in [0, {vocab})")
+    if draft_probs is not None and tuple(draft_probs.shape) != (k, vocab):
+        raise ValueError(f"verify: draft_probs must be [{k}, {vocab}], got {tuple(draft_probs.shape)}")
+    drafts = list(drafts)
+    histories = [list(generated) + drafts[:j] for j in range(k + 1)]     # row j follows d_1 .. d_j
+    t = Sampler.tensors([params] * (k + 1), histories, None if prompt is None else [prompt] * (k + 1), vocab,
+                        logits.device)
+    adjusted = adjust_logits(logits, t)                                  # [K+1, V] steps 1-3
+    filtered = filter_logits(adjusted, t)                                # [K+1, V] steps 4-6
+
+    if draft_probs is None or params.greedy:
+        tokens = _match(filtered, t.temperature, drafts, generator)
+    else:
+        tokens = _reject(probabilities(filtered, t.temperature), draft_probs.float(), drafts, generator)
+    out = Verdict(tokens, len(tokens) - 1)
+    if not params.logprobs:
+        return out
+    rows = torch.arange(len(tokens), device=logits.device)
+    chosen, top_ids, top_values = gather_logprobs(adjusted[rows].log_softmax(dim=-1),
+                                                  torch.tensor(tokens, device=logits.device), params.top_logprobs)
+    top = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+    return Verdict(tokens, out.num_accepted, chosen.tolist(), top)
+
+
+def _match(filtered: torch.Tensor, temperature: torch.Tensor, drafts: list[int], generator: Generator) -> list[int]:
+    """q one-hot: sample each row as plain decoding does, keep going while the sample equals the draft."""
+    tokens = []
+    for j in range(len(drafts) + 1):
+        tok = int(sample(filtered[j:j + 1], temperature[j:j + 1], [generator])[0])
+        tokens.append(tok)
+        if j == len(drafts) or tok != drafts[j]:
+            break
+    return tokens
+
+
+def _reject(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: Generator) -> list[int]:
+    """Rejection sampling with the drafter's q: accept d_j with probability min(1, p/q), else draw from the
+    residual max(0, p - q); all accepted: the bonus from p_K. p [K+1, V], q [K, V]."""
+    tokens = []
+    for j, d in enumerate(drafts):
+        u = draw_uniform(generator)
+        if u * float(q[j, d]) < float(p[j, d]):
+            tokens.append(d)
+            continue
+        residual = (p[j] - q[j]).clamp(min=0)                          # [V]
+        if float(residual.sum()) <= 0:                                 # p == q up to rounding: p itself
+            residual = p[j]
+        tokens.append(draw_from(residual, draw_uniform(generator)))
+        return tokens
+    tokens.append(draw_from(p[len(drafts)], draw_uniform(generator)))
+    return tokens
