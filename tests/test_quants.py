@@ -363,7 +363,7 @@ def test_dequant_unsupported_type(name):
         dequantize(torch.zeros(info.type_size, dtype=torch.uint8), GGMLType[name], (info.block_size,))
 
 
-@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q2_K", "Q6_K", "Q8_1", "I8"])
+@pytest.mark.parametrize("name", ["Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q8_1", "I8"])
 def test_quantize_unsupported_type(name):
     with pytest.raises(ValueError, match=name):
         quantize(torch.zeros(256), GGMLType[name])

@@ -377,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="write an HF checkpoint as a llama.cpp-compatible GGUF")
     p.add_argument("hf_dir")
     p.add_argument("out")
-    p.add_argument("--type", default="bf16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"])
+    p.add_argument("--type", default="bf16",
+                   choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"],
+                   help="tensor type; q4_k_m / q5_k_m: llama.cpp's mixes (token tables, some attn_v and ffn_down in Q6_K)")
     p.set_defaults(func=cmd_convert, command_parser=p)
 
     p = sub.add_parser("pull", help="download a model from a Hugging Face hub; print its local path")

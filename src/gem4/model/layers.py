@@ -88,8 +88,8 @@ class QuantLinear(nn.Module):
       The input is rounded to W's dtype, products accumulate in float32, the result comes back in the
       activation dtype. In fast mode (`fused`) a bf16 weight takes decode-sized inputs through
       kernels.gemv_bf16 instead (the input as two bf16 terms: closer to the float32 path, not further).
-    - "packed" (fast path, `pack()`): `packed` holds Q8_0 / Q4_0 weights in the compiled kernels' layout,
-      rearranged once at load. Up to DECODE_ROWS input rows (decode, small batches) run the kernel that
+    - "packed" (fast path, `pack()`): `packed` holds Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights
+      (kernels.PACKED_TYPES) in the compiled kernels' layout, rearranged once at load, losslessly. Up to DECODE_ROWS input rows (decode, small batches) run the kernel that
       reads it directly; longer inputs (prefill chunks) turn it into bf16 a cache-sized tile of rows at
       a time and run one bf16 GEMM per tile. Both equal dequantize + float matmul up to float rounding (tested).
     - "blocks" (`keep_blocks()`): `raw` holds GGML blocks of any type exactly as the file has them, for a
@@ -107,7 +107,7 @@ class QuantLinear(nn.Module):
         self.ggml_type: GGMLType | None = None                    # set for "packed" and "blocks"
 
     def pack(self, raw: torch.Tensor, ggml_type: GGMLType) -> None:
-        """Load time: GGML bytes of the [out, in] weight (Q8_0 / Q4_0) -> the kernels' layout."""
+        """Load time: GGML bytes of the [out, in] weight (a kernels.PACKED_TYPES type) -> the kernels' layout."""
         packed = kernels.repack(raw, self.out_features, self.in_features, ggml_type)
         self._set_storage("packed", "packed", packed, ggml_type)
 

@@ -25,7 +25,7 @@ from gem4.config import (
 )
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
-from gem4.weights.quants import GGMLType, dequantize, ggml_dtype_view, quantize
+from gem4.weights.quants import BLOCK_INFO, GGMLType, dequantize, ggml_dtype_view, quantize
 
 ARCH = "gemma4"
 
@@ -304,18 +304,51 @@ def open_gguf(path: Path) -> Checkpoint:
 
 # ---- writing (gem4 convert) ----
 
-OUT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0}
-FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q8_0: 7, GGMLType.BF16: 32}  # llama_ftype
+OUT_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0,
+             "q4_k": GGMLType.Q4_K, "q5_k": GGMLType.Q5_K, "q6_k": GGMLType.Q6_K}
+# llama.cpp's _M mixes: the base type, with the token tables, some attn_v and some ffn_down in Q6_K (mix_type)
+MIXES = {"q4_k_m": GGMLType.Q4_K, "q5_k_m": GGMLType.Q5_K}
+# llama_ftype (general.file_type); q4_k / q5_k (every matrix in one type) are named as llama.cpp's _S files
+FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q8_0: 7, GGMLType.BF16: 32,
+             GGMLType.Q4_K: 14, GGMLType.Q5_K: 16, GGMLType.Q6_K: 18}
+MIX_FILE_TYPE = {"q4_k_m": 15, "q5_k_m": 17}
+# rows that are not whole 256-blocks: llama.cpp falls back to Q5_0 / Q5_1 / Q8_0; gem4 writes no Q5_0 / Q5_1,
+# so Q8_0 for all three (F16 when not even 32-blocks)
+K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q8_0, GGMLType.Q5_K: GGMLType.Q8_0, GGMLType.Q6_K: GGMLType.Q8_0}
 _VT = GGUFValueType
 
 
 def tensor_type(canonical: str, shape: tuple[int, ...], out_type: GGMLType) -> GGMLType:
-    """llama.cpp's policy: vectors and the 26B-A4B router stay F32; rows that are not whole blocks fall back to F16."""
+    """llama.cpp's policy: vectors and the 26B-A4B router stay F32; rows that are not whole blocks of the type
+    fall back (K-quants: K_FALLBACK, then F16; 32-blocks: F16)."""
     if len(shape) == 1 or canonical.endswith(("router.proj.weight", "layer_scalar")):
         return GGMLType.F32
-    if shape[-1] % 32 and out_type in (GGMLType.Q8_0, GGMLType.Q4_0):
-        return GGMLType.F16
+    if shape[-1] % BLOCK_INFO[out_type].block_size:
+        fallback = K_FALLBACK.get(out_type, GGMLType.F16)
+        return fallback if shape[-1] % BLOCK_INFO[fallback].block_size == 0 else GGMLType.F16
     return out_type
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth of the layers, and every third one between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def mix_type(canonical: str, shape: tuple[int, ...], base: GGMLType, num_layers: int, v_layers: list[int]) -> GGMLType:
+    """The type of one tensor in a Q4_K_M / Q5_K_M mix (our reading of llama.cpp's llama-quant.cpp for a tied
+    model): the token table (also the head) and the per-layer token table Q6_K; attn_v Q6_K where use_more_bits
+    holds for its rank among the layers that have one (`v_layers`, ascending); ffn_down (dense and experts) Q6_K
+    where it holds for its layer; everything else `base`; then tensor_type's fallbacks."""
+    t = base
+    if canonical in ("embed_tokens.weight", "embed_tokens_per_layer.weight"):
+        t = GGMLType.Q6_K
+    elif canonical.startswith("layers."):
+        layer = int(canonical.split(".")[1])
+        if canonical.endswith("self_attn.v_proj.weight") and _more_bits(v_layers.index(layer), len(v_layers)):
+            t = GGMLType.Q6_K
+        elif canonical.endswith(("mlp.down_proj.weight", "experts.down_proj")) and _more_bits(layer, num_layers):
+            t = GGMLType.Q6_K
+    return tensor_type(canonical, shape, t)
 
 
 def rope_metadata(config: ModelConfig, theta: dict[str, float]) -> tuple[np.ndarray | None, dict[str, float]]:
@@ -366,11 +399,11 @@ def _tokenizer_keys(directory: Path, writer: GGUFWriter) -> bool:
 
 def write_gguf(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
     """Write `ckpt` (an HF checkpoint) as a llama.cpp-compatible Gemma 4 GGUF. Returns tensor counts by type."""
-    if out_type not in OUT_TYPES:
-        raise ValueError(f"--type must be one of {sorted(OUT_TYPES)}, got {out_type!r}")
+    if out_type not in OUT_TYPES and out_type not in MIXES:
+        raise ValueError(f"--type must be one of {sorted([*OUT_TYPES, *MIXES])}, got {out_type!r}")
     if ckpt.format != "safetensors":
         raise CheckpointError(f"{ckpt.path}: convert reads HF checkpoint directories")
-    qtype = OUT_TYPES[out_type]
+    qtype = MIXES.get(out_type) or OUT_TYPES[out_type]
     config = ckpt.config
     rope_params = ckpt.metadata["config.json"].get("text_config", ckpt.metadata["config.json"])["rope_parameters"]
     factors, theta = rope_metadata(config, {t: float(p["rope_theta"]) for t, p in rope_params.items()})
@@ -380,7 +413,7 @@ def write_gguf(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = No
     specs = config.layers
     w.add("general.architecture", ARCH)
     w.add("general.name", name or ckpt.path.name)
-    w.add("general.file_type", FILE_TYPE[qtype], _VT.UINT32)
+    w.add("general.file_type", MIX_FILE_TYPE.get(out_type, FILE_TYPE[qtype]), _VT.UINT32)
     w.add("general.quantization_version", 2, _VT.UINT32)
 
     def scalar_or_array(key: str, values: list[int]) -> None:
@@ -420,8 +453,10 @@ def write_gguf(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = No
     if factors is not None:
         w.add_tensor("rope_freqs.weight", factors, (factors.size,), GGMLType.F32)
         counts["F32"] = 1
+    v_layers = sorted(int(c.split(".")[1]) for c in ckpt.tensors if c.endswith("self_attn.v_proj.weight"))
     for canonical, entry in ckpt.tensors.items():
-        t = tensor_type(canonical, entry.shape, qtype)
+        t = (mix_type(canonical, entry.shape, qtype, L, v_layers) if out_type in MIXES
+             else tensor_type(canonical, entry.shape, qtype))
         data = quantize(entry.dense().float().contiguous(), t).numpy()
         w.add_tensor(to_gguf_name(canonical), data, entry.shape, t)
         counts[t.name] = counts.get(t.name, 0) + 1

@@ -17,7 +17,7 @@ from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from gem4.weights.quants import GGMLType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# "auto" is the fast mode: bf16 weights and KV cache, Q8_0/Q4_0 kept packed for the compiled kernels where
+# "auto" is the fast mode: bf16 weights and KV cache, Q8_0/Q4_0/Q4_K/Q5_K/Q6_K kept packed for the compiled kernels where
 # the CPU runs them (plain bf16 torch where it does not). float32 is the reference mode, asked for by name.
 AUTO_DTYPE = "bfloat16"
 PLE_TABLE = "embed_tokens_per_layer.weight"
@@ -107,7 +107,7 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     _check_manifest(ckpt, expected)
 
-    # fast mode: Q8_0 / Q4_0 projections stay packed and the decode step runs compiled kernels (float32 is the reference)
+    # fast mode: projections in kernels.PACKED_TYPES stay packed and the decode step runs compiled kernels (float32 is the reference)
     packed_kernels = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available()
     state = {}
     for name in tqdm(list(expected), desc="loading weights", unit="tensor", disable=not progress):

@@ -320,7 +320,8 @@ _FLOAT_DTYPES: dict[GGMLType, torch.dtype] = {
 }
 
 DEQUANT_TYPES: frozenset[GGMLType] = frozenset({*_FLOAT_DTYPES, *_BLOCK_DEQUANT})
-QUANT_TYPES: frozenset[GGMLType] = frozenset({*_FLOAT_DTYPES, GGMLType.Q8_0, GGMLType.Q4_0})
+QUANT_TYPES: frozenset[GGMLType] = frozenset({*_FLOAT_DTYPES, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K,
+                                               GGMLType.Q5_K, GGMLType.Q6_K})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,6 +406,96 @@ def _quant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     return torch.cat([_f32_to_f16_bytes(d.squeeze(-1)), packed], dim=-1)
 
 
+def _f16_round(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> the float32 value of its fp16 rounding (what a block's stored scale will be)."""
+    return x.to(torch.float16).to(torch.float32)
+
+
+def _k_scale_min_bytes(sc: torch.Tensor, mn: torch.Tensor) -> torch.Tensor:
+    """(n, 8) 6-bit sub-block scales and mins -> the (n, 12) scale field (inverse of _unpack_k_scale_min)."""
+    sc, mn = sc.to(torch.uint8), mn.to(torch.uint8)
+    a = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    b = mn[:, :4] | ((mn[:, 4:] >> 4) << 6)
+    c = (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)
+    return torch.cat([a, b, c], dim=-1)
+
+
+def _quant_k_affine(blocks: torch.Tensor, levels: int) -> tuple[torch.Tensor, ...]:
+    """Q4_K / Q5_K: (n, 256) float32 -> d, dmin (n, 1) fp16-representable, sc, mn (n, 8) in 0..63, q (n, 256).
+
+    Per sub-block of 32 the range [min(x, 0), max(x)] is split in `levels` steps (scale = range / levels,
+    min = -min(x, 0)); the 8 scales and mins are themselves quantized to 6 bits against the super-block's
+    d = max scale / 63 and dmin = max min / 63 (round to nearest), and each weight is rounded to the nearest
+    level of the scale and min it will be read with. Plain round-to-nearest, no search (llama.cpp's
+    make_qkx2_quants searches; this is simpler and a little less accurate)."""
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 8, 32)
+    lo = sub.amin(dim=-1).clamp(max=0)                        # (n, 8), <= 0
+    hi = sub.amax(dim=-1)
+    scale, minv = (hi - lo) / levels, -lo                     # (n, 8), >= 0
+    d = _f16_round(scale.amax(dim=-1, keepdim=True) / 63)     # (n, 1)
+    dmin = _f16_round(minv.amax(dim=-1, keepdim=True) / 63)
+    sc = torch.clamp(torch.round(scale * _safe_reciprocal(d)), 0, 63)
+    mn = torch.clamp(torch.round(minv * _safe_reciprocal(dmin)), 0, 63)
+    dl, ml = (d * sc).unsqueeze(-1), (dmin * mn).unsqueeze(-1)   # (n, 8, 1): exactly what dequantize uses
+    q = torch.clamp(torch.round((sub + ml) * _safe_reciprocal(dl)), 0, levels)
+    return d, dmin, sc, mn, q.reshape(n, 256).to(torch.uint8)
+
+
+def _nibble_pairs_k(q: torch.Tensor) -> torch.Tensor:
+    """(n, 256) values 0..15 -> (n, 128) bytes: sub-block 2c in the low nibbles of qs[32c:32c+32], 2c+1 high."""
+    n = q.shape[0]
+    pairs = q.reshape(n, 4, 2, 32)
+    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
+
+
+def _quant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    """(n, 256) float32 -> (n, 144) uint8."""
+    d, dmin, sc, mn, q = _quant_k_affine(blocks, 15)
+    return torch.cat([_f32_to_f16_bytes(d.squeeze(-1)), _f32_to_f16_bytes(dmin.squeeze(-1)),
+                      _k_scale_min_bytes(sc, mn), _nibble_pairs_k(q)], dim=-1)
+
+
+def _quant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    """(n, 256) float32 -> (n, 176) uint8: as Q4_K with 32 levels, bit 4 of each q in qh."""
+    d, dmin, sc, mn, q = _quant_k_affine(blocks, 31)
+    n = q.shape[0]
+    high = (q >> 4).reshape(n, 8, 32)                                   # bit j of qh[l]: element 32 j + l
+    qh = (high << torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)).sum(dim=1, dtype=torch.uint8)
+    return torch.cat([_f32_to_f16_bytes(d.squeeze(-1)), _f32_to_f16_bytes(dmin.squeeze(-1)),
+                      _k_scale_min_bytes(sc, mn), qh, _nibble_pairs_k(q & 0x0F)], dim=-1)
+
+
+def _quant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    """(n, 256) float32 -> (n, 210) uint8.
+
+    Per sub-block of 16 the value of largest magnitude maps to -32 (scale = that value / -32, as Q4_0 does
+    with -8); the 16 scales are quantized to int8 against d = max |scale| / 127; each weight is rounded to
+    the nearest level of the scale it will be read with, q in 0..63 (q - 32 = -32..31)."""
+    n = blocks.shape[0]
+    sub = blocks.reshape(n, 16, 16)
+    imax = sub.abs().argmax(dim=-1, keepdim=True)
+    scale = sub.gather(-1, imax).squeeze(-1) / -32                     # (n, 16), signed
+    d = _f16_round(scale.abs().amax(dim=-1, keepdim=True) / 127)       # (n, 1)
+    sc = torch.clamp(torch.round(scale * _safe_reciprocal(d)), -128, 127)
+    dl = (d * sc).unsqueeze(-1)                                        # (n, 16, 1)
+    q = (torch.clamp(torch.round(sub * _safe_reciprocal(dl)), -32, 31) + 32).reshape(n, 2, 128).to(torch.uint8)
+    ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)          # (n, 2, 64): elems r and 64 + r of a half
+    hi = (q >> 4).reshape(n, 2, 4, 32)                                 # bits 2s of qh[32h + l]: elem 128h + 32s + l
+    qh = (hi << torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)).sum(dim=2, dtype=torch.uint8)
+    return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), sc.to(torch.int8).view(torch.uint8),
+                      _f32_to_f16_bytes(d.squeeze(-1))], dim=-1)
+
+
+_BLOCK_QUANT: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
+    GGMLType.Q8_0: _quant_q8_0,
+    GGMLType.Q4_0: _quant_q4_0,
+    GGMLType.Q4_K: _quant_q4_k,
+    GGMLType.Q5_K: _quant_q5_k,
+    GGMLType.Q6_K: _quant_q6_k,
+}
+
+
 def _quant_bf16(x: torch.Tensor) -> torch.Tensor:
     """float32 (N,) -> uint8 (N, 2): round to nearest even; NaNs are quieted (ggml_compute_fp32_to_bf16)."""
     n = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -417,7 +508,8 @@ def _quant_bf16(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
     """float32 tensor (last dim a multiple of the block size) -> 1-D uint8 tensor of GGML bytes.
 
-    Supported: F32, F16, BF16, Q8_0, Q4_0; bytes are identical to gguf.quants.quantize.
+    Supported: F32, F16, BF16, Q8_0, Q4_0 (bytes identical to gguf.quants.quantize) and Q4_K, Q5_K, Q6_K
+    (gem4's own round-to-nearest quantizers, see _quant_k_affine and _quant_q6_k; gguf-py has none).
     Other floating dtypes are converted to float32 first."""
     t = _as_type(ggml_type)
     if t not in QUANT_TYPES:
@@ -436,8 +528,7 @@ def quantize(x: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
     if t == GGMLType.BF16:
         return _quant_bf16(flat).reshape(-1)
     blocks = flat.reshape(-1, block)
-    out = _quant_q8_0(blocks) if t == GGMLType.Q8_0 else _quant_q4_0(blocks)
-    return out.reshape(-1)
+    return _BLOCK_QUANT[t](blocks).reshape(-1)
 
 
 def ggml_dtype_view(raw: torch.Tensor, ggml_type: GGMLType, shape: tuple[int, ...]) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
 """Compiled CPU kernels of the fast mode, built once per machine on first use.
 
-- `repack(raw, n_out, k_in, ggml_type)`: Q8_0 / Q4_0 GGML blocks -> the kernels' "x16" layout (once at
-  load, same size give or take the padding of a row's last 16 blocks; `ggml_gemv.cpp` describes it).
+- `repack(raw, n_out, k_in, ggml_type)`: Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K GGML blocks -> the kernels' "x16"
+  layout (once at load, lossless; same size give or take the padding of a row's last 16 blocks and, for
+  Q4_K / Q5_K, their unpacked 6-bit scales; `ggml_gemv.cpp` and `kquants.h` describe it).
   `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode); `gemv_multi` (Q, K, V from one
   input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's GEMM
   (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
@@ -59,7 +60,7 @@ import torch
 from gem4.weights.quants import GGMLType
 
 SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "kquants.h")]
 # compiler flag -m<key> -> the /proc/cpuinfo flag of the same extension
 ISA = {
     "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl",     # the intrinsics' base
@@ -73,7 +74,8 @@ TUNE = "icelake-server"               # scheduling only (no instruction set): th
 # -fopenmp: at::parallel_for is an inline OpenMP loop; without the flag it silently runs serially
 CFLAGS = ("-O3", *(f"-m{isa}" for isa in ISA), f"-mtune={TUNE}", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
-PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # formats the compiled kernels read
+PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0,    # formats the compiled kernels read
+                          GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 LIBRARY = "gem4_kernels.so"
 BUILD_TIME = "about 1-2 minutes"      # 5 sources on 2 cores (longer on a busy machine)
 WAIT_LIMIT_S = 1800                   # longest wait for another process's build before the portable path
@@ -369,7 +371,7 @@ def keep_heap() -> bool:
 
 
 def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
-    """GGML bytes of an [n_out, k_in] Q8_0 / Q4_0 weight -> its x16 layout [n_out, packed_row_bytes] uint8."""
+    """GGML bytes of an [n_out, k_in] weight of a PACKED_TYPES type -> its x16 layout [n_out, packed_row_bytes] uint8."""
     return _ops().repack_x16(raw.contiguous(), n_out, k_in, int(ggml_type))
 
 

@@ -1,7 +1,10 @@
-// Products with Q8_0 / Q4_0 weights (AVX-512 + VNNI), in a load-time layout made for them.
+// Products with Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights (AVX-512 + VNNI), in a load-time layout made for them.
 //
 // GGML block (32 weights):  Q8_0: fp16 d | int8 q[32]                           w = d * q
 //                           Q4_0: fp16 d | u8 qs[16] (lo nibble: j, hi: j + 16)   w = d * (q - 8)
+// K-quants (super-blocks of 256 weights): kquants.h. Their x16 rows use Q4_0's 32-weight blocks, groups and
+// nibble order for the low 4 bits of q, plus high-bit vectors and unpacked sub-block scales per group
+// (lossless: dequant_x16 gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
 //
 // The "x16" layout (repack_x16, once at load): each row's blocks in groups of 16, the last group padded
 // with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
@@ -30,6 +33,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kquants.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -45,25 +49,33 @@ constexpr int64_t Q8_0_TYPE = 8, Q4_0_TYPE = 2;   // GGML type ids
 int64_t groups_of(int64_t k_in) { return (k_in / QK + GROUP - 1) / GROUP; }
 
 struct Format {
-    int64_t block_bytes;   // GGML block
-    int64_t quant_bytes;   // quant bytes per block
+    int64_t type;          // GGML type id
+    int64_t block_bytes;   // GGML block (32 weights; K-quants: super-block of 256)
+    int64_t block_elems;   // weights per GGML block
+    int64_t quant_bytes;   // x16 quant bytes per 32-weight block (nibbles / int8, then K-quant high bits)
+    int64_t meta_bytes;    // scales per x16 group (Q8_0 / Q4_0: 16 fp16 d; K-quants: kquants.h)
     int64_t groups;        // x16 groups per row
     int64_t quants_at;     // offset of the first group's quants in an x16 row (the scales come first)
     int64_t row_bytes;     // x16 row
 };
 
 Format format_of(int64_t ggml_type, int64_t k_in) {
-    TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE, "only Q8_0 (8) and Q4_0 (2) have kernels");
-    TORCH_CHECK(k_in > 0 && k_in % QK == 0, "k_in must be a positive multiple of 32");
-    const int64_t q = ggml_type == Q8_0_TYPE ? 32 : 16, G = groups_of(k_in);
-    const int64_t quants_at = (G * GROUP * 2 + 63) / 64 * 64;
-    return {2 + q, q, G, quants_at, quants_at + G * GROUP * q};
+    const bool k = gem4_kq::is_k(ggml_type);
+    TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE || k,
+                "only Q8_0 (8), Q4_0 (2), Q4_K (12), Q5_K (13) and Q6_K (14) have kernels");
+    const int64_t block = k ? gem4_kq::QK_K : QK;
+    TORCH_CHECK(k_in > 0 && k_in % block == 0, "k_in must be a positive multiple of ", block, " for this type");
+    const int64_t q = ggml_type == Q8_0_TYPE ? 32 : 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : 0);
+    const int64_t G = groups_of(k_in), meta = k ? gem4_kq::meta_bytes(ggml_type) : GROUP * 2;
+    const int64_t quants_at = (G * meta + 63) / 64 * 64;
+    const int64_t block_bytes = k ? gem4_kq::super_bytes(ggml_type) : 2 + q;
+    return {ggml_type, block_bytes, block, q, meta, G, quants_at, quants_at + G * GROUP * q};
 }
 
-// GGML [N, K/32 blocks] -> x16 [N, groups * group_bytes]
+// GGML [N, K / block weights] -> x16 [N, groups * group_bytes]
 torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Format f = format_of(ggml_type, k_in);
-    const int64_t nb = k_in / QK;
+    const int64_t nb = k_in / f.block_elems;               // GGML blocks per row
     TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
                 "w must be the contiguous GGML bytes of an [n_out, k_in] weight");
     auto out = torch::empty({n_out, f.row_bytes}, w.options());
@@ -74,18 +86,27 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
                     end = (reinterpret_cast<uintptr_t>(dst) + out.nbytes()) / huge * huge;
     if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
     const uint8_t* src = w.data_ptr<uint8_t>();
+    const int64_t group_bytes = GROUP * f.quant_bytes;
     at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {
         std::memset(dst + n0 * f.row_bytes, 0, (n1 - n0) * f.row_bytes);      // padding blocks: d = 0
-        for (int64_t n = n0; n < n1; ++n)
+        gem4_kq::Super sb;
+        for (int64_t n = n0; n < n1; ++n) {
+            uint8_t* row = dst + n * f.row_bytes;
             for (int64_t b = 0; b < nb; ++b) {
                 const uint8_t* blk = src + (n * nb + b) * f.block_bytes;
-                uint8_t* row = dst + n * f.row_bytes;
-                uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
+                if (f.block_elems == gem4_kq::QK_K) {                            // super-block b: half b % 2 of group b / 2
+                    gem4_kq::decode(f.type, blk, sb);
+                    gem4_kq::place_super(f.type, sb, static_cast<int>(b % 2), row + f.quants_at + (b / 2) * group_bytes,
+                                         row + (b / 2) * f.meta_bytes);
+                    continue;
+                }
+                uint8_t* grp = row + f.quants_at + (b / GROUP) * group_bytes;
                 const int64_t lane = b % GROUP;
                 std::memcpy(row + 2 * b, blk, 2);                                                   // d
                 for (int64_t v = 0; v < f.quant_bytes / 4; ++v)
                     std::memcpy(grp + v * 64 + 4 * lane, blk + 2 + 4 * v, 4);
             }
+        }
     });
     return out;
 }
@@ -105,14 +126,19 @@ inline int64_t stream_pos(int64_t ggml_type, int64_t lane, int64_t elem) {
     return (v * 4 + hi * 2 + r % 2) * 32 + 2 * lane + r / 2;
 }
 
-// One row of x -> the kernel's activation stream, per-block scales, and Q4_0's -8 * block sums.
+// One row of x -> the kernel's activation stream, per-block scales, and the block sums the weights' offsets
+// need: Q4_0 -8 * sum (corr); Q6_K -32 * the sums of the block's first and last 16 (corr, corr2); Q4_K / Q5_K
+// scale * sum (xsum, for the sub-block mins). K-quants take Q4_0's stream order (kquants.h).
 // Each block is quantized in one register, its 32 values reordered so that 32-bit word k holds the pair
 // that step k multiplies, and the 16 words scattered to lane `lane` of the group's 16 steps.
-void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, float* dx, int32_t* corr) {
+void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, float* dx, int32_t* corr, int32_t* corr2,
+                 float* xsum) {
     const int64_t nb = K / QK, G = groups_of(K);
     std::memset(stream, 0, G * GROUP_ELEMS * sizeof(int16_t));
     std::memset(dx, 0, G * GROUP * sizeof(float));
     std::memset(corr, 0, G * GROUP * sizeof(int32_t));
+    std::memset(corr2, 0, G * GROUP * sizeof(int32_t));
+    std::memset(xsum, 0, G * GROUP * sizeof(float));
     alignas(64) int16_t order[QK];                            // order[2k + t] = element in half t of step k
     for (int64_t e = 0; e < QK; ++e) {
         const int64_t pos = stream_pos(ggml_type, 0, e);      // step * 32 + half, for lane 0
@@ -133,7 +159,15 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, 
         _mm512_i32scatter_epi32(stream + g * GROUP_ELEMS, _mm512_add_epi32(steps, _mm512_set1_epi32(static_cast<int>(lane))),
                                 _mm512_permutexvar_epi16(perm, q), 4);
         dx[g * GROUP + lane] = scale;
-        corr[g * GROUP + lane] = -8 * (_mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1));
+        const int32_t lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
+        if (ggml_type == Q4_0_TYPE) {
+            corr[g * GROUP + lane] = -8 * (lo + hi);
+        } else if (ggml_type == gem4_kq::Q6_K) {
+            corr[g * GROUP + lane] = -32 * lo;
+            corr2[g * GROUP + lane] = -32 * hi;
+        } else if (gem4_kq::is_k(ggml_type)) {
+            xsum[g * GROUP + lane] = scale * static_cast<float>(lo + hi);
+        }
     }
 }
 
@@ -180,6 +214,103 @@ void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, cons
     }
 }
 
+// The K-quant GEMV (kquants.h has the layout): Q4_0's nibble steps, each weight's high bits or'ed in by a
+// rotate and a ternary-logic merge, and the sub-block scales applied per group, for MC rows of x:
+//   Q4_K / Q5_K  y += dot_b (d sc_b dx_b) - (dmin min_b) xsum_b                     (one sub-block per lane)
+//   Q6_K         y += (dotA_b (d scA_b) + dotB_b (d scB_b)) dx_b, dotA / dotB from -32 * sum (corr / corr2)
+// Every row of x takes the same operations in the same order whatever MC is (batch invariance).
+template <int MC, int64_t TYPE>
+void gemv_rows_k(const int16_t* stream, const float* dx, const int32_t* corr, const int32_t* corr2, const float* xsum,
+                 const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+    constexpr bool Q6 = TYPE == gem4_kq::Q6_K, Q5 = TYPE == gem4_kq::Q5_K;
+    constexpr int64_t GB = GROUP * (16 + 4 * (Q6 ? 2 : Q5 ? 1 : 0));
+    const int64_t G = f.groups, stride = G * GROUP_ELEMS, sg = G * GROUP;
+    const __m512i low4 = _mm512_set1_epi16(0x000F);
+    const __m512i hmask = _mm512_set1_epi32(Q6 ? 0x00300030 : 0x00100010);     // bits 4(-5) of both halves
+    const __m512i two_d = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);   // lanes 8..15: super 1
+    for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* row = w + n * f.row_bytes;
+        __m512 acc[MC];
+        for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < G; ++g) {
+            const uint8_t* grp = row + f.quants_at + g * GB;
+            const uint8_t* meta = row + g * f.meta_bytes;
+            const int16_t* xs = stream + g * GROUP_ELEMS;
+            __m512i dot[MC], dot2[MC];
+            for (int i = 0; i < MC; ++i) {
+                dot[i] = Q6 ? _mm512_loadu_si512(corr + i * sg + g * GROUP) : _mm512_setzero_si512();
+                dot2[i] = Q6 ? _mm512_loadu_si512(corr2 + i * sg + g * GROUP) : _mm512_setzero_si512();
+            }
+            __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
+            if constexpr (Q5 || Q6) {
+                _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + 256), _MM_HINT_T0);
+                h0 = _mm512_loadu_si512(grp + 256);
+            }
+            if constexpr (Q6) {
+                _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + 320), _MM_HINT_T0);
+                h1 = _mm512_loadu_si512(grp + 320);
+            }
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; ++v) {
+                _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + v * 64), _MM_HINT_T0);
+                const __m512i raw = _mm512_loadu_si512(grp + v * 64);
+                __m512i e[4];
+                e[0] = _mm512_and_si512(raw, low4);
+                e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);
+                e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                e[3] = _mm512_srli_epi16(raw, 12);
+#pragma GCC unroll 4
+                for (int s = 0; s < 4; ++s) {
+                    const int k = 4 * v + s;                       // the step: kquants.h places its high bits
+                    if constexpr (Q5)
+                        e[s] = _mm512_ternarylogic_epi32(e[s], _mm512_rolv_epi32(h0, _mm512_set1_epi32((4 - k) & 31)), hmask, 0xF8);
+                    if constexpr (Q6)
+                        e[s] = _mm512_ternarylogic_epi32(e[s], _mm512_rolv_epi32(k < 8 ? h0 : h1, _mm512_set1_epi32((4 - 2 * (k % 8)) & 31)),
+                                                         hmask, 0xF8);
+                    for (int i = 0; i < MC; ++i) {
+                        const __m512i xv = _mm512_loadu_si512(xs + i * stride + k * 32);
+                        if (Q6 && s >= 2) dot2[i] = _mm512_dpwssd_epi32(dot2[i], e[s], xv);   // weights 16..31: scB
+                        else dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], xv);
+                    }
+                }
+            }
+            int64_t dword = 0;                                                                   // d0, d1 (, dmin0, dmin1)
+            std::memcpy(&dword, meta + 32, Q6 ? 4 : 8);
+            const __m128i dbits = _mm_cvtsi64_si128(dword);
+            const __m512 dd = _mm512_castps128_ps512(_mm_cvtph_ps(dbits));                      // d0, d1, dmin0, dmin1
+            const __m512 d = _mm512_permutexvar_ps(two_d, dd);
+            if constexpr (Q6) {
+                const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)))));
+                const __m512 a2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)))));
+                for (int i = 0; i < MC; ++i) {
+                    const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), a, _mm512_mul_ps(_mm512_cvtepi32_ps(dot2[i]), a2));
+                    acc[i] = _mm512_fmadd_ps(t, _mm512_loadu_ps(dx + i * sg + g * GROUP), acc[i]);
+                }
+            } else {
+                const __m512 m = _mm512_permutexvar_ps(_mm512_add_epi32(two_d, _mm512_set1_epi32(2)), dd);
+                const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)))));
+                const __m512 b = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)))));
+                for (int i = 0; i < MC; ++i) {
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(a, _mm512_loadu_ps(dx + i * sg + g * GROUP)), acc[i]);
+                    acc[i] = _mm512_fnmadd_ps(b, _mm512_loadu_ps(xsum + i * sg + g * GROUP), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < MC; ++i) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+template <int64_t TYPE>
+void gemv_chunk_k(int mc, const int16_t* stream, const float* dx, const int32_t* corr, const int32_t* corr2, const float* xsum,
+                  const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+    switch (mc) {
+        case 1: gemv_rows_k<1, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
+        case 2: gemv_rows_k<2, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
+        case 3: gemv_rows_k<3, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
+        default: gemv_rows_k<4, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
+    }
+}
+
 template <int64_t TYPE>
 void gemv_chunk(int mc, const int16_t* stream, const float* dx, const int32_t* corr, const Format& f, const uint8_t* w,
                 float* y, int64_t N, int64_t n0, int64_t n1) {
@@ -222,25 +353,35 @@ struct Prepared {
     int64_t type, M, per_row;             // per_row: stream elements of one row of x
     Aligned<int16_t> stream;
     Aligned<float> dx;
-    Aligned<int32_t> corr;
+    Aligned<int32_t> corr, corr2;
+    Aligned<float> xsum;
 
     Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
         : f(format_of(ggml_type, k_in)), type(ggml_type), M(rows_of(x, k_in)), per_row(f.groups * GROUP_ELEMS),
-          stream(M * per_row), dx(M * f.groups * GROUP), corr(M * f.groups * GROUP) {
+          stream(M * per_row), dx(M * f.groups * GROUP), corr(M * f.groups * GROUP), corr2(M * f.groups * GROUP),
+          xsum(M * f.groups * GROUP) {
+        const int64_t sg = f.groups * GROUP;
         for (int64_t m = 0; m < M; ++m)
-            prepare_row(x.data_ptr<float>() + m * k_in, k_in, type, stream.data + m * per_row,
-                        dx.data + m * f.groups * GROUP, corr.data + m * f.groups * GROUP);
+            prepare_row(x.data_ptr<float>() + m * k_in, k_in, type, stream.data + m * per_row, dx.data + m * sg,
+                        corr.data + m * sg, corr2.data + m * sg, xsum.data + m * sg);
     }
 
     // y[m * ldy + n] for rows n in [n0, n1) of the x16 weight w, every row m of x
     void rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+        const int64_t sg = f.groups * GROUP;
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
             const int16_t* s = stream.data + m0 * per_row;
-            const float* sx = dx.data + m0 * f.groups * GROUP;
-            const int32_t* c = corr.data + m0 * f.groups * GROUP;
-            if (type == Q8_0_TYPE) gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, f, w, y + m0 * ldy, ldy, n0, n1);
-            else gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, f, w, y + m0 * ldy, ldy, n0, n1);
+            const float *sx = dx.data + m0 * sg, *xs = xsum.data + m0 * sg;
+            const int32_t *c = corr.data + m0 * sg, *c2 = corr2.data + m0 * sg;
+            float* yo = y + m0 * ldy;
+            switch (type) {
+                case Q8_0_TYPE: gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, f, w, yo, ldy, n0, n1); break;
+                case Q4_0_TYPE: gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, f, w, yo, ldy, n0, n1); break;
+                case gem4_kq::Q4_K: gemv_chunk_k<gem4_kq::Q4_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
+                case gem4_kq::Q5_K: gemv_chunk_k<gem4_kq::Q5_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
+                default: gemv_chunk_k<gem4_kq::Q6_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
+            }
         }
     }
 };
@@ -308,28 +449,77 @@ torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up
 void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
                   uint8_t* op) {
     const int64_t nb = k_in / QK, out_size = bf16 ? 2 : 4;
+    const bool kq = gem4_kq::is_k(ggml_type);
+    const int64_t nibble_vectors = ggml_type == Q8_0_TYPE ? 8 : 4;
+    // K-quants: where the high bits of weights 0..15 / 16..31 of a block sit in its 32-bit lane (kquants.h)
+    alignas(64) int32_t at[32];
+    for (int e = 0; e < 32; ++e) {
+        const gem4_kq::Place p = gem4_kq::place(e);
+        at[e] = ggml_type == gem4_kq::Q6_K ? 16 * p.t + 2 * (p.k % 8) : 16 * p.t + p.k;
+    }
+    const __m512i at_lo = _mm512_load_si512(at), at_hi = _mm512_load_si512(at + 16);
+    const __m512i mask4 = _mm512_set1_epi32(0x0F), hbits = _mm512_set1_epi32(ggml_type == gem4_kq::Q6_K ? 3 : 1);
     for (int64_t n = n0; n < n1; ++n)
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* row = wp + n * f.row_bytes;
             const uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
             const int64_t lane = b % GROUP;
             alignas(32) uint8_t q[32];                       // the block's quant bytes in GGML order
-            for (int64_t v = 0; v < f.quant_bytes / 4; ++v) std::memcpy(q + 4 * v, grp + v * 64 + 4 * lane, 4);
-            uint16_t dbits;
-            std::memcpy(&dbits, row + 2 * b, 2);
-            const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
+            for (int64_t v = 0; v < nibble_vectors; ++v) std::memcpy(q + 4 * v, grp + v * 64 + 4 * lane, 4);
             __m512 w0, w1;
-            if (ggml_type == Q8_0_TYPE) {
-                w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
-                w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16))));
-            } else {
+            if (kq) {                                        // w = (d sc) q - (dmin min), or (d sc) (q - 32): as quants.py
                 const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
-                const __m512i mask = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
-                w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask), eight));
-                w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight));
+                __m512i lo = _mm512_and_si512(raw, mask4), hi = _mm512_srli_epi32(raw, 4);
+                const uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
+                const int64_t half = lane / 8;
+                uint16_t dbits, mbits = 0;
+                std::memcpy(&dbits, meta + 32 + 2 * half, 2);
+                const float d = _cvtsh_ss(dbits);
+                if (ggml_type == gem4_kq::Q6_K) {
+                    uint32_t h0, h1;
+                    std::memcpy(&h0, grp + 256 + 4 * lane, 4);
+                    std::memcpy(&h1, grp + 320 + 4 * lane, 4);
+                    const __m512i h = _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(static_cast<int>(h0)),
+                                                              _mm512_set1_epi32(static_cast<int>(h1)));
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_lo), hbits), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_hi), hbits), 4));
+                    const __m512i off = _mm512_set1_epi32(32);
+                    const float a = d * static_cast<float>(static_cast<int8_t>(meta[lane]));
+                    const float a2 = d * static_cast<float>(static_cast<int8_t>(meta[16 + lane]));
+                    w0 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, off)), _mm512_set1_ps(a), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                    w1 = _mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, off)), _mm512_set1_ps(a2), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                } else {
+                    if (ggml_type == gem4_kq::Q5_K) {
+                        uint32_t h0;
+                        std::memcpy(&h0, grp + 256 + 4 * lane, 4);
+                        const __m512i h = _mm512_set1_epi32(static_cast<int>(h0));
+                        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_lo), hbits), 4));
+                        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_hi), hbits), 4));
+                    }
+                    std::memcpy(&mbits, meta + 36 + 2 * half, 2);
+                    const __m512 a = _mm512_set1_ps(d * static_cast<float>(meta[lane]));
+                    const __m512 m = _mm512_set1_ps(_cvtsh_ss(mbits) * static_cast<float>(meta[16 + lane]));
+                    // two roundings, never fused into one FMA (the reference rounds the product, then the difference)
+                    constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                    w0 = _mm512_sub_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(lo), a, R), m, R);
+                    w1 = _mm512_sub_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(hi), a, R), m, R);
+                }
+            } else {
+                uint16_t dbits;
+                std::memcpy(&dbits, row + 2 * b, 2);
+                const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
+                if (ggml_type == Q8_0_TYPE) {
+                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
+                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16))));
+                } else {
+                    const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
+                    const __m512i eight = _mm512_set1_epi32(8);
+                    w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask4), eight));
+                    w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight));
+                }
+                w0 = _mm512_mul_ps(w0, d);
+                w1 = _mm512_mul_ps(w1, d);
             }
-            w0 = _mm512_mul_ps(w0, d);
-            w1 = _mm512_mul_ps(w1, d);
             uint8_t* dst = op + ((n - n0) * k_in + b * QK) * out_size;
             if (bf16) {
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(w0));

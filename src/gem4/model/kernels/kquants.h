@@ -1,0 +1,121 @@
+// GGML K-quant super-blocks (256 weights) and where their parts go in the x16 layout (ggml_gemv.cpp).
+//
+// GGML (quants.py has the reference dequantization and the byte maps):
+//   Q4_K 144 B: d, dmin fp16 | scales[12] (8 x 6-bit sc and min) | qs[128]          w = (d sc_j) q - (dmin min_j)
+//   Q5_K 176 B: d, dmin fp16 | scales[12] | qh[32] (bit 4 of q) | qs[128]           sub-blocks j of 32, q 0..15 / 0..31
+//   Q6_K 210 B: ql[128] | qh[64] (bits 4-5 of q) | int8 sc[16] | d fp16              w = (d sc_j) (q - 32), sub-blocks of 16
+//
+// In the x16 layout a K-quant row is cut into the same 32-weight blocks and groups of 16 blocks (two
+// super-blocks) as Q4_0, and the low 4 bits of each q sit exactly where Q4_0 keeps its nibbles, so the GEMV
+// reads them with Q4_0's instructions and activation order. What K-quants add, per group:
+//   - high bits (Q5_K: 1, Q6_K: 2 per weight) in 1 / 2 more 64-byte vectors after the 4 nibble vectors,
+//     32-bit lane b for block b, placed so that the kernel's step k (0..15, the order in which it takes
+//     the nibble pairs) finds the bits of its two weights (half t = 0 / 1 of the 32-bit lane) by one
+//     rotate: Q5_K bit 16t + k of the lane; Q6_K bits 16t + 2(k % 8) of vector k / 8;
+//   - the scales, unpacked from their 6-bit fields (lossless), in front of the row as for Q4_0:
+//     Q4_K / Q5_K 40 bytes: sc[16] (block b = sub-block b % 8 of super-block b / 8), min[16], d[2], dmin[2];
+//     Q6_K 36 bytes: sc of the first 16 weights of each block [16], of the last 16 [16], d[2].
+//   Sizes: Q6_K as GGML; Q4_K +2.8 %, Q5_K +2.3 % (unpacked scales).
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace gem4_kq {
+
+constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;      // GGML type ids
+constexpr int64_t QK_K = 256;
+
+inline bool is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+inline int64_t super_bytes(int64_t type) { return type == Q4_K ? 144 : type == Q5_K ? 176 : 210; }
+inline int64_t high_vectors(int64_t type) { return type == Q5_K ? 1 : type == Q6_K ? 2 : 0; }
+inline int64_t meta_bytes(int64_t type) { return type == Q6_K ? 36 : 40; }
+
+// One super-block decoded: q[256] (the full quant, 0..15 / 0..31 / 0..63) and its scales.
+struct Super {
+    uint8_t q[QK_K];
+    uint8_t sc[16], mn[8];    // Q4_K / Q5_K: sc[0..8), mn[0..8) (6-bit); Q6_K: sc[0..16) (int8 bits)
+    uint16_t d, dmin;         // fp16 bits (Q6_K: dmin unused)
+};
+
+inline void decode(int64_t type, const uint8_t* b, Super& s) {
+    if (type == Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int e = 0; e < QK_K; ++e) {
+            const int h = e / 128, r = e % 128;
+            const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0xF;
+            const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
+            s.q[e] = static_cast<uint8_t>(lo | hi << 4);
+        }
+        std::memcpy(s.sc, b + 192, 16);
+        std::memcpy(&s.d, b + 208, 2);
+        s.dmin = 0;
+        return;
+    }
+    std::memcpy(&s.d, b, 2);
+    std::memcpy(&s.dmin, b + 2, 2);
+    const uint8_t* k = b + 4;                                   // the 12 scale bytes
+    for (int j = 0; j < 8; ++j) {
+        if (j < 4) {
+            s.sc[j] = k[j] & 63;
+            s.mn[j] = k[j + 4] & 63;
+        } else {
+            s.sc[j] = (k[j + 4] & 0xF) | ((k[j - 4] >> 6) << 4);
+            s.mn[j] = (k[j + 4] >> 4) | ((k[j] >> 6) << 4);
+        }
+    }
+    const uint8_t* qs = b + (type == Q5_K ? 48 : 16);
+    const uint8_t* qh = b + 16;
+    for (int e = 0; e < QK_K; ++e) {
+        const int j = e / 32, l = e % 32;
+        int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF;
+        if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+        s.q[e] = static_cast<uint8_t>(q);
+    }
+}
+
+// Where weight `e` (0..31) of a block sits: byte `byte` (0..15) of its Q4_0-style nibbles, the high nibble
+// when e >= 16, and the kernel's step k / half t for it.
+struct Place {
+    int byte, k, t;
+};
+inline Place place(int e) {
+    const int j = e % 16, r = j % 4;
+    return {j, 4 * (j / 4) + 2 * (e / 16) + r % 2, r / 2};
+}
+
+// Super-block `s` -> half `half` (blocks 8 half .. 8 half + 7) of an x16 group: its quant bytes at `grp`
+// (4 nibble vectors, then the high-bit vectors), its scales at `meta`. `grp` and `meta` start zeroed.
+inline void place_super(int64_t type, const Super& s, int half, uint8_t* grp, uint8_t* meta) {
+    for (int b = 0; b < 8; ++b) {
+        const int lane = 8 * half + b;
+        for (int e = 0; e < 32; ++e) {
+            const int q = s.q[32 * b + e];
+            const Place p = place(e);
+            uint8_t* byte = grp + (p.byte / 4) * 64 + 4 * lane + p.byte % 4;
+            *byte |= static_cast<uint8_t>((q & 0xF) << (e >= 16 ? 4 : 0));
+            uint32_t word;
+            if (type == Q5_K) {
+                uint8_t* at = grp + 256 + 4 * lane;
+                std::memcpy(&word, at, 4);
+                word |= static_cast<uint32_t>((q >> 4) & 1) << (16 * p.t + p.k);
+                std::memcpy(at, &word, 4);
+            } else if (type == Q6_K) {
+                uint8_t* at = grp + 256 + 64 * (p.k / 8) + 4 * lane;
+                std::memcpy(&word, at, 4);
+                word |= static_cast<uint32_t>((q >> 4) & 3) << (16 * p.t + 2 * (p.k % 8));
+                std::memcpy(at, &word, 4);
+            }
+        }
+        if (type == Q6_K) {
+            meta[lane] = s.sc[2 * b];               // weights 0..15 of the block
+            meta[16 + lane] = s.sc[2 * b + 1];      // weights 16..31
+        } else {
+            meta[lane] = s.sc[b];
+            meta[16 + lane] = s.mn[b];
+        }
+    }
+    std::memcpy(meta + 32 + 2 * half, &s.d, 2);
+    if (type != Q6_K) std::memcpy(meta + 36 + 2 * half, &s.dmin, 2);
+}
+
+}  // namespace gem4_kq
