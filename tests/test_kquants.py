@@ -159,7 +159,8 @@ def test_quantizers_read_back_by_gguf_py(t, nmse_max):
 
 def test_q4_k_m_mix_follows_llama_cpp():
     """Token tables Q6_K; attn_v Q6_K by its rank among the layers that have one, ffn_down by layer index
-    (use_more_bits: first and last eighth, every third between); rows that are not 256-blocks fall back."""
+    (use_more_bits: first and last eighth, every third between); rows that are not 256-blocks fall back; the
+    per-layer model projection is not quantized. (On llama.cpp's own Q4_K_M E2B file all 540 tensors agree.)"""
     from gem4.weights.gguf_model import mix_type
     Q4K, Q6K = GGMLType.Q4_K, GGMLType.Q6_K
     n_layers, v_layers = 16, list(range(10))              # layers 10-15 share KV: no attn_v
@@ -175,6 +176,7 @@ def test_q4_k_m_mix_follows_llama_cpp():
     assert mix_type("layers.5.mlp.up_proj.weight", (6144, 96), Q4K, n_layers, v_layers) == GGMLType.Q8_0
     assert mix_type("layers.5.mlp.up_proj.weight", (6144, 8), Q4K, n_layers, v_layers) == GGMLType.F16
     assert mix_type("layers.5.input_layernorm.weight", (1536,), Q4K, n_layers, v_layers) == GGMLType.F32
+    assert mix_type("per_layer_model_projection.weight", (4096, 1536), Q4K, n_layers, v_layers) == GGMLType.BF16
 
 
 # ---- tiny models stored in K-quants: the fast mode against the float32 path ----

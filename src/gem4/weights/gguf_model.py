@@ -338,8 +338,11 @@ def mix_type(canonical: str, shape: tuple[int, ...], base: GGMLType, num_layers:
     """The type of one tensor in a Q4_K_M / Q5_K_M mix (our reading of llama.cpp's llama-quant.cpp for a tied
     model): the token table (also the head) and the per-layer token table Q6_K; attn_v Q6_K where use_more_bits
     holds for its rank among the layers that have one (`v_layers`, ascending); ffn_down (dense and experts) Q6_K
-    where it holds for its layer; everything else `base`; then tensor_type's fallbacks."""
+    where it holds for its layer; everything else `base`; then tensor_type's fallbacks. llama.cpp never quantizes
+    the E2B/E4B per-layer model projection: BF16 here (it keeps the source's type)."""
     t = base
+    if canonical == "per_layer_model_projection.weight":
+        return GGMLType.BF16
     if canonical in ("embed_tokens.weight", "embed_tokens_per_layer.weight"):
         t = GGMLType.Q6_K
     elif canonical.startswith("layers."):
