@@ -120,13 +120,15 @@ def to_canonical(name: str) -> str | None:
 # ---- reading ----
 
 class _Meta:
-    """Typed access to `gemma4.*` keys with errors that name the file and key."""
+    """Typed access to `<arch>.*` keys (`gemma4.*`; `gemma4-assistant.*` for weights/assistant.py) with errors
+    that name the file and key."""
 
-    def __init__(self, reader: GGUFReader):
+    def __init__(self, reader: GGUFReader, arch: str = ARCH):
         self.r = reader
+        self.arch = arch
 
     def get(self, key: str, default=None, required: bool = False):
-        full = key if key.startswith(("general.", "tokenizer.")) else f"{ARCH}.{key}"
+        full = key if key.startswith(("general.", "tokenizer.")) else f"{self.arch}.{key}"
         if full not in self.r.metadata:
             if required:
                 raise CheckpointError(f"{self.r.path}: missing required metadata key {full!r}")
@@ -163,8 +165,9 @@ def _check_architecture(reader: GGUFReader) -> None:
     """A GGUF of another model family is refused by its architecture's name, before its tensors are read."""
     arch = _Meta(reader).get("general.architecture", required=True)
     if arch != ARCH:
+        hint = " (a Gemma 4 assistant drafts for a target model: gem4.load_assistant)" if arch == "gemma4-assistant" else ""
         raise CheckpointError(f"{reader.path}: the architecture is {arch!r}; gem4 runs Gemma 4 "
-                              f"({ARCH!r}) text models")
+                              f"({ARCH!r}) text models{hint}")
 
 
 def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> ModelConfig:
