@@ -90,13 +90,14 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
     at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {
         std::memset(dst + n0 * f.row_bytes, 0, (n1 - n0) * f.row_bytes);      // padding blocks: d = 0
         gem4_kq::Super sb;
+        const gem4_kq::HighBits hb = gem4_kq::high_bits(f.type);
         for (int64_t n = n0; n < n1; ++n) {
             uint8_t* row = dst + n * f.row_bytes;
             for (int64_t b = 0; b < nb; ++b) {
                 const uint8_t* blk = src + (n * nb + b) * f.block_bytes;
                 if (f.block_elems == gem4_kq::QK_K) {                            // super-block b: half b % 2 of group b / 2
                     gem4_kq::decode(f.type, blk, sb);
-                    gem4_kq::place_super(f.type, sb, static_cast<int>(b % 2), row + f.quants_at + (b / 2) * group_bytes,
+                    gem4_kq::place_super(f.type, sb, static_cast<int>(b % 2), hb, row + f.quants_at + (b / 2) * group_bytes,
                                          row + (b / 2) * f.meta_bytes);
                     continue;
                 }
@@ -236,7 +237,7 @@ void gemv_rows_k(const int16_t* stream, const float* dx, const int32_t* corr, co
             const uint8_t* grp = row + f.quants_at + g * GB;
             const uint8_t* meta = row + g * f.meta_bytes;
             const int16_t* xs = stream + g * GROUP_ELEMS;
-            __m512i dot[MC], dot2[MC];
+            __m512i dot[MC], dot2[MC];                 // Q6_K: dot for weights 0..15 of each block, dot2 16..31
             for (int i = 0; i < MC; ++i) {
                 dot[i] = Q6 ? _mm512_loadu_si512(corr + i * sg + g * GROUP) : _mm512_setzero_si512();
                 dot2[i] = Q6 ? _mm512_loadu_si512(corr2 + i * sg + g * GROUP) : _mm512_setzero_si512();

@@ -83,28 +83,38 @@ inline Place place(int e) {
     return {j, 4 * (j / 4) + 2 * (e / 16) + r % 2, r / 2};
 }
 
+// Where each weight e (0..31) of a block keeps its high bits: the high-bit vector (Q6_K: k / 8) and the bit.
+struct HighBits {
+    uint8_t vector[32], shift[32];
+};
+inline HighBits high_bits(int64_t type) {
+    HighBits h{};
+    for (int e = 0; e < 32; ++e) {
+        const Place p = place(e);
+        h.vector[e] = static_cast<uint8_t>(type == Q6_K ? p.k / 8 : 0);
+        h.shift[e] = static_cast<uint8_t>(type == Q6_K ? 16 * p.t + 2 * (p.k % 8) : 16 * p.t + p.k);
+    }
+    return h;
+}
+
 // Super-block `s` -> half `half` (blocks 8 half .. 8 half + 7) of an x16 group: its quant bytes at `grp`
-// (4 nibble vectors, then the high-bit vectors), its scales at `meta`. `grp` and `meta` start zeroed.
-inline void place_super(int64_t type, const Super& s, int half, uint8_t* grp, uint8_t* meta) {
+// (4 nibble vectors, then the high-bit vectors), its scales at `meta`.
+inline void place_super(int64_t type, const Super& s, int half, const HighBits& hb, uint8_t* grp, uint8_t* meta) {
     for (int b = 0; b < 8; ++b) {
         const int lane = 8 * half + b;
-        for (int e = 0; e < 32; ++e) {
-            const int q = s.q[32 * b + e];
-            const Place p = place(e);
-            uint8_t* byte = grp + (p.byte / 4) * 64 + 4 * lane + p.byte % 4;
-            *byte |= static_cast<uint8_t>((q & 0xF) << (e >= 16 ? 4 : 0));
-            uint32_t word;
-            if (type == Q5_K) {
-                uint8_t* at = grp + 256 + 4 * lane;
-                std::memcpy(&word, at, 4);
-                word |= static_cast<uint32_t>((q >> 4) & 1) << (16 * p.t + p.k);
-                std::memcpy(at, &word, 4);
-            } else if (type == Q6_K) {
-                uint8_t* at = grp + 256 + 64 * (p.k / 8) + 4 * lane;
-                std::memcpy(&word, at, 4);
-                word |= static_cast<uint32_t>((q >> 4) & 3) << (16 * p.t + 2 * (p.k % 8));
-                std::memcpy(at, &word, 4);
+        const uint8_t* q = s.q + 32 * b;
+        uint8_t nibbles[16];                                   // Q4_0's order: byte j = weight j | weight j + 16
+        for (int j = 0; j < 16; ++j) nibbles[j] = static_cast<uint8_t>((q[j] & 0xF) | (q[j + 16] & 0xF) << 4);
+        for (int v = 0; v < 4; ++v) std::memcpy(grp + v * 64 + 4 * lane, nibbles + 4 * v, 4);
+        if (type != Q4_K) {
+            uint32_t words[2] = {0, 0}, w0 = 0, w1 = 0;        // in registers: no store-to-load chain per weight
+            for (int e = 0; e < 32; ++e) {
+                const uint32_t bits = static_cast<uint32_t>(q[e] >> 4) << hb.shift[e];
+                w0 |= hb.vector[e] ? 0 : bits;
+                w1 |= hb.vector[e] ? bits : 0;
             }
+            words[0] = w0, words[1] = w1;
+            for (int v = 0; v < high_vectors(type); ++v) std::memcpy(grp + 256 + 64 * v + 4 * lane, words + v, 4);
         }
         if (type == Q6_K) {
             meta[lane] = s.sc[2 * b];               // weights 0..15 of the block
