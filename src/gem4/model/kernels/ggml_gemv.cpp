@@ -445,6 +445,29 @@ torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up
     return y;
 }
 
+// Four quant vectors of a group (32-bit lane b of vector v: bytes 4v..4v+3 of block b) -> out[16 b + 4 v + r]:
+// each block's 16 bytes contiguous (a 4 x 16 transpose of 32-bit words, in registers; one 64-byte store per
+// 4 blocks instead of 4-byte copies, whose narrow stores a 16-byte load cannot forward from).
+inline void transpose_group(const uint8_t* grp, uint8_t* out) {
+    const __m512i v0 = _mm512_loadu_si512(grp), v1 = _mm512_loadu_si512(grp + 64), v2 = _mm512_loadu_si512(grp + 128),
+                  v3 = _mm512_loadu_si512(grp + 192);
+    const __m512i t0 = _mm512_unpacklo_epi32(v0, v1), t1 = _mm512_unpackhi_epi32(v0, v1);   // 128-bit lane L: blocks 4L..
+    const __m512i t2 = _mm512_unpacklo_epi32(v2, v3), t3 = _mm512_unpackhi_epi32(v2, v3);
+    const __m512i u[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),      // u[j] lane L: block 4L + j
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    // block 4L + j goes to out + 16 (4L + j): gather lane L of each u[j] into one vector of 4 blocks
+    const __m512i lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    const __m512i a = _mm512_permutex2var_epi64(u[0], lo, u[1]);   // blocks 0, 1 | 4, 5 (lanes 0, 1 of u0, u1 interleaved)
+    const __m512i b = _mm512_permutex2var_epi64(u[2], lo, u[3]);   // blocks 2, 3 | 6, 7
+    const __m512i c = _mm512_permutex2var_epi64(u[0], hi, u[1]);   // blocks 8, 9 | 12, 13
+    const __m512i d = _mm512_permutex2var_epi64(u[2], hi, u[3]);   // blocks 10, 11 | 14, 15
+    const __m512i pick_lo = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), pick_hi = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    _mm512_store_si512(out, _mm512_permutex2var_epi64(a, pick_lo, b));          // blocks 0..3
+    _mm512_store_si512(out + 64, _mm512_permutex2var_epi64(a, pick_hi, b));     // blocks 4..7
+    _mm512_store_si512(out + 128, _mm512_permutex2var_epi64(c, pick_lo, d));    // blocks 8..11
+    _mm512_store_si512(out + 192, _mm512_permutex2var_epi64(c, pick_hi, d));    // blocks 12..15
+}
+
 // Rows [n0, n1) of an x16 weight -> out (row-major, k_in per row) as float32 or bf16 (w = d * q, or
 // d * (q - 8); exact in float32).
 void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
@@ -460,13 +483,18 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
     }
     const __m512i at_lo = _mm512_load_si512(at), at_hi = _mm512_load_si512(at + 16);
     const __m512i mask4 = _mm512_set1_epi32(0x0F), hbits = _mm512_set1_epi32(ggml_type == gem4_kq::Q6_K ? 3 : 1);
+    alignas(64) uint8_t blocks[2][GROUP * 16];              // a group's quant bytes back in block order
     for (int64_t n = n0; n < n1; ++n)
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* row = wp + n * f.row_bytes;
             const uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
             const int64_t lane = b % GROUP;
+            if (lane == 0)                                   // vectors 4h..4h+3 -> bytes 16h..16h+15 of each block
+                for (int64_t h = 0; h < nibble_vectors / 4; ++h) transpose_group(grp + 4 * h * 64, blocks[h]);
             alignas(32) uint8_t q[32];                       // the block's quant bytes in GGML order
-            for (int64_t v = 0; v < nibble_vectors; ++v) std::memcpy(q + 4 * v, grp + v * 64 + 4 * lane, 4);
+            for (int64_t h = 0; h < nibble_vectors / 4; ++h)
+                _mm_store_si128(reinterpret_cast<__m128i*>(q + 16 * h),
+                                _mm_load_si128(reinterpret_cast<const __m128i*>(blocks[h] + 16 * lane)));
             __m512 w0, w1;
             if (kq) {                                        // w = (d sc) q - (dmin min), or (d sc) (q - 32): as quants.py
                 const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
