@@ -149,50 +149,36 @@ def verify(
     if draft_probs is not None and tuple(draft_probs.shape) != (k, vocab):
         raise ValueError(f"verify: draft_probs must be [{k}, {vocab}], got {tuple(draft_probs.shape)}")
     drafts = list(drafts)
-    histories = [list(generated) + drafts[:j] for j in range(k + 1)]     # row j follows d_1 .. d_j
-    t = Sampler.tensors([params] * (k + 1), histories, None if prompt is None else [prompt] * (k + 1), vocab,
-                        logits.device)
-    adjusted = adjust_logits(logits, t)                                  # [K+1, V] steps 1-3
-    filtered = filter_logits(adjusted, t)                                # [K+1, V] steps 4-6
-
-    if draft_probs is None or params.greedy:
-        tokens = _match(filtered, t.temperature, drafts, generator)
-    else:
-        tokens = _reject(probabilities(filtered, t.temperature), draft_probs.float(), drafts, generator)
+    reject_with_q = draft_probs is not None and not params.greedy
+    tokens: list[int] = []
+    adjusted_rows = []
+    # Row by row, only as far as acceptance goes: each row costs what one plain sampling step costs (the
+    # filters sort the whole vocabulary), and rows after the first rejection are never looked at.
+    for j in range(k + 1):
+        t = Sampler.tensors([params], [list(generated) + drafts[:j]], None if prompt is None else [prompt], vocab,
+                            logits.device)                          # row j's history: generated + d_1 .. d_j
+        adjusted = adjust_logits(logits[j:j + 1], t)                 # [1, V] steps 1-3
+        filtered = filter_logits(adjusted, t)                        # [1, V] steps 4-6
+        adjusted_rows.append(adjusted)
+        if j == k or not reject_with_q:
+            # the bonus row, or q one-hot: draw as plain decoding draws (one uniform, none when greedy)
+            tokens.append(int(sample(filtered, t.temperature, [generator])[0]))
+            if j == k or tokens[-1] != drafts[j]:
+                break
+            continue
+        d, p, q = drafts[j], probabilities(filtered, t.temperature)[0], draft_probs[j].float()
+        if draw_uniform(generator) * float(q[d]) < float(p[d]):     # accept with probability min(1, p/q)
+            tokens.append(d)
+            continue
+        residual = (p - q).clamp(min=0)                              # [V]
+        if float(residual.sum()) <= 0:                               # p == q up to rounding: p itself
+            residual = p
+        tokens.append(draw_from(residual, draw_uniform(generator)))
+        break
     out = Verdict(tokens, len(tokens) - 1)
     if not params.logprobs:
         return out
-    rows = torch.arange(len(tokens), device=logits.device)
-    chosen, top_ids, top_values = gather_logprobs(adjusted[rows].log_softmax(dim=-1),
+    chosen, top_ids, top_values = gather_logprobs(torch.cat(adjusted_rows).log_softmax(dim=-1),
                                                   torch.tensor(tokens, device=logits.device), params.top_logprobs)
     top = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
     return Verdict(tokens, out.num_accepted, chosen.tolist(), top)
-
-
-def _match(filtered: torch.Tensor, temperature: torch.Tensor, drafts: list[int], generator: Generator) -> list[int]:
-    """q one-hot: sample each row as plain decoding does, keep going while the sample equals the draft."""
-    tokens = []
-    for j in range(len(drafts) + 1):
-        tok = int(sample(filtered[j:j + 1], temperature[j:j + 1], [generator])[0])
-        tokens.append(tok)
-        if j == len(drafts) or tok != drafts[j]:
-            break
-    return tokens
-
-
-def _reject(p: torch.Tensor, q: torch.Tensor, drafts: list[int], generator: Generator) -> list[int]:
-    """Rejection sampling with the drafter's q: accept d_j with probability min(1, p/q), else draw from the
-    residual max(0, p - q); all accepted: the bonus from p_K. p [K+1, V], q [K, V]."""
-    tokens = []
-    for j, d in enumerate(drafts):
-        u = draw_uniform(generator)
-        if u * float(q[j, d]) < float(p[j, d]):
-            tokens.append(d)
-            continue
-        residual = (p[j] - q[j]).clamp(min=0)                          # [V]
-        if float(residual.sum()) <= 0:                                 # p == q up to rounding: p itself
-            residual = p[j]
-        tokens.append(draw_from(residual, draw_uniform(generator)))
-        return tokens
-    tokens.append(draw_from(p[len(drafts)], draw_uniform(generator)))
-    return tokens
