@@ -61,7 +61,7 @@ def child_gem4(a) -> dict:
     model = gem4.load(a.model, dtype="bfloat16")
     load = time.perf_counter() - t
     ids = torch.tensor(prompt_ids(a.prompt, a.seed))
-    cache = model.new_cache(max_chunk=a.chunk)
+    cache = model.new_cache()
     t0 = time.perf_counter()
     for s in range(0, len(ids), a.chunk):
         logits = model.extend(ids[s:s + a.chunk], cache)
@@ -170,7 +170,7 @@ def child_profile(a) -> dict:
     from torch.profiler import ProfilerActivity, profile
     torch.set_num_threads(a.threads)
     model = gem4.load(a.model, dtype="bfloat16")
-    cache = model.new_cache(max_chunk=a.chunk)
+    cache = model.new_cache()
     ids = torch.tensor(prompt_ids(a.prompt, a.seed))
     for s in range(0, len(ids), a.chunk):
         logits = model.extend(ids[s:s + a.chunk], cache)

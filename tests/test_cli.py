@@ -24,7 +24,7 @@ from gem4.demo import DEMO_VERSION, write_tokenizer
 from gem4.parser import ParseResult, ToolCall
 from gem4.weights.quants import GGMLType
 
-STATS = re.compile(r"prompt: (\d+) tokens, [\d.]+ tok/s \| generated: (\d+) tokens, [\d.]+ tok/s "
+STATS = re.compile(r"prompt: (\d+) tokens, (\d+) cached, [\d.]+ tok/s \| generated: (\d+) tokens, [\d.]+ tok/s "
                    r"\| TTFT: \d+ ms \| finish: (stop|length)")
 
 
@@ -68,7 +68,7 @@ def test_run_demo_prints_text(demo_run):
     assert "building the demo checkpoint" in proc.stderr
     m = STATS.search(proc.stderr)
     assert m and int(m.group(1)) == len(gem4.Tokenizer.from_file(cache / f"demo-{DEMO_VERSION}").encode("hello"))
-    assert 1 <= int(m.group(2)) <= 8
+    assert 1 <= int(m.group(3)) <= 8
 
 
 def test_demo_checkpoint_keeps_gemma4_special_ids(demo_run):
@@ -132,7 +132,7 @@ def test_run_chat_on_a_fixture(variants, tokenizer_512, tmp_path):
     assert proc.stdout == text
     assert result.content in proc.stdout
     m = STATS.search(proc.stderr)
-    assert m and (int(m.group(1)), int(m.group(2)), m.group(3)) == (n_prompt, last.completion_tokens,
+    assert m and (int(m.group(1)), int(m.group(3)), m.group(4)) == (n_prompt, last.completion_tokens,
                                                                     last.finish_reason)
 
 
@@ -155,6 +155,25 @@ def test_chat_session_keeps_history(demo_run):
     assert [int(s[0]) for s in stats][1:] == [n2, n3]
     assert "(thinking on)" in proc.stderr and "(history cleared)" in proc.stderr
     assert "unknown command '/bogus'" in proc.stderr
+
+
+def test_chat_turns_reuse_the_conversation_kv(demo_run):
+    """Each turn's prompt begins with the previous turn's tokens: they come from the prefix cache, so only the
+    new ones are computed (the stats line says how many were cached)."""
+    cache, _ = demo_run
+    script = "Hello there\nWhat is two plus two?\nAnd three plus three?\n"
+    proc = run_cli(["chat", "--demo", "-n", "6", "--temperature", "0", "--dtype", "float32"], cache, stdin=script)
+    assert proc.returncode == 0, proc.stderr
+    stats = [(int(p), int(c), int(g)) for p, c, g, _ in STATS.findall(proc.stderr)]
+    assert len(stats) == 3 and stats[0][1] == 0
+    # the template ends a generation prompt with an empty thought block that the rendered history leaves
+    # out: the next turn parts from the cached tokens there (docs/gemma4.md §7.2)
+    tok = gem4.Tokenizer.from_file(cache / f"demo-{DEMO_VERSION}")
+    first = encode_prompt(tok, [{"role": "user", "content": "Hello there"}], enable_thinking=False)
+    empty_thought = tok.encode("<|channel>thought\n<channel|>", add_bos=False)
+    assert first[-len(empty_thought):] == empty_thought and len(first) == stats[0][0]
+    for (previous, _, _), (_, cached, _) in zip(stats, stats[1:]):
+        assert cached == previous - len(empty_thought)       # the previous prompt, to the token
 
 
 def test_assistant_turn_is_stored_as_parsed_fields():

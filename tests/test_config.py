@@ -220,7 +220,7 @@ def load_or_refuse(path: Path, keys: list[str]) -> str:
         assert any(k.removeprefix("gemma4.") in message for k in keys) or "the model's metadata needs" in message, \
             f"{keys}: {message}"
         return "refused"
-    logits = model.extend(FUZZ_IDS, model.new_cache(16), logits=FUZZ_IDS.numel())
+    logits = model.extend(FUZZ_IDS, model.new_cache(), logits=FUZZ_IDS.numel())
     assert bool(torch.isfinite(logits).all()), f"{keys}: non-finite logits"
     return "loaded"
 

@@ -89,8 +89,9 @@ def fake_config(vocab_size: int, context: int):
 
 class ScriptedModel:
     """Duck-types gem4's Model for the engine: each logit row of a step gets logits whose argmax is the next
-    token of the script for that row's sequence (counted per sequence, which the model tells apart by its
-    sliding-layer ring slot); rows without logits only advance."""
+    token of the script for that row's sequence (counted per sequence, which the model tells apart by the
+    block holding its position 0: its engine needs the prefix cache off, which would share that block);
+    rows without logits only advance."""
 
     def __init__(self, script: list[int], vocab_size: int = 4096, context: int = 4096, delay: float = 0.0):
         self.script = script
@@ -100,37 +101,37 @@ class ScriptedModel:
         self.delay = delay
         self.calls: list[tuple[str, int, int]] = []   # per sequence per step: (kind, n_tokens, its first token)
         self.fail_at: int | None = None
-        self.samples: dict[int, int] = {}             # ring slot -> tokens its sequence sampled
-        self.prompts: dict[int, int] = {}             # ring slot -> its sequence's first token
+        self.samples: dict[int, int] = {}             # sequence (its first block) -> tokens it sampled
+        self.prompts: dict[int, int] = {}             # sequence -> its first token
 
     def sequences(self, ids, layout, pool) -> list[tuple[int, list[int]]]:
-        """(ring slot, flat rows) of each sequence of the step; remembers each new sequence's first token."""
+        """(sequence, flat rows) of each sequence of the step; remembers each new sequence's first token."""
         q_seq = layout.attend[FULL].q_seq.tolist()
-        slots = (layout.write[SLIDING] // pool.ring).tolist()
+        first_block = (layout.attend[FULL].key_rows[:, 0] // pool.block_size).tolist()
         out = []
         for b in sorted(set(q_seq)):
             rows = [t for t, s in enumerate(q_seq) if s == b]
-            slot = slots[rows[0]]
+            key = first_block[b]
             if int(layout.positions[rows[0]]) == 0:
-                self.samples[slot], self.prompts[slot] = 0, int(ids[rows[0]])
-            out.append((slot, rows))
+                self.samples[key], self.prompts[key] = 0, int(ids[rows[0]])
+            out.append((key, rows))
         return out
 
     def forward(self, ids, layout, pool):
         logit_rows = layout.logit_rows.tolist()
         seqs = self.sequences(ids, layout, pool)
-        for slot, rows in seqs:
-            self.calls.append(("logits" if rows[-1] in logit_rows else "hidden", len(rows), self.prompts[slot]))
+        for key, rows in seqs:
+            self.calls.append(("logits" if rows[-1] in logit_rows else "hidden", len(rows), self.prompts[key]))
         if self.fail_at is not None and len(self.calls) >= self.fail_at:
             raise RuntimeError("scripted failure")
         if self.delay:
             time.sleep(self.delay)
         logits = torch.full((len(logit_rows), self.config.vocab_size), -10.0)   # [M, V]
-        slot_of = {row: slot for slot, rows in seqs for row in rows}
+        seq_of = {row: key for key, rows in seqs for row in rows}
         for i, row in enumerate(logit_rows):
-            slot = slot_of[row]
-            logits[i, self.script[self.samples[slot] % len(self.script)]] = 10.0
-            self.samples[slot] += 1
+            key = seq_of[row]
+            logits[i, self.script[self.samples[key] % len(self.script)]] = 10.0
+            self.samples[key] += 1
         return logits
 
 
@@ -141,7 +142,7 @@ def tok():
 
 def scripted(tok, text: str, *extra: int, **kw) -> tuple[Engine, list[int]]:
     script = tok.encode(text, add_bos=False) + list(extra)
-    return Engine(ScriptedModel(script, **kw), tok), script
+    return Engine(ScriptedModel(script, **kw), tok, enable_prefix_caching=False), script
 
 
 def run(engine: Engine, prompt, params: SamplingParams):
@@ -391,7 +392,7 @@ class NoisyModel(ScriptedModel):
 
     def forward(self, ids, layout, pool):
         seqs = self.sequences(ids, layout, pool)
-        first_of = {row: self.prompts.get(slot) for slot, rows in seqs for row in rows}
+        first_of = {row: self.prompts.get(key) for key, rows in seqs for row in rows}
         rows = layout.logit_rows.tolist()
         out = []
         for row in rows:
@@ -402,8 +403,8 @@ class NoisyModel(ScriptedModel):
             g = torch.Generator().manual_seed(position)
             logits = 2.0 * torch.randn(1, self.config.vocab_size, generator=g)
             out.append(torch.full_like(logits, float("nan")) if what == "nan" else logits)
-        for slot, r in seqs:                          # (a forked choice's slot never saw position 0: None)
-            self.calls.append(("logits" if r[-1] in rows else "hidden", len(r), self.prompts.get(slot)))
+        for key, r in seqs:                          # (keyed by the block of position 0)
+            self.calls.append(("logits" if r[-1] in rows else "hidden", len(r), self.prompts.get(key)))
         return torch.cat(out) if out else torch.empty(0, self.config.vocab_size)
 
 
@@ -500,8 +501,8 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     def seq(name, n):
         return Sequence(name, list(range(n)), GREEDY, max_tokens=4, end_ids=())
 
-    sched = Scheduler(BlockManager(num_blocks=8, block_size=16, num_slots=2), max_chunk=4, max_num_seqs=2,
-                      max_num_batched_tokens=6)
+    sched = Scheduler(BlockManager(num_blocks=8, block_size=16, num_sliding_blocks=8, window=4), max_chunk=4,
+                      max_num_seqs=2, max_num_batched_tokens=6)
     a, b, c = seq("a", 9), seq("b", 3), seq("c", 2)
     for s in (a, b, c):
         sched.add(s)
@@ -520,7 +521,8 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     sched.postprocess(batch, [5, 6], 0.0)
     assert sched.remove("b") == [b] and sched.remove("b") == []
     batch = sched.schedule()
-    assert plan(batch) == [("a", 9, 1, True), ("c", 0, 2, True)]           # c admitted when a slot frees
+    # c is admitted when b's seat frees; its first token is in the cache (b's block holds 0 1 2 7)
+    assert plan(batch) == [("a", 9, 1, True), ("c", 1, 1, True)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,8 +567,8 @@ def test_a_pool_too_small_preempts_and_every_request_still_completes(variants):
     model = gem4.load(fx.hf_causal, dtype="float32")
     prompts = [fx.ids[a:a + 6] for a in range(4)]
     want = [greedy_alone(model, p, 40) for p in prompts]
-    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_slots=4, max_model_len=64, budget=None)
-    budget = 4 * size.slot_bytes + 6 * size.block_bytes                       # 6 blocks of 16: 96 tokens for 4 x 46
+    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_seqs=4, max_model_len=64, prefix_caching=True)
+    budget = size.num_sliding_blocks * size.sliding_block_bytes + 6 * size.block_bytes                       # 6 blocks of 16: 96 tokens for 4 x 46
     engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_model_len=64, kv_cache_bytes=budget)
     assert engine.pool_size.num_blocks == 6
     streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=40)) for p in prompts]
@@ -582,9 +584,9 @@ def test_seeded_sampling_survives_preemption(variants):
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=40) for s in range(4)]
     prompts = [fx.ids[a:a + 6] for a in range(4)]
     want = [[e.token_id for e in Engine(model, prefill_chunk=8).generate(p, q)] for p, q in zip(prompts, params)]
-    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_slots=4, max_model_len=64, budget=None)
+    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_seqs=4, max_model_len=64, prefix_caching=True)
     engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_model_len=64,
-                    kv_cache_bytes=4 * size.slot_bytes + 6 * size.block_bytes)
+                    kv_cache_bytes=size.num_sliding_blocks * size.sliding_block_bytes + 6 * size.block_bytes)
     streams = [engine.submit(p, q) for p, q in zip(prompts, params)]
     assert [[e.token_id for e in s] for s in streams] == want and engine.num_preemptions > 0
 
@@ -710,9 +712,9 @@ def test_choices_preempted_for_room_still_give_their_tokens(variants):
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=40)
     want = [[e.token_id for e in Engine(model, prefill_chunk=8).generate(prompt, dataclasses.replace(params, seed=7 + i))]
             for i in range(4)]
-    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_slots=4, max_model_len=64, budget=None)
+    size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_seqs=4, max_model_len=64, prefix_caching=True)
     engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_model_len=64,
-                    kv_cache_bytes=4 * size.slot_bytes + 6 * size.block_bytes)   # 6 blocks for 4 x 46 tokens
+                    kv_cache_bytes=size.num_sliding_blocks * size.sliding_block_bytes + 6 * size.block_bytes)   # 6 blocks for 4 x 46 tokens
     got = choices(engine.submit(prompt, params, n=4))
     assert [[e.token_id for e in evs] for evs in got.values()] == want and engine.num_preemptions > 0
     wait_idle(engine)
@@ -776,7 +778,7 @@ def test_scheduler_forks_the_choices_at_the_prompts_last_chunk():
     def seq(name, n, index=0):
         return Sequence(name, list(range(n)), GREEDY, max_tokens=4, end_ids=(), index=index)
 
-    bm = BlockManager(num_blocks=8, block_size=4, num_slots=3)
+    bm = BlockManager(num_blocks=8, block_size=4, num_sliding_blocks=8, window=2)
     sched = Scheduler(bm, max_chunk=4, max_num_seqs=3, max_num_batched_tokens=6)
     parent, c1, c2 = seq("r", 6), seq("r", 6, 1), seq("r", 6, 2)
     parent.forks = [c1, c2]
@@ -788,15 +790,16 @@ def test_scheduler_forks_the_choices_at_the_prompts_last_chunk():
         return [(ch.seq.index, ch.start, ch.num_tokens, ch.source) for ch in batch.chunks]
 
     batch = sched.schedule()
-    assert plan(batch) == [(0, 0, 4, None)] and not batch.slot_copies      # late waits: r's group fills the slots
+    assert plan(batch) == [(0, 0, 4, None)] and batch.block_copies == batch.sliding_copies == ()  # late waits: r's group fills the seats
     sched.postprocess(batch, [None], 0.0)
     batch = sched.schedule()
     assert plan(batch) == [(0, 4, 2, None), (1, 6, 0, 0), (2, 6, 0, 0)]      # the last chunk samples for three
-    assert batch.slot_copies == ((0, 1), (0, 2)) and batch.block_copies == ()
+    assert batch.block_copies == batch.sliding_copies == ()               # the choices share the parent's blocks
     assert bm.table(c1.seq_id) == bm.table(parent.seq_id) == [0, 1] and bm.refs(1) == 3
     sched.postprocess(batch, [5, 6, 7], 0.0)
     assert [s.output_ids for s in (parent, c1, c2)] == [[5], [6], [7]] and c2.num_computed == 6
     batch = sched.schedule()                                                # position 6 is in shared block 1
     assert plan(batch) == [(0, 6, 1, None), (1, 6, 1, None), (2, 6, 1, None)]
     assert batch.block_copies == ((1, 2), (1, 3)) and bm.refs(1) == 1      # the last writer keeps block 1
+    assert batch.sliding_copies == ((1, 2), (1, 3))                         # and its sliding part (window 2)
     assert sched.remove("r") == [parent, c1, c2] and bm.usage == 0

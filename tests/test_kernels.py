@@ -99,13 +99,13 @@ def nmse(out, ref):
 
 def decode_logits(model, ids, n_prompt):
     """Logits for ids[n_prompt:] fed one token at a time after a prefill of ids[:n_prompt] (the decode path)."""
-    cache = model.new_cache(max_chunk=n_prompt)
+    cache = model.new_cache()
     model.extend(torch.tensor(ids[:n_prompt]), cache)
     return torch.cat([model.extend(torch.tensor([t]), cache) for t in ids[n_prompt:]])
 
 
 def greedy(model, ids, n):
-    cache = model.new_cache(max_chunk=len(ids))
+    cache = model.new_cache()
     logits = model.extend(torch.tensor(ids), cache)
     out = []
     for _ in range(n):
@@ -349,7 +349,7 @@ def test_decode_layer_is_the_layer_it_replaces(tmp_path, qtype):
     from gem4.weights.gguf_model import write_gguf
 
     def steps(model):
-        cache = model.new_cache(max_chunk=20)
+        cache = model.new_cache()
         out = [model.extend(torch.arange(3, 23), cache)]
         out += [model.extend(torch.tensor([t]), cache) for t in (5, 9, 100, 7, 3, 11, 40, 41, 42)]
         out.append(model.extend(torch.tensor([1, 2, 3]), cache, logits=3))

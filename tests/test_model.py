@@ -42,7 +42,7 @@ def test_chunked_prefill_then_decode_equals_full_pass(variants, name):
     fx = variants[name]
     model = gem4.load(fx.gguf["f32"], dtype="float32")
     full = model.logits(fx.ids)
-    cache = model.new_cache(max_chunk=13)
+    cache = model.new_cache()
     ids = torch.tensor(fx.ids)
     parts = [model.extend(ids[s:s + 13], cache, logits=13) for s in range(0, 26, 13)]      # two 13-token chunks
     parts += [model.extend(ids[s:s + 1], cache) for s in range(26, len(fx.ids))]  # then one token at a time
@@ -58,7 +58,7 @@ def test_last_only_prefill_equals_last_row(variants, name):
     # E2B/E4B: KV-shared layers run only the last position when only its logits are needed
     fx = variants[name]
     model = gem4.load(fx.hf_causal, dtype="float32")
-    cache = model.new_cache(max_chunk=len(fx.ids) - 1)
+    cache = model.new_cache()
     last = model.extend(torch.tensor(fx.ids[:-1]), cache)
     assert last.shape == (1, 512)
     assert_matches(last, fx.ref_logits[-2:-1])

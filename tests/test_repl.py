@@ -35,7 +35,7 @@ from gem4.repl import PlainReader, TerminalReader, history_path, turn_reader
 
 PROMPT_ON, PROMPT_OFF = "\x1b[?2004h", "\x1b[?2004l"      # prompt_toolkit: prompt drawn / prompt done
 UP, LEFT, ALT_ENTER, CTRL_C, CTRL_D = "\x1b[A", "\x1b[D", "\x1b\r", "\x03", "\x04"
-STATS = r"prompt: \d+ tokens, [\d.]+ tok/s \| generated: \d+ tokens, [\d.]+ tok/s \| TTFT: \d+ ms \| finish: length\r\n"
+STATS = r"prompt: \d+ tokens, \d+ cached, [\d.]+ tok/s \| generated: \d+ tokens, [\d.]+ tok/s \| TTFT: \d+ ms \| finish: length\r\n"
 STEP_S, START_S = 90, 240                                  # generous bounds for a loaded 2-core machine
 
 

@@ -98,8 +98,9 @@ def _params(args: argparse.Namespace, max_tokens: int | None):
 
 def _stats_line(event) -> str:
     s = event.stats
-    return (f"prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tok/s | generated: {s.completion_tokens} "
-            f"tokens, {s.generation_tps:.1f} tok/s | TTFT: {s.ttft_s * 1000:.0f} ms | finish: {event.finish_reason}")
+    return (f"prompt: {s.prompt_tokens} tokens, {s.cached_tokens} cached, {s.prompt_tps:.1f} tok/s | generated: "
+            f"{s.completion_tokens} tokens, {s.generation_tps:.1f} tok/s | TTFT: {s.ttft_s * 1000:.0f} ms | "
+            f"finish: {event.finish_reason}")
 
 
 class ChatPrinter:

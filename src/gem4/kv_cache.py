@@ -1,17 +1,21 @@
 """KV storage for every running sequence (the pool) and the layout of one forward step over it.
 
 The only module that knows the cache layout. Storage, per KV-owning layer, is [rows, n_kv_heads, head_dim]
-(docs/gemma4.md §2.5-§2.6):
-- full layers: `num_blocks` blocks of `block_size` rows (paged). Position p of a sequence lives in row
+(docs/gemma4.md §2.5-§2.6), in blocks of `block_size` rows, paged on both layer types:
+- full layers: `num_blocks` blocks. Position p of a sequence lives in row
   `block_table[p // block_size] * block_size + p % block_size`.
-- sliding layers: one ring of `ring = window + max_chunk` rows per sequence slot. Position p of the
-  sequence in slot s lives in row `s * ring + p % ring`. A step writes at most `max_chunk` tokens, so it
-  never overwrites a row that a query of the same step still needs (queries at p see p - window < j <= p).
+- sliding layers: `num_sliding_blocks` blocks, addressed the same way through the sequence's
+  `sliding_table`. Only the blocks some query may still see need to be held: a query at p sees
+  p - window < j <= p, so a step from `start` reads blocks from (start - window + 1) // block_size on, and a
+  sequence gives back the blocks behind its window as it goes (`sliding_blocks_per_seq` bounds what it
+  holds). Paging both types, rather than a ring per sequence, makes every position's K/V a block that can
+  outlive its sequence: the prefix cache keeps the sliding blocks of a prefix's last window, so a later
+  request that starts with that prefix reads them instead of recomputing them (engine/block_manager.py).
 - KV-shared layers own no rows; they read their donor's (the donor runs first in the same step).
 
-Which blocks and which slot a sequence holds is decided elsewhere, in plain integers (the engine's block
-manager); per step the caller describes each sequence's part with a `SeqStep`, and `KVPool.layout` turns
-the list into one `StepLayout` of tensors:
+Which blocks a sequence holds is decided elsewhere, in plain integers (the engine's block manager); per
+step the caller describes each sequence's part with a `SeqStep`, and `KVPool.layout` turns the list into one
+`StepLayout` of tensors:
 
     layout = pool.layout([SeqStep(...), ...])     # positions, rows to write, rows each query attends to
     k_store, v_store = pool.store(layer)          # the layer's KV source: [rows, nkv, d] each
@@ -21,10 +25,9 @@ the list into one `StepLayout` of tensors:
 A sequence's keys are listed in position order (`Attend.key_rows`), so the keys a query may see -- causal,
 and within the window on sliding layers -- are one range [q_lo, q_hi) of that list. No [T, S] masks.
 
-Sharing (several choices of one prompt): a block may be in several sequences' tables, read-only; the
-block manager decides when a copy is needed and the pool performs it: `copy_blocks` copies whole blocks'
-rows in every KV-owning full layer (copy-on-write), `copy_slots` whole rings in every KV-owning sliding
-layer (a forked sequence's ring starts as its parent's).
+Sharing (a cached prefix, several choices of one prompt): a block may be in several sequences' tables,
+read-only; the block manager decides when a copy is needed and the pool performs it: `copy_blocks` and
+`copy_sliding_blocks` copy whole blocks' rows in every KV-owning layer of the type (copy-on-write).
 
 `KVCache` is one sequence in a pool of its own, grown on demand: the model's `logits()`, tests, benchmarks.
 """
@@ -37,7 +40,7 @@ import torch
 
 from gem4.config import FULL, SLIDING, ModelConfig
 
-BLOCK_SIZE = 16          # rows per full-attention block
+BLOCK_SIZE = 16          # rows per block, both layer types
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,8 @@ class SeqStep:
     start: int
     num_tokens: int
     block_table: Sequence[int]            # full layers: the blocks holding positions [0, start + num_tokens)
-    slot: int                             # sliding layers: the sequence's ring
-    logits: int = 1
+    sliding_table: Sequence[int]          # sliding layers: block j holds positions [j * bs, (j + 1) * bs); only
+    logits: int = 1                       # the entries from (start - window + 1) // bs on are read
 
     @property
     def end(self) -> int:
@@ -104,28 +107,32 @@ class StepLayout:
                           torch.arange(rows.numel(), device=rows.device))
 
 
-class KVPool:
-    """K/V storage of all running sequences: full layers in blocks, sliding layers in one ring per slot."""
+def sliding_blocks_per_seq(window: int, max_chunk: int, block_size: int = BLOCK_SIZE) -> int:
+    """Most sliding blocks a sequence holds at a step of up to `max_chunk` tokens: those covering positions
+    [start - window + 1, start + max_chunk), wherever `start` falls in a block."""
+    return -(-(window - 1 + max_chunk) // block_size) + 1
 
-    def __init__(self, config: ModelConfig, *, num_blocks: int, num_slots: int, max_chunk: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", block_size: int = BLOCK_SIZE):
-        if min(num_blocks, num_slots, max_chunk, block_size) < 1:
-            raise ValueError(f"num_blocks ({num_blocks}), num_slots ({num_slots}), max_chunk ({max_chunk}) and "
+
+class KVPool:
+    """K/V storage of all running sequences: full and sliding layers each in blocks of `block_size` rows."""
+
+    def __init__(self, config: ModelConfig, *, num_blocks: int, num_sliding_blocks: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", block_size: int = BLOCK_SIZE):
+        if min(num_blocks, num_sliding_blocks, block_size) < 1:
+            raise ValueError(f"num_blocks ({num_blocks}), num_sliding_blocks ({num_sliding_blocks}) and "
                              f"block_size ({block_size}) must be >= 1")
         self.config = config
         self.num_blocks = num_blocks
-        self.num_slots = num_slots
+        self.num_sliding_blocks = num_sliding_blocks
         self.block_size = block_size
-        self.max_chunk = max_chunk
         self.window = config.sliding_window
-        self.ring = config.sliding_window + max_chunk
         self.dtype = dtype
         self.device = torch.device(device)
         self._k: dict[int, torch.Tensor] = {}             # owning layer -> [rows, nkv, d]
         self._v: dict[int, torch.Tensor] = {}
         for spec in config.layers:
             if spec.owns_kv:
-                rows = num_slots * self.ring if spec.is_sliding else num_blocks * block_size
+                rows = (num_sliding_blocks if spec.is_sliding else num_blocks) * block_size
                 shape = (rows, spec.n_kv_heads, spec.head_dim)
                 # uninitialised: a row is only ever read after its sequence wrote it, and untouched pages
                 # cost no memory, so the pool's memory grows with the tokens actually held
@@ -143,16 +150,16 @@ class KVPool:
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """For each (src, dst): block dst's rows become block src's, in every KV-owning full layer. Every
         source is read before any destination is written."""
-        self._copy(pairs, self.num_blocks, self.block_size, sliding=False, what="block")
+        self._copy(pairs, self.num_blocks, sliding=False)
 
-    def copy_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """For each (src, dst): ring slot dst becomes a copy of ring slot src, in every KV-owning sliding
-        layer. Every source is read before any destination is written."""
-        self._copy(pairs, self.num_slots, self.ring, sliding=True, what="ring slot")
+    def copy_sliding_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """`copy_blocks` for the sliding layers' blocks."""
+        self._copy(pairs, self.num_sliding_blocks, sliding=True)
 
-    def _copy(self, pairs, count: int, rows: int, *, sliding: bool, what: str) -> None:
+    def _copy(self, pairs, count: int, *, sliding: bool) -> None:
         if not pairs:
             return
+        what = "sliding block" if sliding else "block"
         ids = [i for pair in pairs for i in pair]
         bad = next((i for i in ids if not 0 <= i < count), None)
         if bad is not None:
@@ -160,9 +167,9 @@ class KVPool:
         dsts = [d for _, d in pairs]
         if len(set(dsts)) != len(dsts):
             raise ValueError(f"a {what} is the destination of two copies: {pairs}")
-        offsets = torch.arange(rows, device=self.device)
-        src = (torch.tensor([a for a, _ in pairs], device=self.device)[:, None] * rows + offsets).flatten()
-        dst = (torch.tensor(dsts, device=self.device)[:, None] * rows + offsets).flatten()
+        offsets = torch.arange(self.block_size, device=self.device)
+        src = (torch.tensor([a for a, _ in pairs], device=self.device)[:, None] * self.block_size + offsets).flatten()
+        dst = (torch.tensor(dsts, device=self.device)[:, None] * self.block_size + offsets).flatten()
         for spec in self.config.layers:
             if spec.owns_kv and spec.is_sliding == sliding:
                 for store in (self._k[spec.index], self._v[spec.index]):
@@ -172,24 +179,21 @@ class KVPool:
         """The tensors of one step over `seqs` (their tokens laid out one sequence after another)."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
-        dev, bs, ring, window = self.device, self.block_size, self.ring, self.window
+        dev, bs, window = self.device, self.block_size, self.window
         positions, write_full, write_slide, logit_rows = [], [], [], []
         full_keys, slide_keys = [], []
         q_seq, full_hi, slide_lo, slide_hi = [], [], [], []
         row = 0
         for b, s in enumerate(seqs):
-            if not 1 <= s.num_tokens <= self.max_chunk or s.start < 0:
-                raise ValueError(f"a step holds 1..{self.max_chunk} tokens of a sequence (the pool's max_chunk), "
-                                 f"got {s.num_tokens} from position {s.start}")
-            if not 0 <= s.slot < self.num_slots:
-                raise ValueError(f"ring slot {s.slot} is not in [0, {self.num_slots})")
-            if len(s.block_table) < self.blocks_for(s.end):
-                raise ValueError(f"{len(s.block_table)} blocks cannot hold {s.end} positions")
+            if s.num_tokens < 1 or s.start < 0:
+                raise ValueError(f"a step holds at least one token of a sequence from a position >= 0, got "
+                                 f"{s.num_tokens} from position {s.start}")
             if not 0 <= s.logits <= s.num_tokens:
                 raise ValueError(f"logits of {s.logits} rows asked of a {s.num_tokens}-token step")
-            table = torch.tensor(list(s.block_table[:self.blocks_for(s.end)]), dtype=torch.long, device=dev)
-            if table.numel() and (int(table.min()) < 0 or int(table.max()) >= self.num_blocks):
-                raise ValueError(f"block ids must be in [0, {self.num_blocks})")
+            first = max(0, s.start - window + 1)                  # the oldest position a query of the step sees
+            table = self._table(s.block_table, 0, self.blocks_for(s.end), self.num_blocks, s.end, "block")
+            slide = self._table(s.sliding_table, first // bs, self.blocks_for(s.end), self.num_sliding_blocks,
+                                s.end, "sliding block")
             pos = torch.arange(s.start, s.end, device=dev)                        # [n]
             # full layers: every position so far, in order
             every = torch.arange(s.end, device=dev)
@@ -197,10 +201,9 @@ class KVPool:
             write_full.append(full_keys[-1][s.start:])
             full_hi.append(pos + 1)
             # sliding layers: the positions some query of this step may see, from the oldest one on
-            first = max(0, s.start - window + 1)
             seen = torch.arange(first, s.end, device=dev)
-            slide_keys.append(s.slot * ring + seen % ring)
-            write_slide.append(s.slot * ring + pos % ring)
+            slide_keys.append(slide[seen // bs - first // bs] * bs + seen % bs)
+            write_slide.append(slide_keys[-1][s.start - first:])
             slide_lo.append(torch.clamp(pos - window + 1, min=first) - first)
             slide_hi.append(pos - first + 1)
             positions.append(pos)
@@ -215,6 +218,15 @@ class KVPool:
         return StepLayout(torch.cat(positions), {FULL: torch.cat(write_full), SLIDING: torch.cat(write_slide)},
                           attend, torch.cat(logit_rows))
 
+    def _table(self, table: Sequence[int], lo: int, hi: int, count: int, end: int, what: str) -> torch.Tensor:
+        """Entries [lo, hi) of a block table as a tensor, checked: [hi - lo] int64."""
+        if len(table) < hi:
+            raise ValueError(f"{len(table)} {what}s cannot hold {end} positions")
+        out = torch.tensor(list(table[lo:hi]), dtype=torch.long, device=self.device)
+        if out.numel() and (int(out.min()) < 0 or int(out.max()) >= count):
+            raise ValueError(f"{what} ids must be in [0, {count}), got {list(table[lo:hi])}")
+        return out
+
 
 def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     """Per-sequence key rows -> [B, S] (row 0 beyond each sequence's count; the ranges never reach it)."""
@@ -225,37 +237,50 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 class KVCache:
-    """One sequence with a pool of its own: its blocks are allocated as it grows (the pool doubles when
-    full), its ring is slot 0. `step(n)` lays out its next n tokens; the model commits them."""
+    """One sequence with a pool of its own. Full layers: block j is the sequence's j-th block (the store
+    doubles when full, rows stay where they are). Sliding layers: the blocks behind the window go back to a
+    free list and are reused, so they stay bounded by the window plus the longest step. `step(n)` lays out
+    the next n tokens; the model commits them."""
 
-    def __init__(self, config: ModelConfig, max_chunk: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.config = config
-        self.max_chunk = max_chunk
         self.dtype = dtype
         self.device = torch.device(device)
         self.length = 0                                   # tokens stored
-        self.pool = KVPool(config, num_blocks=max(1, -(-max(64, max_chunk) // BLOCK_SIZE)), num_slots=1,
-                           max_chunk=max_chunk, dtype=dtype, device=device)
+        blocks = sliding_blocks_per_seq(config.sliding_window, BLOCK_SIZE)
+        self.pool = KVPool(config, num_blocks=4, num_sliding_blocks=blocks, dtype=dtype, device=device)
+        self._sliding: list[int] = []                     # block j -> its sliding block (-1: behind the window)
+        self._free_sliding = list(range(blocks - 1, -1, -1))
 
     def step(self, num_tokens: int, logits: int = 1) -> StepLayout:
         """The layout of the next `num_tokens` tokens; `logits` of its last rows are wanted."""
         end = self.length + num_tokens
-        if self.pool.blocks_for(end) > self.pool.num_blocks:
-            self._grow(self.pool.blocks_for(end))
-        table = range(self.pool.blocks_for(end))
-        return self.pool.layout([SeqStep(self.length, num_tokens, table, slot=0, logits=logits)])
+        need = self.pool.blocks_for(end)
+        first = max(0, self.length - self.pool.window + 1) // BLOCK_SIZE
+        for j in range(min(first, len(self._sliding))):               # behind the window: reusable
+            if self._sliding[j] >= 0:
+                self._free_sliding.append(self._sliding[j])
+                self._sliding[j] = -1
+        missing = need - len(self._sliding)
+        if need > self.pool.num_blocks or missing > len(self._free_sliding):
+            self._grow(need, missing)
+        while len(self._sliding) < need:
+            self._sliding.append(self._free_sliding.pop())
+        return self.pool.layout([SeqStep(self.length, num_tokens, range(need), self._sliding, logits=logits)])
 
     def commit(self, num_tokens: int) -> None:
         self.length += num_tokens
 
-    def _grow(self, blocks: int) -> None:
-        """More blocks for the full layers (the one sequence's table is 0, 1, 2, ...: rows stay where they are)."""
+    def _grow(self, blocks: int, sliding: int) -> None:
+        """Room for `blocks` full blocks and `sliding` more free sliding blocks (doubling), rows kept."""
         old = self.pool
-        n = old.num_blocks
-        while n < blocks:
-            n *= 2
-        new = KVPool(self.config, num_blocks=n, num_slots=1, max_chunk=self.max_chunk, dtype=self.dtype,
-                     device=self.device)
+        full, slide = old.num_blocks, old.num_sliding_blocks
+        while full < blocks:
+            full *= 2
+        while slide - old.num_sliding_blocks + len(self._free_sliding) < sliding:
+            slide *= 2
+        self._free_sliding[:0] = range(slide - 1, old.num_sliding_blocks - 1, -1)     # new ids, taken last
+        new = KVPool(self.config, num_blocks=full, num_sliding_blocks=slide, dtype=self.dtype, device=self.device)
         for layer, k in old._k.items():
             new._k[layer][:k.shape[0]] = k
             new._v[layer][:k.shape[0]] = old._v[layer]
@@ -264,19 +289,21 @@ class KVCache:
 
 @dataclass(frozen=True)
 class PoolSize:
-    num_blocks: int
+    num_blocks: int           # full-attention blocks
     block_bytes: int          # one full-attention block, every owning layer, K and V
-    slot_bytes: int           # one sliding-layer ring, every owning layer, K and V
-    num_slots: int
+    num_sliding_blocks: int
+    sliding_block_bytes: int  # one sliding block, every owning sliding layer, K and V
+    num_seqs: int             # sequences running at once (each holds up to `sliding_blocks_per_seq`)
+    block_size: int = BLOCK_SIZE
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.num_slots * self.slot_bytes
+        return self.num_blocks * self.block_bytes + self.num_sliding_blocks * self.sliding_block_bytes
 
     @property
     def tokens(self) -> int:
         """Full-attention positions the pool holds, all sequences together."""
-        return self.num_blocks * BLOCK_SIZE
+        return self.num_blocks * self.block_size
 
 
 def available_memory() -> int | None:
@@ -291,35 +318,45 @@ def available_memory() -> int | None:
     return None
 
 
-def kv_pool_size(config: ModelConfig, dtype: torch.dtype, *, max_chunk: int, num_slots: int, max_model_len: int,
-                 budget: int | None = None) -> PoolSize:
-    """How many full-attention blocks a KV pool gets: what `budget` bytes leave after `num_slots` rings, or by
-    default room for `num_slots` sequences of `max_model_len`, capped at half the available memory. Either
-    way at least one sequence of max_model_len fits (a budget too small for that is refused)."""
+# Sliding blocks per running sequence beyond its own window, kept for the prefix cache: room for each
+# sequence's last window after it finishes (a conversation's next turn starts there) and for the window
+# before a shared prefix's end (a system prompt), while the running ones move on.
+SLIDING_CACHE_FACTOR = 2
+
+
+def kv_pool_size(config: ModelConfig, dtype: torch.dtype, *, max_chunk: int, num_seqs: int, max_model_len: int,
+                 budget: int | None = None, prefix_caching: bool = False, block_size: int = BLOCK_SIZE) -> PoolSize:
+    """How many blocks a KV pool gets. Sliding blocks: `num_seqs` windows (`sliding_blocks_per_seq` each),
+    times SLIDING_CACHE_FACTOR with prefix caching. Full blocks: what `budget` bytes leave, or by default room
+    for `num_seqs` sequences of `max_model_len`, capped at half the available memory. Either way at least one
+    sequence of max_model_len fits (a budget too small for that is refused)."""
     per_token = kv_bytes_per_token(config, dtype)
-    block_bytes = per_token[FULL] * BLOCK_SIZE
-    slot_bytes = per_token[SLIDING] * (config.sliding_window + max_chunk)
-    one_seq = -(-max_model_len // BLOCK_SIZE)
+    block_bytes = per_token[FULL] * block_size
+    sliding_block_bytes = per_token[SLIDING] * block_size
+    sliding = num_seqs * sliding_blocks_per_seq(config.sliding_window, max_chunk, block_size)
+    sliding *= SLIDING_CACHE_FACTOR if prefix_caching else 1
+    sliding_bytes = sliding * sliding_block_bytes
+    one_seq = -(-max_model_len // block_size)
     if budget is None:
-        blocks = one_seq * num_slots
+        blocks = one_seq * num_seqs
         free = available_memory()
         if free is not None and block_bytes:
-            blocks = min(blocks, (free // 2 - num_slots * slot_bytes) // block_bytes)
+            blocks = min(blocks, (free // 2 - sliding_bytes) // block_bytes)
         blocks = max(blocks, one_seq)
     else:
-        blocks = (budget - num_slots * slot_bytes) // block_bytes if block_bytes else one_seq
+        blocks = (budget - sliding_bytes) // block_bytes if block_bytes else one_seq
         if blocks < one_seq:
-            need = num_slots * slot_bytes + one_seq * block_bytes
+            need = sliding_bytes + one_seq * block_bytes
             raise ValueError(f"a KV cache of {budget / 2**30:.3f} GiB cannot hold one sequence of max_model_len "
-                             f"{max_model_len} beside {num_slots} sliding-window rings: that needs "
-                             f"{need / 2**30:.3f} GiB")
-    return PoolSize(int(blocks), block_bytes, slot_bytes, num_slots)
+                             f"{max_model_len} beside the sliding-window blocks of {num_seqs} sequences: that "
+                             f"needs {need / 2**30:.3f} GiB")
+    return PoolSize(int(blocks), block_bytes, sliding, sliding_block_bytes, num_seqs, block_size)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     """Cache bytes one token adds, per layer type, counting only layers that own KV (K and V both stored).
 
-    Sliding layers stop growing after `window + max_chunk` tokens (the ring).
+    Sliding layers hold only the positions a query may still see (`sliding_blocks_per_seq`).
     """
     size = torch.empty((), dtype=dtype).element_size()
     out = {SLIDING: 0, FULL: 0}

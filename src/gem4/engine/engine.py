@@ -56,7 +56,7 @@ from gem4.engine.block_manager import BlockManager
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
 from gem4.engine.sequence import ABORT, RequestStats, Sequence, Status, next_request_id
-from gem4.kv_cache import KVPool, kv_pool_size
+from gem4.kv_cache import BLOCK_SIZE, KVPool, kv_pool_size
 from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
 
 log = logging.getLogger("gem4.engine")
@@ -81,6 +81,7 @@ class GenerationEvent:
     top_logprobs: list[tuple[int, float]] | None = None   # when params.top_logprobs > 0
     stats: RequestStats | None = None                     # on the last event only
     index: int = 0                                        # the choice (0..n-1) this event belongs to
+    cached_tokens: int = 0                                # prompt tokens found in the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -173,6 +174,11 @@ class Engine:
     kv_cache_bytes: the KV pool's size (`kv_pool_size` says what it holds); default: room for
     max_num_seqs sequences of max_model_len, capped at half the memory available, and never less than
     one sequence of max_model_len.
+    enable_prefix_caching: reuse the K/V of the longest cached prefix of each prompt -- of finished,
+    aborted and running requests alike -- computing only the rest (engine/block_manager.py says how it stays
+    exact on sliding layers). On by default, as in vLLM; the pool then keeps twice the sliding-window
+    blocks (kv_cache.SLIDING_CACHE_FACTOR).
+    block_size: positions per KV block (vLLM's --block-size): the unit of paging, sharing and eviction.
     """
 
     def __init__(
@@ -186,6 +192,8 @@ class Engine:
         max_num_seqs: int = 1,
         max_num_batched_tokens: int | None = None,
         kv_cache_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        block_size: int = BLOCK_SIZE,
     ):
         context = model.config.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= context:
@@ -202,13 +210,17 @@ class Engine:
             end_token_ids = stop_token_ids(tokenizer) if tokenizer is not None else ()
         self.end_token_ids = frozenset(int(i) for i in end_token_ids)
         self.prefill_chunk = prefill_chunk
+        self.prefix_caching = enable_prefix_caching
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        self.pool_size = kv_pool_size(model.config, model.dtype, max_chunk=prefill_chunk, num_slots=max_num_seqs,
-                                      max_model_len=self.max_model_len, budget=kv_cache_bytes)
-        pool = KVPool(model.config, num_blocks=self.pool_size.num_blocks, num_slots=max_num_seqs,
-                      max_chunk=prefill_chunk, dtype=model.dtype, device=model.device)
-        blocks = BlockManager(pool.num_blocks, pool.block_size, max_num_seqs)
+        self.pool_size = kv_pool_size(model.config, model.dtype, max_chunk=prefill_chunk, num_seqs=max_num_seqs,
+                                      max_model_len=self.max_model_len, budget=kv_cache_bytes,
+                                      prefix_caching=enable_prefix_caching, block_size=block_size)
+        pool = KVPool(model.config, num_blocks=self.pool_size.num_blocks,
+                      num_sliding_blocks=self.pool_size.num_sliding_blocks, dtype=model.dtype, device=model.device,
+                      block_size=block_size)
+        blocks = BlockManager(pool.num_blocks, pool.block_size, pool.num_sliding_blocks, pool.window,
+                              caching=enable_prefix_caching)
         self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens)
         self._runner = ModelRunner(model, pool, blocks)
         # shared with caller threads, guarded by _lock
@@ -276,6 +288,11 @@ class Engine:
     def num_preemptions(self) -> int:
         """Sequences preempted so far (their KV freed for older ones; recomputed later)."""
         return self._scheduler.num_preemptions
+
+    @property
+    def prefix_cache_counts(self) -> tuple[int, int]:
+        """(queries, hits): prompt tokens looked up in the prefix cache so far, and those found."""
+        return self._scheduler.prefix_queries, self._scheduler.prefix_hits
 
     @property
     def kv_cache_usage(self) -> float:
@@ -397,6 +414,7 @@ class Engine:
                     prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids),
                     logprob=sample.logprob, top_logprobs=sample.top_logprobs,
                     stats=seq.stats() if finished else None, index=seq.index,
+                    cached_tokens=seq.num_cached_tokens or 0,
                 ), finished)
 
     def _fail_one(self, seq: Sequence, error: BaseException, step: int) -> None:
@@ -406,7 +424,7 @@ class Engine:
         else:
             log.error("request %s failed at engine step %d: %s: %s", seq.request_id, step,
                       type(error).__name__, error, exc_info=error)
-        for s in {seq, *self._scheduler.remove(seq.request_id)}:
+        for s in {seq, *self._scheduler.remove(seq.request_id, failed=True)}:
             s.status = Status.FINISHED                    # its other chunks of this step are skipped
             self._runner.release(s.seq_id)
         with self._lock:

@@ -14,10 +14,9 @@ further choice of a request, see scheduler.py) computes nothing and samples its 
 chunk's logits row, with its own generator. All sampling rows go through the sampler together as one
 [B, V] batch.
 
-Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool: the
-copy-on-write block copies before the forward (the copy must hold the shared rows before a choice writes
-over them), the forked choices' ring copies after it (the parent's last prompt chunk writes its newest ring
-rows in that forward). A copy that raises is no one request's fault: it fails the step.
+Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
+forward: the copy-on-write block copies (the copy must hold the shared rows before a sequence writes over
+them). A copy that raises is no one request's fault: it fails the step.
 
 Batch invariance: in the fast mode a linear layer takes up to DECODE_ROWS rows through the GEMV kernels
 and more through bf16 GEMM tiles, which round differently. So that a request's tokens never depend on its
@@ -82,8 +81,8 @@ class ModelRunner:
         """One forward step over the batch's chunks -> per chunk its sampled token (None: cache only)
         or `Failed` (see the module docstring)."""
         chunks = batch.chunks
-        if batch.block_copies:
-            self.pool.copy_blocks(batch.block_copies)
+        self.pool.copy_blocks(batch.block_copies)
+        self.pool.copy_sliding_blocks(batch.sliding_copies)
         computed = [i for i, c in enumerate(chunks) if c.num_tokens]
         work = tuple(chunks[i] for i in computed)
         try:
@@ -96,8 +95,6 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             if c.source is not None:                            # a fork: its parent's logits
                 rows[i] = rows[c.source]
-        if batch.slot_copies:
-            self.pool.copy_slots(batch.slot_copies)
         out: list[Sample | Failed | None] = [None] * len(chunks)
         sampling, logits = [], []                               # chunk index, [1, V] per sampling chunk
         for i, (chunk, row) in enumerate(zip(chunks, rows)):
@@ -129,7 +126,7 @@ class ModelRunner:
         steps, ids = [], []
         for c in chunks:
             seq_id = c.seq.seq_id
-            steps.append(SeqStep(c.start, c.num_tokens, self.blocks.table(seq_id), self.blocks.slot(seq_id),
+            steps.append(SeqStep(c.start, c.num_tokens, self.blocks.table(seq_id), self.blocks.sliding_table(seq_id),
                                  logits=int(c.samples)))
             ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -12,21 +12,28 @@ first served, continuous batching:
 all within a budget of `max_num_batched_tokens` tokens per step, no chunk longer than `max_chunk`, so a
 long prompt is prefilled a chunk per step beside the running decodes and never stalls them.
 
+Prefix cache: a sequence admitted while holding nothing first takes the longest exact cached prefix of its
+tokens (`BlockManager.match`; block_manager.py says what is cached and when a hit is exact) and starts
+computing after it. After each step the computed blocks are registered (`BlockManager.commit`), so later
+requests can hit the prefix of a running one; a finished, aborted or preempted sequence leaves its blocks
+in the cache. `prefix_queries` / `prefix_hits` count prompt tokens looked up and found (vLLM's
+prefix_cache_queries / prefix_cache_hits), once per request, at its first admission.
+
 When a decoding sequence needs a block and the pool has none, the newest running sequence is preempted
-(vLLM's recompute policy): its blocks are freed and it goes back to the front of the queue with nothing
-computed; readmitted, it prefills its prompt and the tokens it had generated, then goes on sampling with
-the same generator, so its output is the one it would have had.
+(vLLM's recompute policy): its blocks are given back (cached, if the cache is on) and it goes back to the
+front of the queue with nothing computed; readmitted, it takes what is still cached of its tokens, computes
+the rest (its prompt and the tokens it had generated), then goes on sampling with the same generator, so
+its output is the one it would have had.
 
 Several choices of one prompt (OpenAI's `n`): only choice 0, the parent, is queued and prefilled; it is
-admitted when its whole group fits (a ring slot for each choice within `max_num_seqs`, counted from
-admission). At the step whose chunk completes its prompt (the chunk that samples), the scheduler forks the
-other choices off it: each shares the parent's blocks (`BlockManager.fork`) and gets a zero-token `Chunk`
+admitted when its whole group fits (every choice within `max_num_seqs`, counted from admission). At the
+step whose chunk completes its prompt (the chunk that samples), the scheduler forks the other choices off
+it: each shares the parent's blocks (`BlockManager.fork`) and gets a zero-token `Chunk`
 whose `source` is the parent's chunk, so the runner samples its first token from the same logits row with
-the choice's own generator. The parent's ring is copied into each child's slot after that step's forward
-(`Batch.slot_copies`: the last chunk writes the ring's newest rows in the same forward). From the next step
-on the choices are independent sequences decoding in the same batches; a shared block is copied before one
-of them writes into it (`Batch.block_copies`, done before the forward). A preempted choice is recomputed
-alone, like any sequence. So the prompt is computed once, whatever n.
+the choice's own generator. From the next step on the choices are independent sequences decoding in the
+same batches; a shared block is copied before one of them writes into it (`Batch.block_copies` and
+`sliding_copies`, done before the forward). A preempted choice is recomputed alone, like any sequence. So
+the prompt is computed once, whatever n.
 """
 from __future__ import annotations
 
@@ -58,12 +65,12 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Batch:
-    """One step. The runner copies `block_copies` (full-attention blocks, source -> destination) before the
-    forward and `slot_copies` (sliding-layer rings of forked choices, parent -> child) after it."""
+    """One step. The runner copies `block_copies` and `sliding_copies` (full and sliding blocks, source ->
+    destination: copy-on-write) before the forward."""
 
     chunks: tuple[Chunk, ...]
     block_copies: tuple[tuple[int, int], ...] = ()
-    slot_copies: tuple[tuple[int, int], ...] = ()
+    sliding_copies: tuple[tuple[int, int], ...] = ()
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -87,6 +94,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0                 # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0                    # ... and found there
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -95,20 +104,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, request_id: str) -> list[Sequence]:
-        """Take every choice of a request out of the queues and give back their KV (abort, failure); the
-        caller finishes them. Choices not yet forked come with their parent. [] if none is queued."""
+    def remove(self, request_id: str, failed: bool = False) -> list[Sequence]:
+        """Take every choice of a request out of the queues and give back their KV (abort, failure: a failed
+        request's last block is not cached); the caller finishes them. Choices not yet forked come with their
+        parent. [] if none is queued."""
         out = []
         for queue in (self.running, self.waiting):
             for seq in [s for s in queue if s.request_id == request_id]:
                 queue.remove(seq)
-                self.blocks.free(seq.seq_id)
+                self._free(seq, cache=not failed)
                 out += [seq, *seq.forks]
                 seq.forks = []
         return sorted(out, key=lambda s: s.index)
 
     def _occupied(self) -> int:
-        """Ring slots the running sequences hold or will hold once their choices are forked."""
+        """Running sequences, counting the choices still to be forked off them."""
         return len(self.running) + sum(len(s.forks) for s in self.running)
 
     def schedule(self) -> Batch:
@@ -135,30 +145,42 @@ class Scheduler:
                 forks.append(seq)
         while self.waiting and self._occupied() + 1 + len(self.waiting[0].forks) <= self.max_num_seqs:
             seq = self.waiting[0]                                            # 3. admissions
+            self._match(seq)
             # a block in hand for each decode, and for each choice of this request
             n = self._room(seq, budget, spare=self._occupied() + len(seq.forks))
             if not n:
+                self.blocks.free(seq.seq_id)                                 # the prefix it took waits with it
+                seq.num_computed = 0
                 break
+            if seq.num_cached_tokens is None:                                # its first admission
+                seq.num_cached_tokens = seq.num_computed
+                if self.blocks.caching:
+                    self.prefix_queries += seq.num_prompt_tokens
+                    self.prefix_hits += seq.num_computed
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
             forks.append(seq)
-        slot_copies = []
         for seq in forks:                                                    # 4. choices forked off
             i = next(i for i, c in enumerate(chunks) if c.seq is seq)
             if not (seq.forks and chunks[i].samples):
                 continue
             for child in seq.forks:
                 self.blocks.fork(seq.seq_id, child.seq_id)
-                slot_copies.append((self.blocks.slot(seq.seq_id), self.blocks.slot(child.seq_id)))
                 child.status = Status.RUNNING
                 child.scheduled_time = seq.scheduled_time
+                child.num_cached_tokens = seq.num_cached_tokens                # the request's prompt, shared
                 self.running.append(child)
                 chunks.append(Chunk(child, seq.num_tokens, 0, source=i))
             seq.forks = []
-        return Batch(tuple(chunks), tuple(self.blocks.take_copies()), tuple(slot_copies))
+        block_copies, sliding_copies = self.blocks.take_copies()
+        return Batch(tuple(chunks), tuple(block_copies), tuple(sliding_copies))
+
+    def _match(self, seq: Sequence) -> None:
+        """A sequence about to be admitted (holding no KV) takes the cached prefix of its tokens."""
+        seq.num_computed = self.blocks.match(seq.seq_id, seq.token_ids)
 
     def _room(self, seq: Sequence, budget: int, spare: int = 0) -> int:
         """The longest next chunk of `seq` that the budget and the pool allow, leaving `spare` blocks free;
@@ -172,7 +194,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's KV and queue it first, to be recomputed from its first token."""
         self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self._free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
@@ -185,11 +207,17 @@ class Scheduler:
         for chunk, token in zip(batch.chunks, sampled, strict=True):
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.num_tokens
+            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
             if token is None:
                 continue
             out = seq.append_token(token, now)
             if seq.is_finished:
                 self.running.remove(seq)
-                self.blocks.free(seq.seq_id)
+                self._free(seq)
             outputs.append((seq, out))
         return outputs
+
+    def _free(self, seq: Sequence, cache: bool = True) -> None:
+        """Give back a sequence's KV; with `cache`, what it computed stays in the prefix cache to its last
+        computed token."""
+        self.blocks.free(seq.seq_id, seq.token_ids if cache else None, seq.num_computed)

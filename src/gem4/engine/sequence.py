@@ -42,6 +42,7 @@ class RequestStats:
 
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int       # prompt tokens found in the prefix cache (not computed)
     queue_s: float           # submit -> first scheduled
     ttft_s: float            # submit -> first generated token (time to first token)
     prefill_s: float         # first scheduled -> first generated token (the prompt's forward passes)
@@ -49,7 +50,9 @@ class RequestStats:
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+        """Prompt tokens computed (not found in the prefix cache) per second of prefill."""
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_s if self.prefill_s > 0 else 0.0
 
     @property
     def generation_tps(self) -> float:
@@ -133,6 +136,7 @@ class Sequence:
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(end_ids))
         self.status = Status.WAITING
         self.num_computed = 0                         # token_ids[:num_computed] are in the KV cache
+        self.num_cached_tokens: int | None = None     # prompt tokens the prefix cache held at its first admission
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._detok = detokenizer                     # None: token ids only, no text
@@ -211,6 +215,7 @@ class Sequence:
         return RequestStats(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=len(self.output_ids),
+            cached_tokens=self.num_cached_tokens or 0,
             queue_s=scheduled - self.arrival_time,
             ttft_s=first - self.arrival_time,
             prefill_s=first - scheduled,

@@ -100,7 +100,10 @@ class Router(nn.Module):
     def forward(self, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """r [T, H] -> expert ids [T, K], weights [T, K] (float32)."""
         t = rms_norm(r, None, self.eps) * self.scale * self.root_size             # [T, H]
-        probs = torch.softmax(self.proj(t), dim=-1)                               # [T, E], over all experts first
+        # one row at a time: a float32 GEMM rounds a row differently with other rows beside it, and a token's
+        # experts must not depend on its batch mates or its chunk (batch invariance, exact prefix-cache hits)
+        logits = torch.cat([self.proj(row) for row in t.split(1)]) if t.shape[0] > 1 else self.proj(t)   # [T, E]
+        probs = torch.softmax(logits, dim=-1)                                     # over all experts first
         weights, idx = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)                          # renormalise the top-K
         return idx, weights * self.per_expert_scale[idx]
@@ -258,10 +261,14 @@ class Model(nn.Module):
         proj = self.per_layer_projection_norm(proj.view(-1, L, P))                # [T, L, P]
         return (proj + tok.view(-1, L, P)) * 2 ** -0.5
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> scaled input embeddings [T, H] float32 (also the MTP assistant's token input, docs/gemma4.md §5.3)."""
+        return self.embed_tokens.rows(ids) * self.embed_scale
+
     def hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
         """ids [T] (a step's new tokens) -> the final-normed hidden states of its logit rows [M, H]; the K/V of
         all T tokens are stored in the pool."""
-        x = self.embed_tokens.rows(ids) * self.embed_scale                         # [T, H]
+        x = self.embed(ids)                                                        # [T, H]
         ple = self.per_layer_inputs(ids, x) if self.config.ple_dim else None       # [T, L, P]
         ropes = {t: rope_cos_sin(step.positions, getattr(self, f"inv_freq_{t}"))
                  for t, _ in self.config.rope_inv_freq}
@@ -287,10 +294,15 @@ class Model(nn.Module):
         return kernels.softcap(logits, cap) if self.fused and cap is not None else softcap(logits, cap)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
-        """One step over the pool: ids [T] -> logits of the step's logit rows [M, V], float32."""
+    def forward(self, ids: torch.Tensor, step: StepLayout, pool: KVPool, hidden: bool = False):
+        """One step over the pool: ids [T] -> logits of the step's logit rows [M, V], float32.
+
+        hidden=True: -> (logits [M, V], h [M, H]) with h the final-normed hidden states of the same rows, the
+        state the MTP assistant drafts from (docs/gemma4.md §5.5: post-norm, as transformers and llama.cpp hand it).
+        """
         h = self.hidden_states(ids, step, pool)
-        return self.head(h) if h.shape[0] else h.new_empty((0, self.config.vocab_size))
+        logits = self.head(h) if h.shape[0] else h.new_empty((0, self.config.vocab_size))
+        return (logits, h) if hidden else logits
 
     def extend(self, ids: torch.Tensor, cache: KVCache, logits: int = 1) -> torch.Tensor:
         """The next tokens ids [T] of a one-sequence cache -> logits of its last `logits` rows [logits, V]."""
@@ -315,8 +327,8 @@ class Model(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_cache(self, max_chunk: int) -> KVCache:
-        return KVCache(self.config, max_chunk=max_chunk, dtype=self.dtype, device=self.device)
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config, dtype=self.dtype, device=self.device)
 
     def logits(self, token_ids) -> torch.Tensor:
         """Full-sequence logits [len(ids), vocab] float32 with a fresh cache."""
@@ -325,4 +337,4 @@ class Model(nn.Module):
             raise ValueError("token_ids is empty")
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-        return self.extend(ids, self.new_cache(max_chunk=ids.numel()), logits=ids.numel())
+        return self.extend(ids, self.new_cache(), logits=ids.numel())

@@ -113,7 +113,8 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokeniz
 
 class EngineLike(Protocol):
     """What the server needs of an engine (`gem4.Engine` is one). Read by /metrics when present, not
-    required: `request_counts()`, `kv_cache_usage`, `num_preemptions`, `step_tokens`, `batch_sizes`."""
+    required: `request_counts()`, `kv_cache_usage`, `num_preemptions`, `prefix_cache_counts`, `step_tokens`,
+    `batch_sizes`."""
 
     tokenizer: Any
     max_model_len: int
@@ -213,6 +214,7 @@ class Generation:
         self._last_token: float | None = None
         self._last_of: dict[int, float] = {}          # choice -> its last token's time (inter-token latency)
         self._n_tokens = 0
+        self.cached_tokens = 0          # prompt tokens the engine found in its prefix cache
 
         engine, metrics, config = state.ready_engine(), state.metrics, state.config
         if metrics.in_flight >= config.max_num_seqs + config.max_waiting:
@@ -235,6 +237,7 @@ class Generation:
         m = self.state.metrics
         if isinstance(item, GenerationEvent):
             now = time.perf_counter()
+            self.cached_tokens = max(self.cached_tokens, item.cached_tokens)
             if item.token_id is not None:
                 m.generation_tokens += 1
                 self._n_tokens += 1
@@ -264,8 +267,8 @@ class Generation:
         decode = self._n_tokens - 1
         rate = (f"{decode / (now - self._first_token):.1f} tok/s"
                 if decode > 0 and now > self._first_token else "-")
-        return (f"request {self.request_id}: prompt {len(self.prompt_ids)} tokens, output {self._n_tokens} tokens, "
-                f"TTFT {ttft}, decode {rate}, finish {reason}")
+        return (f"request {self.request_id}: prompt {len(self.prompt_ids)} tokens ({self.cached_tokens} cached), "
+                f"output {self._n_tokens} tokens, TTFT {ttft}, decode {rate}, finish {reason}")
 
     async def next(self, timeout: float | None = None) -> GenerationEvent | None:
         """The next event; None if `timeout` seconds pass first. Raises EngineError."""
@@ -643,8 +646,12 @@ def _vocab_size(engine: EngineLike) -> int:
     return getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size
 
 
-def _usage(n_prompt: int, n_completion: int) -> P.Usage:
-    return P.Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, total_tokens=n_prompt + n_completion)
+def _usage(gen: Generation, outs) -> P.Usage:
+    """The request's usage: the prompt once, the completion tokens of every choice, and the prompt tokens
+    read from the prefix cache (OpenAI's prompt_tokens_details.cached_tokens)."""
+    n_prompt, n_completion = len(gen.prompt_ids), sum(o.n_tokens for o in outs)
+    return P.Usage(prompt_tokens=n_prompt, completion_tokens=n_completion, total_tokens=n_prompt + n_completion,
+                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=gen.cached_tokens))
 
 
 def _sse(model) -> str:
@@ -918,7 +925,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
             id=request_id, created=created, model=name,
             choices=[P.ChatChoice(index=i, message=out.message(), logprobs=out.choice_logprobs(),
                                   finish_reason=out.finish_reason) for i, out in enumerate(outs)],
-            usage=_usage(len(prompt_ids), sum(o.n_tokens for o in outs))))
+            usage=_usage(gen, outs)))
 
     # ---- completions ----
 
@@ -978,7 +985,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
                             yield _sse(chunk(ev.index, text, None, out.take_logprobs()))
                     if req.include_usage:
                         yield _sse(P.Completion(id=request_id, created=created, model=name, choices=[],
-                                                usage=_usage(len(prompt_ids), sum(o.n_tokens for o in outs))))
+                                                usage=_usage(gen, outs)))
                     gen.close(outs[0].finish_reason)
                 except EngineError as e:
                     gen.close("error")
@@ -991,7 +998,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
             id=request_id, created=created, model=name,
             choices=[P.CompletionChoice(index=i, text=out.echo + "".join(out.text), logprobs=out.all_logprobs(),
                                         finish_reason=out.finish_reason) for i, out in enumerate(outs)],
-            usage=_usage(len(prompt_ids), sum(o.n_tokens for o in outs))))
+            usage=_usage(gen, outs)))
 
     return app
 
@@ -1025,7 +1032,7 @@ async def _chat_stream(gen: Generation, outs: list[ChatOutput], request_id: str,
         gen.close(outs[0].finish_reason)
         if include_usage:
             final = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=[],
-                                          usage=_usage(len(gen.prompt_ids), sum(o.n_tokens for o in outs)))
+                                          usage=_usage(gen, outs))
             yield _sse(final)
     except EngineError as e:
         gen.close("error")

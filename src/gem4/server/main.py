@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache pool size in GiB (default: room for --max-num-seqs requests of "
                         "--max-model-len, capped at half the available memory); when it is full the newest "
                         "request is preempted and recomputed later")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of the longest cached prefix of each prompt (finished, aborted and "
+                        "running requests'), computing only the rest; exact on every layer")
     p.add_argument("--max-waiting", type=int_at_least(0), default=64,
                    help="queued requests beyond which new ones get 503")
     p.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
@@ -146,7 +149,8 @@ def _load(args: argparse.Namespace, path: str):
     model, tokenizer = load_with_tokenizer(path, args.tokenizer, dtype=args.dtype, device=args.device, progress=True)
     return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30))
+                       kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
+                       enable_prefix_caching=args.enable_prefix_caching)
 
 
 def startup_summary(name: str, engine) -> str:
@@ -158,7 +162,7 @@ def startup_summary(name: str, engine) -> str:
     return (f"gem4: model {name}: Gemma 4 {config.variant}, {config.num_layers} layers, {dtype}, compiled kernels "
             f"{'on' if model.fused else 'off'}, {torch.get_num_threads()} threads, max_model_len "
             f"{engine.max_model_len}, KV cache {pool.total_bytes / 2**30:.2f} GiB ({pool.tokens} tokens, "
-            f"{pool.num_slots} sequences)")
+            f"{pool.num_seqs} sequences), prefix caching {'on' if engine.prefix_caching else 'off'}")
 
 
 def serve(args: argparse.Namespace) -> int:

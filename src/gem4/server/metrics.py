@@ -7,6 +7,8 @@ Every family has the label `model_name`. Families:
     gem4:num_requests_waiting            gauge      sequences queued behind them (1)
     gem4:kv_cache_usage_perc             gauge      fraction (0..1) of the KV pool's full-attention blocks in use (2)
     gem4:num_preemptions_total           counter    sequences preempted (KV freed, recomputed later) (2)
+    gem4:prefix_cache_queries_total      counter    prompt tokens looked up in the prefix cache (2)
+    gem4:prefix_cache_hits_total         counter    ... and found there (2)
     gem4:request_success_total           counter    finished requests, by finished_reason
     gem4:request_rejected_total          counter    requests refused with 503 (queue full)
     gem4:prompt_tokens_total             counter    prompt tokens of admitted requests
@@ -20,8 +22,8 @@ Every family has the label `model_name`. Families:
 (1) From the engine's scheduler (`Engine.request_counts()`: what it runs, and its waiting queue with the
     requests not yet taken in). An engine without that accessor (a test's stand-in) gets an estimate
     from the server's requests in flight: the first max_num_seqs run (FCFS), the rest wait.
-(2) Read from the engine at scrape time (`kv_cache_usage`, `num_preemptions`, `step_tokens`,
-    `batch_sizes`: plain ints the engine thread alone updates; a scrape only reads them, so the engine's
+(2) Read from the engine at scrape time (`kv_cache_usage`, `num_preemptions`, `prefix_cache_counts`,
+    `step_tokens`, `batch_sizes`: plain ints the engine thread alone updates; a scrape only reads them, so the engine's
     step takes no lock for metrics). Absent (the family has no sample) while there is no engine or for
     an engine that does not count them. Both histograms observe every engine step once, so their
     `_count` is the engine's step count.
@@ -159,6 +161,11 @@ class _LiveCollector:
                                     labels=("model_name",)),
             "preempt": CounterMetricFamily("gem4:num_preemptions", "Cumulative number of preemptions from the engine.",
                                            labels=("model_name",)),
+            "queries": CounterMetricFamily("gem4:prefix_cache_queries",
+                                           "Prefix cache queries, in terms of number of queried tokens.",
+                                           labels=("model_name",)),
+            "hits": CounterMetricFamily("gem4:prefix_cache_hits",
+                                        "Prefix cache hits, in terms of number of cached tokens.", labels=("model_name",)),
             "prompt": CounterMetricFamily("gem4:prompt_tokens", "Prompt tokens of admitted requests.",
                                           labels=("model_name",)),
             "gen": CounterMetricFamily("gem4:generation_tokens", "Generated tokens.", labels=("model_name",)),
@@ -182,6 +189,10 @@ class _LiveCollector:
                 fam["kv"].add_metric(label, engine.kv_cache_usage)
             if hasattr(engine, "num_preemptions"):
                 fam["preempt"].add_metric(label, engine.num_preemptions)
+            if hasattr(engine, "prefix_cache_counts"):
+                queries, hits = engine.prefix_cache_counts
+                fam["queries"].add_metric(label, queries)
+                fam["hits"].add_metric(label, hits)
             for key, attr, bounds in (("tokens", "step_tokens", _STEP_TOKEN_BUCKETS),
                                       ("seqs", "batch_sizes", _STEP_SEQ_BUCKETS)):
                 counts = getattr(engine, attr, None)

@@ -461,10 +461,15 @@ class _Out(BaseModel):
         return self
 
 
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0            # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class FunctionCallOut(_Out):

@@ -78,7 +78,10 @@ struct Layer {
     std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& r, double eps) const {
         const torch::Tensor t = at::rms_norm(r, {r.size(-1)}, std::nullopt, eps) * moe_weight(ROUTER_SCALE)
                                 * std::pow(static_cast<double>(r.size(-1)), -0.5);
-        const torch::Tensor probs = at::softmax(at::linear(t, moe_weight(ROUTER_PROJ)), -1);   // over all experts first
+        // one row at a time, as Router.forward: a float32 GEMM's rows depend on how many there are
+        std::vector<torch::Tensor> rows;
+        for (int64_t i = 0; i < t.size(0); ++i) rows.push_back(at::linear(t.narrow(0, i, 1), moe_weight(ROUTER_PROJ)));
+        const torch::Tensor probs = at::softmax(at::cat(rows), -1);                         // over all experts first
         auto [top, idx] = at::topk(probs, moe_dim(TOP_K), -1);
         top = top / top.sum(-1, true);                                                      // renormalise the top-K
         return {idx, top * moe_weight(EXPERT_SCALE).index({idx})};
