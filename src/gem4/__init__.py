@@ -2,6 +2,7 @@
 
 Public API (names other work builds on):
     gem4.load(path, dtype="float32"|"bfloat16", device="cpu") -> Model
+    gem4.load_assistant(path, target=model) -> Assistant (the MTP drafter, model/assistant.py)
     gem4.Tokenizer
     gem4.Engine(model, tokenizer=None, ...), gem4.SamplingParams
 """
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "load": ("gem4.weights.loader", "load"),
+    "load_assistant": ("gem4.weights.assistant", "load_assistant"),
     "Model": ("gem4.model.gemma4", "Model"),
     "Tokenizer": ("gem4.tokenizer", "Tokenizer"),
     "Engine": ("gem4.engine", "Engine"),
