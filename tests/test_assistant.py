@@ -79,6 +79,20 @@ def assistants(tmp_path_factory):
     return out
 
 
+_HF_TARGETS: dict = {}
+
+
+def hf_causal_of(fx):
+    """transformers' target, read from the fixture's checkpoint once per test session: the shared
+    `variants[...].hf_model` is not used, since other tests move it to bf16 and back (its RoPE buffers
+    come back rounded)."""
+    from transformers import Gemma4ForCausalLM
+
+    if fx.name not in _HF_TARGETS:
+        _HF_TARGETS[fx.name] = Gemma4ForCausalLM.from_pretrained(fx.hf_causal, attn_implementation="eager").eval()
+    return _HF_TARGETS[fx.name]
+
+
 @contextlib.contextmanager
 def storing_last_layers(hf_target):
     """transformers returns shared_kv_states only from KV-sharing targets (docs/gemma4.md §5.4): make the last
@@ -165,7 +179,7 @@ def test_draft_logits_match_transformers(variants, assistants, name):
     target = gem4.load(fx.hf_causal, dtype="float32")
     assistant = gem4.load_assistant(path, target)
     for p in (1, 5, 9, 10, 30):                # within the window, its edge (W + 1 = 9 keys) and far past it
-        ref = oracle(fx.hf_model, hf_assistant, fx.ids, p)
+        ref = oracle(hf_causal_of(fx), hf_assistant, fx.ids, p)
         got = gem4_drafts(target, assistant, fx.ids, p)
         err = rel_err(got.logits[0], ref)
         print(f"{name} p={p}: max|diff|/max|ref| = {err:.2e}")
@@ -186,7 +200,7 @@ def test_window_edge_is_transformers_w_plus_1(variants, assistants):
     sliding = view.attend["sliding_attention"]
     assert int(sliding.q_hi[0] - sliding.q_lo[0]) == 9
     assert int(view.attend["full_attention"].q_hi[0]) == 30
-    ref = oracle(fx.hf_model, hf_assistant, fx.ids, 30, steps=1)[0]
+    ref = oracle(hf_causal_of(fx), hf_assistant, fx.ids, 30, steps=1)[0]
     good, _ = assistant.forward(target.embed(torch.tensor(fx.ids[30:31])), hidden[-1:], view, seq.pool)
     narrow = type(view)(view.positions, dict(view.attend, sliding_attention=type(sliding)(
         sliding.key_rows, sliding.q_seq, sliding.q_lo + 1, sliding.q_hi)))
@@ -203,7 +217,7 @@ def test_rejected_rows_in_the_ring_are_not_read(variants, assistants, name):
     target = gem4.load(fx.hf_causal, dtype="float32")
     assistant = gem4.load_assistant(path, target)
     for p in (20, 27):
-        ref = oracle(fx.hf_model, hf_assistant, fx.ids, p)
+        ref = oracle(hf_causal_of(fx), hf_assistant, fx.ids, p)
         got = gem4_drafts(target, assistant, fx.ids, p, chunk=4, rejected=3)
         assert rel_err(got.logits[0], ref) <= 1e-4
 
@@ -252,7 +266,7 @@ def test_draft_reads_sliding_blocks_from_p_minus_w_minus_1(variants, assistants)
         if needs_block_0:
             assert torch.isnan(logits).all()
         else:
-            assert rel_err(logits[0], oracle(fx.hf_model, hf_assistant, fx.ids, p, steps=1)[0]) <= 1e-4
+            assert rel_err(logits[0], oracle(hf_causal_of(fx), hf_assistant, fx.ids, p, steps=1)[0]) <= 1e-4
 
 
 def test_centroid_head_matches_transformers(variants, assistants):
@@ -262,7 +276,7 @@ def test_centroid_head_matches_transformers(variants, assistants):
     assistant = gem4.load_assistant(path, target)
     assert assistant.config.centroids is not None
     for p in (9, 30):
-        ref = oracle(fx.hf_model, hf_assistant, fx.ids, p)
+        ref = oracle(hf_causal_of(fx), hf_assistant, fx.ids, p)
         got = gem4_drafts(target, assistant, fx.ids, p)
         assert rel_err(got.logits[0], ref) <= 1e-4
         # 4 of 16 clusters scored: 128 tokens carry real logits, the rest the filler below them
@@ -277,7 +291,7 @@ def test_gguf_assistant_equals_hf(variants, assistants, tmp_path, name):
     write_assistant_gguf(open_assistant(path), tmp_path / "a.gguf")
     target = gem4.load(fx.gguf["f32"], dtype="float32")
     assistant = gem4.load_assistant(tmp_path / "a.gguf", target)
-    ref = oracle(fx.hf_model, hf_assistant, fx.ids, 30)
+    ref = oracle(hf_causal_of(fx), hf_assistant, fx.ids, 30)
     got = gem4_drafts(target, assistant, fx.ids, 30)
     assert rel_err(got.logits[0], ref) <= 1e-4
 
