@@ -157,6 +157,20 @@ def test_chat_session_keeps_history(demo_run):
     assert "unknown command '/bogus'" in proc.stderr
 
 
+def test_run_with_speculative_decoding_prints_the_same_text_and_the_acceptance(demo_run):
+    cache, _ = demo_run
+    args = ["run", "--demo", "-p", "one two three one two three one two three", "-n", "24", "--temperature", "0",
+            "--dtype", "float32"]
+    plain = run_cli(args, cache)
+    spec = run_cli(args + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                                                   '"prompt_lookup_min": 1, "prompt_lookup_max": 2}'], cache)
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    m = re.search(r"\| drafts accepted: (\d+)/(\d+) \((\d+)%\)$", spec.stderr.strip().splitlines()[-1])
+    assert m and 0 < int(m.group(2)) and int(m.group(1)) <= int(m.group(2))
+    assert "drafts accepted" not in plain.stderr
+
+
 def test_chat_turns_reuse_the_conversation_kv(demo_run):
     """Each turn's prompt begins with the previous turn's tokens: they come from the prefix cache, so only the
     new ones are computed (the stats line says how many were cached)."""
@@ -230,6 +244,9 @@ MISTAKES = [
     (["run", HF, "-p", "hi", "--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
     (["run", HF, "-p", "hi", "--prefill-chunk", "0"], "argument --prefill-chunk: must be >= 1"),
     (["serve", HF, "--max-num-seqs", "0"], "argument --max-num-seqs: must be >= 1"),
+    (["run", HF, "-p", "hi", "--speculative-config", '{{"method": "ngram", "num_speculative_tokens": 9}}'],
+     "argument --speculative-config: num_speculative_tokens must be an integer in [1, 7], got 9"),
+    (["serve", HF, "--speculative-config", "{{}}"], "argument --speculative-config: method must be one of ngram, mtp"),
     (["serve", HF, "--default-chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["serve", HF, "--heartbeat-interval", "inf"], "argument --heartbeat-interval: must be a finite number > 0"),
     (["convert", "{d}/missing", "{d}/out.gguf"], "missing: no such file or directory"),

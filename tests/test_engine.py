@@ -515,10 +515,10 @@ def test_scheduler_is_fcfs_with_a_token_budget():
     sched.postprocess(batch, [None, None], 0.0)
     batch = sched.schedule()
     assert plan(batch) == [("a", 4, 4, False), ("b", 2, 1, True)]
-    sched.postprocess(batch, [None, 7], 0.0)
+    sched.postprocess(batch, [None, [7]], 0.0)
     batch = sched.schedule()
     assert plan(batch) == [("b", 3, 1, True), ("a", 8, 1, True)]           # decodes first, then prefill
-    sched.postprocess(batch, [5, 6], 0.0)
+    sched.postprocess(batch, [[5], [6]], 0.0)
     assert sched.remove("b") == [b] and sched.remove("b") == []
     batch = sched.schedule()
     # c is admitted when b's seat frees; its first token is in the cache (b's block holds 0 1 2 7)
@@ -796,7 +796,7 @@ def test_scheduler_forks_the_choices_at_the_prompts_last_chunk():
     assert plan(batch) == [(0, 4, 2, None), (1, 6, 0, 0), (2, 6, 0, 0)]      # the last chunk samples for three
     assert batch.block_copies == batch.sliding_copies == ()               # the choices share the parent's blocks
     assert bm.table(c1.seq_id) == bm.table(parent.seq_id) == [0, 1] and bm.refs(1) == 3
-    sched.postprocess(batch, [5, 6, 7], 0.0)
+    sched.postprocess(batch, [[5], [6], [7]], 0.0)
     assert [s.output_ids for s in (parent, c1, c2)] == [[5], [6], [7]] and c2.num_computed == 6
     batch = sched.schedule()                                                # position 6 is in shared block 1
     assert plan(batch) == [(0, 6, 1, None), (1, 6, 1, None), (2, 6, 1, None)]

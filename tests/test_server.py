@@ -1544,3 +1544,26 @@ def test_model_ids_of_a_file_a_directory_and_a_hub_name(tmp_path):
                         ("owner/repo-GGUF:Q4_K_M", ["owner/repo-GGUF:Q4_K_M"])):
         assert model_ids(parser.parse_args([model]), model) == want
     assert model_ids(parser.parse_args(["owner/r", "--served-model-name", "a", "b"]), "owner/r") == ["a", "b", "owner/r"]
+
+
+def test_speculative_decoding_serves_the_plain_text_and_counts_drafts(tiny_dir):
+    """--speculative-config through the server: the same greedy text as without it, and vLLM's spec_decode
+    families on /metrics (one per draft position)."""
+    model = gem4.load(tiny_dir, dtype="float32")
+    tok = gem4.Tokenizer.from_file(tiny_dir)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    body = {"prompt": "one two three one two three one two three", "max_tokens": 24, "temperature": 0}
+    texts, metrics = [], []
+    for spec in (None, config):
+        app = create_app(ServerConfig(served_model_name="tiny"), gem4.Engine(model, tok, speculative_config=spec))
+        with InProcessServer(app) as base:
+            texts.append(httpx.post(base + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"])
+            metrics.append(scrape(base))
+    assert texts[0] == texts[1]
+    assert "gem4:spec_decode_num_drafts_total" not in metrics[0]
+    m = metrics[1]
+    assert m["gem4:spec_decode_num_drafts_total"] > 0
+    assert m["gem4:spec_decode_num_draft_tokens_total"] >= m["gem4:spec_decode_num_accepted_tokens_total"]
+    per_pos = [next(v for k, v in m.items() if k.startswith("gem4:spec_decode_num_accepted_tokens_per_pos_total")
+                    and f'position="{i}"' in k) for i in range(3)]
+    assert sum(per_pos) == m["gem4:spec_decode_num_accepted_tokens_total"] and per_pos == sorted(per_pos, reverse=True)

@@ -58,6 +58,20 @@ def positive_float(text: str) -> float:
     return value
 
 
+def speculative_config(text: str):
+    """--speculative-config: vLLM's JSON object, checked (gem4.engine.speculative.SpeculativeConfig)."""
+    from gem4.engine.speculative import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("speculative config: ")) from None
+
+
+SPECULATIVE_HELP = ('speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                    '(prompt lookup; "prompt_lookup_max" / "_min" optional)')
+
+
 def check_model_or_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Exactly one of MODEL and --demo."""
     if args.demo == (args.model is not None):

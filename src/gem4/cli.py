@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from gem4.argtypes import ArgParser, check_model_or_demo, int_at_least
+from gem4.argtypes import SPECULATIVE_HELP, ArgParser, check_model_or_demo, int_at_least, speculative_config
 
 
 def log(message: str) -> None:
@@ -85,7 +85,8 @@ def _open(args: argparse.Namespace):
         hint = "" if args.tokenizer else " (MODEL carries no usable tokenizer: pass --tokenizer PATH, a GGUF " \
                                          "file, an HF directory or a tokenizer.json)"
         raise ValueError(f"{e}{hint}") from None
-    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk), tokenizer
+    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk,
+                       speculative_config=args.speculative_config), tokenizer
 
 
 def _params(args: argparse.Namespace, max_tokens: int | None):
@@ -98,9 +99,11 @@ def _params(args: argparse.Namespace, max_tokens: int | None):
 
 def _stats_line(event) -> str:
     s = event.stats
+    drafts = (f" | drafts accepted: {s.accepted_tokens}/{s.draft_tokens} ({100 * s.accepted_tokens / s.draft_tokens:.0f}%)"
+              if s.draft_tokens else "")
     return (f"prompt: {s.prompt_tokens} tokens, {s.cached_tokens} cached, {s.prompt_tps:.1f} tok/s | generated: "
             f"{s.completion_tokens} tokens, {s.generation_tps:.1f} tok/s | TTFT: {s.ttft_s * 1000:.0f} ms | "
-            f"finish: {event.finish_reason}")
+            f"finish: {event.finish_reason}{drafts}")
 
 
 class ChatPrinter:
@@ -335,6 +338,7 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system prompt (implies --chat for run)")
     g.add_argument("--think", action="store_true", help="enable thinking in the chat template")
     g.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
+    g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON", help=SPECULATIVE_HELP)
     return g
 
 

@@ -56,6 +56,7 @@ from gem4.engine.block_manager import BlockManager
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
 from gem4.engine.sequence import ABORT, RequestStats, Sequence, Status, next_request_id
+from gem4.engine.speculative import SpeculativeConfig
 from gem4.kv_cache import BLOCK_SIZE, KVPool, kv_pool_size
 from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
 
@@ -179,6 +180,10 @@ class Engine:
     exact on sliding layers). On by default, as in vLLM; the pool then keeps twice the sliding-window
     blocks (kv_cache.SLIDING_CACHE_FACTOR).
     block_size: positions per KV block (vLLM's --block-size): the unit of paging, sharing and eviction.
+    speculative_config: vLLM's speculative config (`speculative.SpeculativeConfig`: a dict or JSON string,
+    e.g. {"method": "ngram", "num_speculative_tokens": 4}): each decode step of a request carries up to K
+    drafts, verified in the same forward by exact rejection sampling (speculative.verify), so a request's
+    tokens are the ones plain decoding gives (greedy: the same tokens; seeded: the same draws).
     """
 
     def __init__(
@@ -194,6 +199,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
         enable_prefix_caching: bool = True,
         block_size: int = BLOCK_SIZE,
+        speculative_config=None,
     ):
         context = model.config.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= context:
@@ -221,8 +227,11 @@ class Engine:
                       block_size=block_size)
         blocks = BlockManager(pool.num_blocks, pool.block_size, pool.num_sliding_blocks, pool.window,
                               caching=enable_prefix_caching)
-        self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens)
-        self._runner = ModelRunner(model, pool, blocks)
+        self.speculative_config = None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
+        drafter = self._drafter(self.speculative_config)
+        self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens,
+                                    num_speculative_tokens=0 if drafter is None else drafter.num_speculative_tokens)
+        self._runner = ModelRunner(model, pool, blocks, drafter)
         # shared with caller threads, guarded by _lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -231,8 +240,21 @@ class Engine:
         self._open: dict[str, int] = {}                 # request id -> choices not finished yet
         self._thread: threading.Thread | None = None
         self.steps = 0                                  # engine steps run (forward passes)
+        self.spec_drafts = 0                            # verification steps with drafts
+        self.spec_draft_tokens = 0                      # drafts checked
+        self.spec_accepted_tokens = 0                   # drafts accepted
+        self.spec_accepted_per_position: Counter[int] = Counter()   # draft position (0-based) -> accepted
         self.batch_sizes: Counter[int] = Counter()      # steps by the number of sequences they ran
         self.step_tokens: Counter[int] = Counter()      # steps by the number of tokens they ran
+
+    @staticmethod
+    def _drafter(config: SpeculativeConfig | None):
+        if config is None:
+            return None
+        if config.method == "mtp":
+            raise ValueError("speculative config: method 'mtp' (the Gemma 4 assistant) is not served by the engine "
+                             "yet; use 'ngram'")
+        return config.ngram()
 
     # ---- caller threads ----
 
@@ -401,21 +423,37 @@ class Engine:
                 self._fail_one(chunk.seq, sample.error, step)
                 continue
             try:                                          # one request's text and stop logic at a time
-                outputs = self._scheduler.postprocess(Batch((chunk,)), [None if sample is None else sample.token_id],
+                outputs = self._scheduler.postprocess(Batch((chunk,)), [None if sample is None else sample.token_ids],
                                                       time.perf_counter())
             except Exception as e:                        # noqa: BLE001 - this request's failure only
                 self._fail_one(chunk.seq, e, step)
                 continue
-            for seq, out in outputs:
+            if sample is not None and sample.drafts:
+                self._count_drafts(chunk.seq, sample)
+            before = len(chunk.seq.output_ids) - len(outputs)
+            for k, (seq, out) in enumerate(outputs):     # one event per token, accepted drafts included
                 finished = out.finish_reason is not None
                 self._publish(seq, GenerationEvent(
                     request_id=seq.request_id, token_id=out.token_id, text=out.text,
                     finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                    prompt_tokens=seq.num_prompt_tokens, completion_tokens=len(seq.output_ids),
-                    logprob=sample.logprob, top_logprobs=sample.top_logprobs,
+                    prompt_tokens=seq.num_prompt_tokens, completion_tokens=before + k + 1,
+                    logprob=None if sample.logprobs is None else sample.logprobs[k],
+                    top_logprobs=None if sample.top_logprobs is None else sample.top_logprobs[k],
                     stats=seq.stats() if finished else None, index=seq.index,
                     cached_tokens=seq.num_cached_tokens or 0,
                 ), finished)
+
+    def _count_drafts(self, seq: Sequence, sample) -> None:
+        """Speculation counters (vLLM's spec_decode_* metrics): a verification step, its drafts, and how
+        many were accepted, by draft position; the request's own in its stats."""
+        accepted = len(sample.token_ids) - 1
+        seq.num_draft_tokens += sample.drafts
+        seq.num_accepted_tokens += accepted
+        self.spec_drafts += 1
+        self.spec_draft_tokens += sample.drafts
+        self.spec_accepted_tokens += accepted
+        for position in range(accepted):
+            self.spec_accepted_per_position[position] += 1
 
     def _fail_one(self, seq: Sequence, error: BaseException, step: int) -> None:
         """End one request with `error` (its stream raises EngineError), every choice of it; log it once."""

@@ -44,6 +44,7 @@ import torch
 
 from gem4.engine.block_manager import BlockManager
 from gem4.engine.scheduler import Batch, Chunk
+from gem4.engine.speculative import verify
 from gem4.kv_cache import KVPool, SeqStep
 from gem4.model.layers import DECODE_ROWS
 from gem4.sampling import Sampler, SeedStream
@@ -55,9 +56,27 @@ class NonFiniteLogits(RuntimeError):
 
 @dataclass(frozen=True)
 class Sample:
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
+    """The tokens a chunk emits: one, or with speculation the accepted drafts and one more (`drafts`: how
+    many drafts were checked). logprobs / top_logprobs: one entry per token, when the request asks."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[list[tuple[int, float]], ...] | None = None
+    drafts: int = 0
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A chunk as the forward pass sees it: its token ids, and for a decode step with drafts (speculation),
+    the drafts after its last token -- every row then needs logits, to verify them."""
+
+    chunk: Chunk
+    ids: list[int]
+    drafts: list[int]
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.ids) if self.drafts else int(self.chunk.samples)
 
 
 @dataclass(frozen=True)
@@ -68,10 +87,11 @@ class Failed:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, blocks: BlockManager):
+    def __init__(self, model, pool: KVPool, blocks: BlockManager, drafter=None):
         self.model = model
         self.pool = pool
         self.blocks = blocks                     # read only: the scheduler decides, the runner lays out
+        self.drafter = drafter                   # proposes drafts for chunks with draft slots (speculative.py)
         self.device = model.device
         self.sampler = Sampler()
         self._generators: dict[int, SeedStream | None] = {}   # seq_id ->
@@ -84,11 +104,12 @@ class ModelRunner:
         self.pool.copy_blocks(batch.block_copies)
         self.pool.copy_sliding_blocks(batch.sliding_copies)
         computed = [i for i, c in enumerate(chunks) if c.num_tokens]
-        work = tuple(chunks[i] for i in computed)
+        work = tuple(self._rows(chunks[i]) for i in computed)
         try:
             done = self._forward(work)
         except Exception as e:                                  # noqa: BLE001 - find the chunks at fault
-            done = [Failed(e)] if len(work) == 1 else [self._forward_alone(c) for c in work]
+            done = [Failed(e)] if len(work) == 1 else [self._forward_alone(w) for w in work]
+        drafts = {i: w.drafts for i, w in zip(computed, work) if w.drafts}
         rows: list = [None] * len(chunks)
         for i, row in zip(computed, done):
             rows[i] = row
@@ -105,6 +126,8 @@ class ModelRunner:
                 out[i] = Failed(NonFiniteLogits(
                     f"the model produced non-finite logits (NaN or inf) at position {position}, "
                     f"choosing completion token {len(chunk.seq.output_ids) + 1}"))
+            elif i in drafts:                                   # speculation: verify this sequence's drafts
+                out[i] = self._verify(chunk.seq, row, drafts[i])
             else:
                 sampling.append(i)
                 logits.append(row)
@@ -113,32 +136,50 @@ class ModelRunner:
                 out[i] = sample
         return out
 
-    def _forward(self, chunks: tuple[Chunk, ...]) -> list[torch.Tensor | None]:
-        """The chunks through the model (in passes by chunk size, see the module docstring) -> per chunk its
-        last row's logits [1, V] if it samples, else None."""
-        out: dict[int, torch.Tensor | None] = {}
-        for group in _passes(chunks):
-            out.update(zip(group, self._forward_pass([chunks[i] for i in group])))
-        return [out[i] for i in range(len(chunks))]
+    def _rows(self, chunk: Chunk) -> _Rows:
+        """The chunk's token ids, with the drafter's drafts when it has draft slots (as many as it proposes,
+        up to the slots: prompt lookup may find none, and the step is then a plain decode step)."""
+        ids = chunk.seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
+        drafts = self.drafter.propose(chunk.seq.token_ids, chunk.draft_slots) if chunk.draft_slots else []
+        return _Rows(chunk, ids + drafts, drafts)
 
-    def _forward_pass(self, chunks: list[Chunk]) -> list[torch.Tensor | None]:
-        """One forward pass over the chunks -> per chunk its last row's logits [1, V] if it samples, else None."""
+    def _forward(self, work: tuple[_Rows, ...]) -> list[torch.Tensor | None]:
+        """The chunks through the model (in passes by chunk size, see the module docstring) -> per chunk the
+        logits of its `num_logits` last rows [n, V], or None."""
+        out: dict[int, torch.Tensor | None] = {}
+        for group in _passes([len(w.ids) for w in work]):
+            out.update(zip(group, self._forward_pass([work[i] for i in group])))
+        return [out[i] for i in range(len(work))]
+
+    def _forward_pass(self, work: list[_Rows]) -> list[torch.Tensor | None]:
+        """One forward pass over the chunks -> per chunk the logits of its `num_logits` last rows, or None."""
         steps, ids = [], []
-        for c in chunks:
-            seq_id = c.seq.seq_id
-            steps.append(SeqStep(c.start, c.num_tokens, self.blocks.table(seq_id), self.blocks.sliding_table(seq_id),
-                                 logits=int(c.samples)))
-            ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
+        for w in work:
+            c, seq_id = w.chunk, w.chunk.seq.seq_id
+            steps.append(SeqStep(c.start, len(w.ids), self.blocks.table(seq_id), self.blocks.sliding_table(seq_id),
+                                 logits=w.num_logits))
+            ids += w.ids
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
                                     self.pool.layout(steps), self.pool)             # [M, V]
-        rows = iter(logits.split(1))
-        return [next(rows) if c.samples else None for c in chunks]
+        rows = iter(logits.split([w.num_logits for w in work]))
+        return [next(rows) if w.num_logits else None for w in work]
 
-    def _forward_alone(self, chunk: Chunk) -> torch.Tensor | Failed | None:
+    def _forward_alone(self, work: _Rows) -> torch.Tensor | Failed | None:
         try:
-            return self._forward((chunk,))[0]
+            return self._forward((work,))[0]
         except Exception as e:                                  # noqa: BLE001 - this request's failure only
             return Failed(e)
+
+    def _verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> Sample | Failed:
+        """The accepted drafts and one more token, by exact rejection sampling (speculative.verify) with the
+        sequence's own generator."""
+        try:
+            v = verify(logits, drafts, seq.params, seq.output_ids, seq.prompt_ids,
+                       self._generator(seq.seq_id, seq.params))
+        except Exception as e:                                  # noqa: BLE001 - this request's failure only
+            return Failed(e)
+        return Sample(tuple(v.tokens), None if v.logprobs is None else tuple(v.logprobs),
+                      None if v.top_logprobs is None else tuple(v.top_logprobs), drafts=len(drafts))
 
     def _sample(self, seqs, logits: torch.Tensor) -> list[Sample | Failed]:
         """All sampling rows together; if that raises, each row alone from the generator state it had."""
@@ -166,9 +207,9 @@ class ModelRunner:
             [s.prompt_ids for s in seqs],
             generators,
         )
-        return [Sample(result.token_ids[b],
-                       None if result.logprobs is None else result.logprobs[b],
-                       None if result.top_logprobs is None else result.top_logprobs[b])
+        return [Sample((result.token_ids[b],),
+                       None if result.logprobs is None else (result.logprobs[b],),
+                       None if result.top_logprobs is None else (result.top_logprobs[b],))
                 for b in range(len(seqs))]
 
     def release(self, seq_id: int) -> None:
@@ -181,14 +222,14 @@ class ModelRunner:
         return self._generators[seq_id]
 
 
-def _passes(chunks) -> list[list[int]]:
-    """Chunk indices grouped into forward passes: chunks of up to DECODE_ROWS tokens packed into passes of
-    at most DECODE_ROWS rows, longer chunks in one pass of their own."""
+def _passes(sizes: list[int]) -> list[list[int]]:
+    """Chunk indices grouped into forward passes by their row counts: chunks of up to DECODE_ROWS rows packed
+    into passes of at most DECODE_ROWS rows, longer chunks in one pass of their own."""
     small, large = [], []
-    for i, c in enumerate(chunks):
-        if c.num_tokens > DECODE_ROWS:
+    for i, n in enumerate(sizes):
+        if n > DECODE_ROWS:
             large.append(i)
-        elif small and sum(chunks[j].num_tokens for j in small[-1]) + c.num_tokens <= DECODE_ROWS:
+        elif small and sum(sizes[j] for j in small[-1]) + n <= DECODE_ROWS:
             small[-1].append(i)
         else:
             small.append([i])

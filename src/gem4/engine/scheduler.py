@@ -50,12 +50,16 @@ class Chunk:
     """Run `seq.token_ids[start : start + num_tokens]` through the model (start = seq.num_computed).
 
     A fork (num_tokens 0, `source` set) computes nothing: its sequence samples its first token from the
-    logits of chunk `source` of the same batch (its parent's last prompt chunk)."""
+    logits of chunk `source` of the same batch (its parent's last prompt chunk).
+
+    Speculation: a decode step may carry up to `draft_slots` drafts after its token (the runner's drafter
+    proposes them; the positions are reserved here), verified in the same forward."""
 
     seq: Sequence
     start: int
     num_tokens: int
     source: int | None = None
+    draft_slots: int = 0
 
     @property
     def samples(self) -> bool:
@@ -77,12 +81,13 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        """Tokens the step may run: the chunks' tokens and their draft slots."""
+        return sum(c.num_tokens + c.draft_slots for c in self.chunks)
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_chunk: int, max_num_seqs: int = 1,
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, num_speculative_tokens: int = 0):
         if max_chunk < 1 or max_num_seqs < 1:
             raise ValueError(f"max_chunk ({max_chunk}) and max_num_seqs ({max_num_seqs}) must be >= 1")
         self.blocks = blocks
@@ -91,6 +96,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens or max(max_chunk, max_num_seqs)
         if self.max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must leave one decode token per running sequence")
+        self.num_speculative_tokens = num_speculative_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -125,17 +131,25 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         chunks: list[Chunk] = []
         decoding = [s for s in self.running if s.num_pending == 1 and s.num_computed >= s.num_prompt_tokens]
+        spare = budget - len(decoding)                                       # tokens beyond one per decode
         for seq in decoding:                                                 # 1. decode steps
             if seq not in self.running:                                      # preempted for an older one
                 continue
-            while not self.blocks.can_reserve(seq.seq_id, seq.num_tokens, seq.num_computed):
-                self._preempt(self.running[-1])
-                if seq not in self.running:
-                    break
-            else:
-                self.blocks.reserve(seq.seq_id, seq.num_tokens, seq.num_computed)
-                chunks.append(Chunk(seq, seq.num_computed, 1))
-                budget -= 1
+            # drafts: as many as speculation asks, the budget leaves and the request can still emit after
+            # this step's token (its max_tokens counts the context's end too)
+            slots = max(0, min(self.num_speculative_tokens, spare, seq.max_tokens - len(seq.output_ids) - 1))
+            while seq in self.running and not self.blocks.can_reserve(seq.seq_id, seq.num_tokens + slots,
+                                                                      seq.num_computed):
+                if slots:
+                    slots = 0                                                # no room for drafts: a plain step
+                else:
+                    self._preempt(self.running[-1])
+            if seq not in self.running:
+                continue
+            self.blocks.reserve(seq.seq_id, seq.num_tokens + slots, seq.num_computed)
+            chunks.append(Chunk(seq, seq.num_computed, 1, draft_slots=slots))
+            budget -= 1 + slots
+            spare -= slots
         forks: list[Sequence] = []
         for seq in [s for s in self.running if s not in decoding]:            # 2. prompts in progress
             n = self._room(seq, budget)
@@ -200,21 +214,28 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def postprocess(self, batch: Batch, sampled: Seq[int | None], now: float) -> list[tuple[Sequence, TokenOutput]]:
-        """Advance each chunk's sequence; sampled[i] is chunk i's next token (None if it did not sample).
-        Returns (sequence, output) per sampled token; finished sequences leave the running list."""
+    def postprocess(self, batch: Batch, sampled: Seq[Seq[int] | None], now: float) -> list[tuple[Sequence, TokenOutput]]:
+        """Advance each chunk's sequence; sampled[i] is chunk i's new tokens (None if it did not sample): one,
+        or with speculation its accepted drafts and one more -- the drafts' K/V, computed in the step, stay,
+        those of rejected drafts are written over by later steps. A request that ends inside them keeps the
+        tokens up to its end. Returns (sequence, output) per appended token; finished sequences leave the
+        running list."""
         outputs = []
-        for chunk, token in zip(batch.chunks, sampled, strict=True):
+        for chunk, tokens in zip(batch.chunks, sampled, strict=True):
             seq = chunk.seq
-            seq.num_computed = chunk.start + chunk.num_tokens
-            self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-            if token is None:
-                continue
-            out = seq.append_token(token, now)
+            accepted = len(tokens) - 1 if tokens else 0                      # drafts verified
+            seq.num_computed = chunk.start + chunk.num_tokens + accepted
+            for token in tokens or ():
+                outputs.append((seq, seq.append_token(token, now)))
+                if seq.is_finished:
+                    break
+            if tokens:                                                       # the last token is never computed
+                seq.num_computed = min(seq.num_computed, seq.num_tokens - 1)
             if seq.is_finished:
                 self.running.remove(seq)
                 self._free(seq)
-            outputs.append((seq, out))
+            else:
+                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         return outputs
 
     def _free(self, seq: Sequence, cache: bool = True) -> None:

@@ -43,6 +43,8 @@ class RequestStats:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int       # prompt tokens found in the prefix cache (not computed)
+    draft_tokens: int        # speculation: drafts checked ...
+    accepted_tokens: int     # ... and accepted
     queue_s: float           # submit -> first scheduled
     ttft_s: float            # submit -> first generated token (time to first token)
     prefill_s: float         # first scheduled -> first generated token (the prompt's forward passes)
@@ -137,6 +139,8 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0                         # token_ids[:num_computed] are in the KV cache
         self.num_cached_tokens: int | None = None     # prompt tokens the prefix cache held at its first admission
+        self.num_draft_tokens = 0                     # speculation: drafts verified for it ...
+        self.num_accepted_tokens = 0                  # ... and accepted
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._detok = detokenizer                     # None: token ids only, no text
@@ -216,6 +220,8 @@ class Sequence:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=len(self.output_ids),
             cached_tokens=self.num_cached_tokens or 0,
+            draft_tokens=self.num_draft_tokens,
+            accepted_tokens=self.num_accepted_tokens,
             queue_s=scheduled - self.arrival_time,
             ttft_s=first - self.arrival_time,
             prefill_s=first - scheduled,

@@ -182,3 +182,64 @@ def verify(
                                                   torch.tensor(tokens, device=logits.device), params.top_logprobs)
     top = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
     return Verdict(tokens, out.num_accepted, chosen.tolist(), top)
+
+
+# ---- configuration ----
+
+METHODS = ("ngram", "mtp")
+MAX_SPECULATIVE_TOKENS = 7      # K + 1 verification rows fit the 8-row decode kernels (model/layers.DECODE_ROWS)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` (a JSON object, or a dict in Python): `method` "ngram" (prompt lookup,
+    `prompt_lookup_max` / `prompt_lookup_min`) or "mtp" (the Gemma 4 assistant at `model`), and
+    `num_speculative_tokens` K, at most MAX_SPECULATIVE_TOKENS: a verification step runs K + 1 rows of a
+    sequence through the same decode kernels as a plain step, so its tokens are those of plain decoding."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig":
+        """A SpeculativeConfig, a dict or a JSON object string -> a checked SpeculativeConfig (ValueError
+        naming the field otherwise)."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config: not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative config: expected a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - {f for f in cls.__dataclass_fields__})
+        if unknown:
+            raise ValueError(f"speculative config: unknown field(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(cls.__dataclass_fields__)})")
+        method = value.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative config: method must be one of {', '.join(METHODS)}, got {method!r}")
+        k = value.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative config: num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if method == "mtp" and not isinstance(value.get("model"), str):
+            raise ValueError("speculative config: method 'mtp' needs 'model', the assistant checkpoint's path")
+        if method == "ngram" and value.get("model") is not None:
+            raise ValueError("speculative config: method 'ngram' takes no 'model'")
+        config = cls(**value)
+        if method == "ngram":
+            try:
+                config.ngram()                    # checks the lookup bounds
+            except ValueError as e:
+                raise ValueError(f"speculative config: {e}") from None
+        return config
+
+    def ngram(self) -> NgramDrafter:
+        return NgramDrafter.from_config(self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min)

@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from gem4.argtypes import ArgParser, check_model_or_demo, int_at_least, port, positive_float
+from gem4.argtypes import (SPECULATIVE_HELP, ArgParser, check_model_or_demo, int_at_least, port, positive_float,
+                           speculative_config)
 
 
 def _json_object(text: str) -> dict:
@@ -61,6 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of the longest cached prefix of each prompt (finished, aborted and "
                         "running requests'), computing only the rest; exact on every layer")
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON", help=SPECULATIVE_HELP)
     p.add_argument("--max-waiting", type=int_at_least(0), default=64,
                    help="queued requests beyond which new ones get 503")
     p.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
@@ -150,7 +152,7 @@ def _load(args: argparse.Namespace, path: str):
     return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
-                       enable_prefix_caching=args.enable_prefix_caching)
+                       enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config)
 
 
 def startup_summary(name: str, engine) -> str:
@@ -162,7 +164,9 @@ def startup_summary(name: str, engine) -> str:
     return (f"gem4: model {name}: Gemma 4 {config.variant}, {config.num_layers} layers, {dtype}, compiled kernels "
             f"{'on' if model.fused else 'off'}, {torch.get_num_threads()} threads, max_model_len "
             f"{engine.max_model_len}, KV cache {pool.total_bytes / 2**30:.2f} GiB ({pool.tokens} tokens, "
-            f"{pool.num_seqs} sequences), prefix caching {'on' if engine.prefix_caching else 'off'}")
+            f"{pool.num_seqs} sequences), prefix caching {'on' if engine.prefix_caching else 'off'}"
+            + ("" if engine.speculative_config is None else
+               f", speculative {engine.speculative_config.method} K={engine.speculative_config.num_speculative_tokens}"))
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -9,6 +9,10 @@ Every family has the label `model_name`. Families:
     gem4:num_preemptions_total           counter    sequences preempted (KV freed, recomputed later) (2)
     gem4:prefix_cache_queries_total      counter    prompt tokens looked up in the prefix cache (2)
     gem4:prefix_cache_hits_total         counter    ... and found there (2)
+    gem4:spec_decode_num_drafts_total    counter    verification steps with drafts (speculative decoding) (2)
+    gem4:spec_decode_num_draft_tokens_total     counter  drafts checked (2)
+    gem4:spec_decode_num_accepted_tokens_total  counter  drafts accepted (2)
+    gem4:spec_decode_num_accepted_tokens_per_pos_total  counter  ... by draft `position` (0-based) (2)
     gem4:request_success_total           counter    finished requests, by finished_reason
     gem4:request_rejected_total          counter    requests refused with 503 (queue full)
     gem4:prompt_tokens_total             counter    prompt tokens of admitted requests
@@ -166,6 +170,14 @@ class _LiveCollector:
                                            labels=("model_name",)),
             "hits": CounterMetricFamily("gem4:prefix_cache_hits",
                                         "Prefix cache hits, in terms of number of cached tokens.", labels=("model_name",)),
+            "drafts": CounterMetricFamily("gem4:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                          labels=("model_name",)),
+            "draft_tokens": CounterMetricFamily("gem4:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                                labels=("model_name",)),
+            "accepted": CounterMetricFamily("gem4:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                                            labels=("model_name",)),
+            "per_pos": CounterMetricFamily("gem4:spec_decode_num_accepted_tokens_per_pos",
+                                           "Accepted tokens per draft position.", labels=("model_name", "position")),
             "prompt": CounterMetricFamily("gem4:prompt_tokens", "Prompt tokens of admitted requests.",
                                           labels=("model_name",)),
             "gen": CounterMetricFamily("gem4:generation_tokens", "Generated tokens.", labels=("model_name",)),
@@ -189,6 +201,13 @@ class _LiveCollector:
                 fam["kv"].add_metric(label, engine.kv_cache_usage)
             if hasattr(engine, "num_preemptions"):
                 fam["preempt"].add_metric(label, engine.num_preemptions)
+            if getattr(engine, "speculative_config", None) is not None:
+                fam["drafts"].add_metric(label, engine.spec_drafts)
+                fam["draft_tokens"].add_metric(label, engine.spec_draft_tokens)
+                fam["accepted"].add_metric(label, engine.spec_accepted_tokens)
+                per_pos = dict(engine.spec_accepted_per_position)
+                for position in range(engine.speculative_config.num_speculative_tokens):
+                    fam["per_pos"].add_metric([*label, str(position)], per_pos.get(position, 0))
             if hasattr(engine, "prefix_cache_counts"):
                 queries, hits = engine.prefix_cache_counts
                 fam["queries"].add_metric(label, queries)

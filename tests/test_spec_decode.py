@@ -1,0 +1,129 @@
+"""Speculative decoding through the engine (issue 16): decode steps carry drafts, verified in one forward by
+exact rejection sampling, the rejected rows written over later. A request's tokens must be the ones plain
+decoding gives: greedy on all four tiny variants, float32 and the fast mode, with the sliding window (8)
+wrapping inside verified steps; seeded sampling draws the same tokens in the fast mode (its verification
+rows take the decode kernels, bit for bit)."""
+from __future__ import annotations
+
+import pytest
+
+import gem4
+from gem4 import Engine, SamplingParams
+from gem4.engine.speculative import SpeculativeConfig
+from test_engine import wait_idle
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def load(fx, dtype):
+    return gem4.load(fx.gguf["q8_0"] if dtype == "bfloat16" else fx.hf_causal, dtype=dtype)
+
+
+def tokens(engine, prompt, params):
+    return [(e.token_id, e.logprob) for e in engine.generate(prompt, params)]
+
+
+class Oracle:
+    """A drafter that knows the plain run's continuation: it proposes the right tokens, except that every
+    `wrong`-th draft is replaced by a wrong one (so steps accept some drafts and reject the rest)."""
+
+    def __init__(self, continuation: dict[tuple[int, ...], list[int]], k: int, wrong: int = 0):
+        self.continuation, self.num_speculative_tokens, self.wrong, self.calls = continuation, k, wrong, 0
+
+    def propose(self, tokens, max_drafts):
+        for prompt, out in self.continuation.items():
+            n = len(prompt)
+            if tuple(tokens[:n]) == prompt:
+                drafts = out[len(tokens) - n:len(tokens) - n + max_drafts]
+                self.calls += 1
+                if self.wrong and self.calls % self.wrong == 0 and drafts:
+                    drafts = drafts[:-1] + [(drafts[-1] + 1) % 512]
+                return drafts
+        return []
+
+
+def with_drafter(model, drafter, **kw):
+    engine = Engine(model, prefill_chunk=8, speculative_config={"method": "ngram",
+                                                                  "num_speculative_tokens": drafter.num_speculative_tokens},
+                    **kw)
+    engine._runner.drafter = drafter
+    return engine
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["ple_kvshare", "dense_keqv", "dense_plain", "moe"])
+def test_greedy_tokens_equal_plain_decoding(variants, name, dtype):
+    fx = variants[name]
+    model = load(fx, dtype)
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=True)
+    prompts = [fx.ids[:20] + fx.ids[:20], fx.ids[5:17]]          # a repeated prompt: prompt lookup finds drafts
+    plain = [tokens(Engine(model, prefill_chunk=8), p, params) for p in prompts]
+    # prompt lookup, one request after another, then both at once
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=2, speculative_config=NGRAM)
+    for p, want in zip(prompts, plain):
+        got = tokens(engine, p, params)
+        assert [t for t, _ in got] == [t for t, _ in want]
+    streams = [engine.submit(p, params) for p in prompts]
+    assert [[e.token_id for e in s] for s in streams] == [[t for t, _ in w] for w in plain]
+    assert engine.spec_drafts > 0 and engine.spec_draft_tokens > engine.spec_accepted_tokens > 0
+    # a drafter that is mostly right: whole verified steps accepted, the window wrapping inside them
+    oracle = Oracle({tuple(p): [t for t, _ in w] for p, w in zip(prompts, plain)}, k=4, wrong=3)
+    engine = with_drafter(model, oracle)
+    for p, want in zip(prompts, plain):
+        got = tokens(engine, p, params)
+        assert [t for t, _ in got] == [t for t, _ in want]
+        if dtype == "bfloat16":                                  # the decode kernels, bit for bit
+            assert got == want
+        else:
+            assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], rel=1e-5, abs=1e-6)
+    assert engine.spec_accepted_tokens > engine.spec_drafts         # several drafts accepted per step
+    assert engine.spec_accepted_per_position[3] > 0 and engine.spec_draft_tokens > engine.spec_accepted_tokens
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0
+
+
+def test_seeded_sampling_draws_the_plain_tokens(variants):
+    fx = variants["dense_keqv"]
+    model = load(fx, "bfloat16")
+    params = SamplingParams(temperature=0.9, seed=21, max_tokens=40, logprobs=True)
+    prompt = fx.ids[:24]
+    want = tokens(Engine(model, prefill_chunk=8), prompt, params)
+    oracle = Oracle({tuple(prompt): [t for t, _ in want]}, k=5, wrong=4)
+    engine = with_drafter(model, oracle)
+    assert tokens(engine, prompt, params) == want
+    assert engine.spec_accepted_tokens > 10
+
+
+def test_stop_inside_accepted_drafts_and_max_tokens(variants, tmp_path):
+    """A request that ends inside a verified step keeps the tokens up to its end (max_tokens, an end token),
+    and its cache is given back."""
+    fx = variants["dense_plain"]
+    model = load(fx, "float32")
+    prompt = fx.ids[:16]
+    full = [e.token_id for e in Engine(model, prefill_chunk=8).generate(prompt, SamplingParams(temperature=0,
+                                                                                               max_tokens=20))]
+    oracle = Oracle({tuple(prompt): full}, k=6)
+    engine = with_drafter(model, oracle)
+    for n in (1, 2, 7, 9):
+        events = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=n)))
+        assert [e.token_id for e in events] == full[:n] and events[-1].finish_reason == "length"
+        assert [e.completion_tokens for e in events] == list(range(1, n + 1))
+    stop = full[5]
+    events = list(engine.generate(prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop])))
+    assert [e.token_id for e in events] == full[:full.index(stop) + 1] and events[-1].finish_reason == "stop"
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0
+
+
+def test_speculative_config_is_checked():
+    assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').ngram().prompt_lookup_max == 5
+    for bad, message in [({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+                         ({"method": "ngram", "num_speculative_tokens": 8}, r"\[1, 7\]"),
+                         ({"method": "ngram"}, "num_speculative_tokens"),
+                         ({"method": "mtp", "num_speculative_tokens": 2}, "needs 'model'"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "speed": 1}, "unknown field"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+                           "prompt_lookup_max": 2}, "prompt_lookup_min=4"),
+                         ("{not json", "not JSON")]:
+        with pytest.raises(ValueError, match=message):
+            SpeculativeConfig.parse(bad)
