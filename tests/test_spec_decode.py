@@ -6,6 +6,7 @@ rows take the decode kernels, bit for bit)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import gem4
 from gem4 import Engine, SamplingParams
@@ -127,3 +128,76 @@ def test_speculative_config_is_checked():
                          ("{not json", "not JSON")]:
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.parse(bad)
+
+
+# ---- the Gemma 4 assistant (method "mtp") ----
+
+@pytest.fixture(scope="module")
+def assistant_dirs(tmp_path_factory):
+    from test_assistant import build_assistant
+
+    root = tmp_path_factory.mktemp("mtp")
+    for name in ("ple_kvshare", "dense_keqv", "dense_plain", "moe"):
+        build_assistant(name, root / name)
+    return root
+
+
+def mtp(assistant_dirs, name, k=3):
+    return {"method": "mtp", "model": str(assistant_dirs / name), "num_speculative_tokens": k}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["ple_kvshare", "dense_keqv", "dense_plain", "moe"])
+def test_mtp_greedy_tokens_equal_plain_decoding(variants, assistant_dirs, name, dtype):
+    fx = variants[name]
+    model = load(fx, dtype)
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=True)
+    prompts = [fx.ids[:20], fx.ids[7:40]]
+    plain = [tokens(Engine(model, prefill_chunk=8), p, params) for p in prompts]
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=2, speculative_config=mtp(assistant_dirs, name))
+    assert engine.speculative_config.method == "mtp"
+    streams = [engine.submit(p, params) for p in prompts]             # both drafted in one assistant batch
+    got = [[(e.token_id, e.logprob) for e in s] for s in streams]
+    assert [[t for t, _ in g] for g in got] == [[t for t, _ in w] for w in plain]
+    if dtype == "bfloat16":
+        assert got == plain
+    assert engine.spec_drafts > 0 and engine.spec_draft_tokens >= engine.spec_drafts
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0 and not engine._runner.drafter._hidden
+
+
+def test_mtp_drafts_start_from_the_row_that_chose_the_last_token(variants, assistant_dirs):
+    """Each engine draft equals the assistant's draft from a fresh prefill of the tokens before it: the
+    hidden state kept after a verification is that of the row that predicted the final token, and the
+    sliding rows the assistant reads (two more than the target's window) are still held."""
+    from gem4.model.assistant import DraftSeq, draft_view
+
+    fx = variants["ple_kvshare"]
+    model = load(fx, "float32")
+    engine = Engine(model, prefill_chunk=8, speculative_config=mtp(assistant_dirs, "ple_kvshare", k=4))
+    drafter, calls = engine._runner.drafter, []
+    real = drafter.draft
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    oracle = Oracle({tuple(fx.ids[:12]): [t for t, _ in tokens(Engine(model, prefill_chunk=8), fx.ids[:12], greedy)]},
+                    k=4, wrong=3)
+
+    def draft(chunks):
+        # record what the assistant drafts from the engine's state, but verify the oracle's drafts, so that
+        # rounds accept several drafts and the next state is a later row's (random weights accept none)
+        out = real(chunks)
+        calls.extend((list(c.seq.token_ids[:c.start + 1]), d) for c, d in zip(chunks, out))
+        return [oracle.propose(c.seq.token_ids, c.draft_slots) for c in chunks]
+
+    drafter.draft = draft
+    list(engine.generate(fx.ids[:12], greedy))
+    assert len(calls) > 3 and engine.spec_accepted_tokens > engine.spec_drafts
+    assistant = drafter.assistant
+    for seq_tokens, got in calls:
+        p = len(seq_tokens) - 1                                        # the drafted-from token sits at p
+        cache = model.new_cache()
+        _, h = model.forward(torch.tensor(seq_tokens[:p]), cache.step(p), cache.pool, hidden=True)
+        cache.commit(p)
+        table = list(range(cache.pool.blocks_for(p + 1)))
+        view = draft_view(cache.pool, [DraftSeq(p, table, cache._sliding)])
+        want = assistant.draft(model, torch.tensor(seq_tokens[p:]), h[-1:], view, cache.pool, len(got)).tokens
+        assert want[0].tolist() == got, p

@@ -69,7 +69,8 @@ def speculative_config(text: str):
 
 
 SPECULATIVE_HELP = ('speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                    '(prompt lookup; "prompt_lookup_max" / "_min" optional)')
+                    '(prompt lookup; "prompt_lookup_max" / "_min" optional) or \'{"method": "mtp", "model": '
+                    'ASSISTANT, "num_speculative_tokens": 4}\' (the Gemma 4 assistant: an HF directory or GGUF)')
 
 
 def check_model_or_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

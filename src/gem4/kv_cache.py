@@ -325,15 +325,17 @@ SLIDING_CACHE_FACTOR = 2
 
 
 def kv_pool_size(config: ModelConfig, dtype: torch.dtype, *, max_chunk: int, num_seqs: int, max_model_len: int,
-                 budget: int | None = None, prefix_caching: bool = False, block_size: int = BLOCK_SIZE) -> PoolSize:
-    """How many blocks a KV pool gets. Sliding blocks: `num_seqs` windows (`sliding_blocks_per_seq` each),
-    times SLIDING_CACHE_FACTOR with prefix caching. Full blocks: what `budget` bytes leave, or by default room
+                 budget: int | None = None, prefix_caching: bool = False, block_size: int = BLOCK_SIZE,
+                 window_slack: int = 0) -> PoolSize:
+    """How many blocks a KV pool gets. Sliding blocks: `num_seqs` windows (`sliding_blocks_per_seq` each, of
+    the window and `window_slack` positions more that a drafter reads), times SLIDING_CACHE_FACTOR with prefix
+    caching. Full blocks: what `budget` bytes leave, or by default room
     for `num_seqs` sequences of `max_model_len`, capped at half the available memory. Either way at least one
     sequence of max_model_len fits (a budget too small for that is refused)."""
     per_token = kv_bytes_per_token(config, dtype)
     block_bytes = per_token[FULL] * block_size
     sliding_block_bytes = per_token[SLIDING] * block_size
-    sliding = num_seqs * sliding_blocks_per_seq(config.sliding_window, max_chunk, block_size)
+    sliding = num_seqs * sliding_blocks_per_seq(config.sliding_window + window_slack, max_chunk, block_size)
     sliding *= SLIDING_CACHE_FACTOR if prefix_caching else 1
     sliding_bytes = sliding * sliding_block_bytes
     one_seq = -(-max_model_len // block_size)

@@ -56,9 +56,11 @@ from gem4.engine.block_manager import BlockManager
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
 from gem4.engine.sequence import ABORT, RequestStats, Sequence, Status, next_request_id
+from gem4.engine.mtp import DRAFT_SLACK, MtpDrafter
 from gem4.engine.speculative import SpeculativeConfig
 from gem4.kv_cache import BLOCK_SIZE, KVPool, kv_pool_size
 from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
+from gem4.weights.assistant import load_assistant
 
 log = logging.getLogger("gem4.engine")
 
@@ -181,9 +183,11 @@ class Engine:
     blocks (kv_cache.SLIDING_CACHE_FACTOR).
     block_size: positions per KV block (vLLM's --block-size): the unit of paging, sharing and eviction.
     speculative_config: vLLM's speculative config (`speculative.SpeculativeConfig`: a dict or JSON string,
-    e.g. {"method": "ngram", "num_speculative_tokens": 4}): each decode step of a request carries up to K
-    drafts, verified in the same forward by exact rejection sampling (speculative.verify), so a request's
-    tokens are the ones plain decoding gives (greedy: the same tokens; seeded: the same draws).
+    e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"method": "mtp", "model": ASSISTANT, ...}):
+    each decode step of a request carries up to K drafts -- prompt lookup's, or the Gemma 4 assistant's
+    (engine/mtp.py, loaded with gem4.load_assistant and checked against this model) -- verified in the same
+    forward by exact rejection sampling (speculative.verify), so a request's tokens are the ones plain
+    decoding gives (greedy: the same tokens; seeded: the same draws).
     """
 
     def __init__(
@@ -219,16 +223,22 @@ class Engine:
         self.prefix_caching = enable_prefix_caching
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.speculative_config = None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
+        mtp = self.speculative_config is not None and self.speculative_config.method == "mtp"
+        assistant = load_assistant(self.speculative_config.model, target=model) if mtp else None
+        slack = DRAFT_SLACK if mtp else 0                # the assistant reads two sliding positions more
         self.pool_size = kv_pool_size(model.config, model.dtype, max_chunk=prefill_chunk, num_seqs=max_num_seqs,
                                       max_model_len=self.max_model_len, budget=kv_cache_bytes,
-                                      prefix_caching=enable_prefix_caching, block_size=block_size)
+                                      prefix_caching=enable_prefix_caching, block_size=block_size,
+                                      window_slack=slack)
         pool = KVPool(model.config, num_blocks=self.pool_size.num_blocks,
                       num_sliding_blocks=self.pool_size.num_sliding_blocks, dtype=model.dtype, device=model.device,
                       block_size=block_size)
-        blocks = BlockManager(pool.num_blocks, pool.block_size, pool.num_sliding_blocks, pool.window,
+        blocks = BlockManager(pool.num_blocks, pool.block_size, pool.num_sliding_blocks, pool.window + slack,
                               caching=enable_prefix_caching)
-        self.speculative_config = None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
-        drafter = self._drafter(self.speculative_config)
+        k = 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
+        drafter = (None if self.speculative_config is None else MtpDrafter(assistant, model, pool, blocks, k) if mtp
+                   else self.speculative_config.ngram())
         self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens,
                                     num_speculative_tokens=0 if drafter is None else drafter.num_speculative_tokens)
         self._runner = ModelRunner(model, pool, blocks, drafter)
@@ -246,15 +256,6 @@ class Engine:
         self.spec_accepted_per_position: Counter[int] = Counter()   # draft position (0-based) -> accepted
         self.batch_sizes: Counter[int] = Counter()      # steps by the number of sequences they ran
         self.step_tokens: Counter[int] = Counter()      # steps by the number of tokens they ran
-
-    @staticmethod
-    def _drafter(config: SpeculativeConfig | None):
-        if config is None:
-            return None
-        if config.method == "mtp":
-            raise ValueError("speculative config: method 'mtp' (the Gemma 4 assistant) is not served by the engine "
-                             "yet; use 'ngram'")
-        return config.ngram()
 
     # ---- caller threads ----
 

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from gem4.engine.block_manager import BlockManager
+from gem4.engine.mtp import MtpDrafter
 from gem4.engine.scheduler import Batch, Chunk
 from gem4.engine.speculative import verify
 from gem4.kv_cache import KVPool, SeqStep
@@ -91,7 +92,8 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.blocks = blocks                     # read only: the scheduler decides, the runner lays out
-        self.drafter = drafter                   # proposes drafts for chunks with draft slots (speculative.py)
+        self.drafter = drafter                   # proposes drafts for chunks with draft slots: prompt lookup
+        self.mtp = isinstance(drafter, MtpDrafter)   # (speculative.NgramDrafter) or the assistant (mtp.py)
         self.device = model.device
         self.sampler = Sampler()
         self._generators: dict[int, SeedStream | None] = {}   # seq_id ->
@@ -103,19 +105,24 @@ class ModelRunner:
         chunks = batch.chunks
         self.pool.copy_blocks(batch.block_copies)
         self.pool.copy_sliding_blocks(batch.sliding_copies)
-        computed = [i for i, c in enumerate(chunks) if c.num_tokens]
-        work = tuple(self._rows(chunks[i]) for i in computed)
+        proposed = self._drafts([c for c in chunks if c.draft_slots])     # id(chunk) -> drafts, or Failed
+        computed = [i for i, c in enumerate(chunks) if c.num_tokens and not isinstance(proposed.get(id(c)), Failed)]
+        work = tuple(_Rows(c, c.seq.token_ids[c.start:c.start + c.num_tokens] + proposed.get(id(c), []),
+                           proposed.get(id(c), [])) for c in (chunks[i] for i in computed))
         try:
             done = self._forward(work)
         except Exception as e:                                  # noqa: BLE001 - find the chunks at fault
             done = [Failed(e)] if len(work) == 1 else [self._forward_alone(w) for w in work]
         drafts = {i: w.drafts for i, w in zip(computed, work) if w.drafts}
-        rows: list = [None] * len(chunks)
+        rows: list = [None] * len(chunks)                       # logits, or Failed
+        hidden: list = [None] * len(chunks)                     # the assistant's input states (mtp only)
         for i, row in zip(computed, done):
-            rows[i] = row
+            rows[i], hidden[i] = row if isinstance(row, tuple) else (row, None)
         for i, c in enumerate(chunks):
             if c.source is not None:                            # a fork: its parent's logits
-                rows[i] = rows[c.source]
+                rows[i], hidden[i] = rows[c.source], hidden[c.source]
+            elif isinstance(proposed.get(id(c)), Failed):       # its drafting failed: it did not run
+                rows[i] = proposed[id(c)]
         out: list[Sample | Failed | None] = [None] * len(chunks)
         sampling, logits = [], []                               # chunk index, [1, V] per sampling chunk
         for i, (chunk, row) in enumerate(zip(chunks, rows)):
@@ -134,37 +141,60 @@ class ModelRunner:
         if sampling:
             for i, sample in zip(sampling, self._sample([chunks[i].seq for i in sampling], torch.cat(logits))):
                 out[i] = sample
+        if self.mtp:                                            # the state each sequence drafts from next
+            for chunk, sample, h in zip(chunks, out, hidden):
+                if isinstance(sample, Sample) and h is not None:
+                    self.drafter.remember(chunk.seq.seq_id, h[len(sample.token_ids) - 1])
         return out
 
-    def _rows(self, chunk: Chunk) -> _Rows:
-        """The chunk's token ids, with the drafter's drafts when it has draft slots (as many as it proposes,
-        up to the slots: prompt lookup may find none, and the step is then a plain decode step)."""
-        ids = chunk.seq.token_ids[chunk.start:chunk.start + chunk.num_tokens]
-        drafts = self.drafter.propose(chunk.seq.token_ids, chunk.draft_slots) if chunk.draft_slots else []
-        return _Rows(chunk, ids + drafts, drafts)
+    def _drafts(self, chunks: list[Chunk]) -> dict[int, list[int] | Failed]:
+        """id(chunk) -> the drafter's drafts for each chunk with draft slots (as many as it proposes, up to
+        the slots: prompt lookup may find none, and the step is then a plain decode step). The assistant
+        drafts for every sequence in one batch; if that raises, each sequence drafts alone, and one whose
+        drafting fails alone fails (`Failed`), as a forward would."""
+        if not chunks:
+            return {}
+        if not self.mtp:
+            return {id(c): self.drafter.propose(c.seq.token_ids, c.draft_slots) for c in chunks}
+        try:
+            return dict(zip(map(id, chunks), self.drafter.draft(chunks)))
+        except Exception:                                       # noqa: BLE001 - find the sequences at fault
+            pass
+        out: dict[int, list[int] | Failed] = {}
+        for c in chunks:
+            try:
+                out[id(c)] = self.drafter.draft([c])[0]
+            except Exception as e:                              # noqa: BLE001 - this request's failure only
+                out[id(c)] = Failed(e)
+        return out
 
-    def _forward(self, work: tuple[_Rows, ...]) -> list[torch.Tensor | None]:
+    def _forward(self, work: tuple[_Rows, ...]) -> list:
         """The chunks through the model (in passes by chunk size, see the module docstring) -> per chunk the
-        logits of its `num_logits` last rows [n, V], or None."""
-        out: dict[int, torch.Tensor | None] = {}
+        logits of its `num_logits` last rows [n, V] (with the assistant: (logits, final-normed hidden
+        states [n, H])), or None."""
+        out: dict[int, object] = {}
         for group in _passes([len(w.ids) for w in work]):
             out.update(zip(group, self._forward_pass([work[i] for i in group])))
         return [out[i] for i in range(len(work))]
 
-    def _forward_pass(self, work: list[_Rows]) -> list[torch.Tensor | None]:
-        """One forward pass over the chunks -> per chunk the logits of its `num_logits` last rows, or None."""
+    def _forward_pass(self, work: list[_Rows]) -> list:
+        """One forward pass over the chunks -> per chunk what `_forward` returns for it."""
         steps, ids = [], []
         for w in work:
             c, seq_id = w.chunk, w.chunk.seq.seq_id
             steps.append(SeqStep(c.start, len(w.ids), self.blocks.table(seq_id), self.blocks.sliding_table(seq_id),
                                  logits=w.num_logits))
             ids += w.ids
-        logits = self.model.forward(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                    self.pool.layout(steps), self.pool)             # [M, V]
-        rows = iter(logits.split([w.num_logits for w in work]))
-        return [next(rows) if w.num_logits else None for w in work]
+        ids_t, layout, sizes = torch.tensor(ids, dtype=torch.long, device=self.device), self.pool.layout(steps), \
+            [w.num_logits for w in work]
+        if self.mtp:
+            logits, h = self.model.forward(ids_t, layout, self.pool, hidden=True)    # [M, V], [M, H]
+            parts = zip(logits.split(sizes), h.split(sizes))
+        else:
+            parts = self.model.forward(ids_t, layout, self.pool).split(sizes)      # [M, V]
+        return [part if w.num_logits else None for w, part in zip(work, parts)]
 
-    def _forward_alone(self, work: _Rows) -> torch.Tensor | Failed | None:
+    def _forward_alone(self, work: _Rows):
         try:
             return self._forward((work,))[0]
         except Exception as e:                                  # noqa: BLE001 - this request's failure only
@@ -213,8 +243,11 @@ class ModelRunner:
                 for b in range(len(seqs))]
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished or aborted sequence's generator (its KV is the block manager's to free)."""
+        """Forget a finished or aborted sequence's generator and drafting state (its KV is the block
+        manager's to free)."""
         self._generators.pop(seq_id, None)
+        if self.mtp:
+            self.drafter.forget(seq_id)
 
     def _generator(self, seq_id: int, params) -> SeedStream | None:
         if seq_id not in self._generators:
