@@ -705,6 +705,29 @@ def test_abort_ends_every_choice_and_frees_the_shared_blocks(variants):
     assert engine.kv_cache_usage == 0 and not engine._runner._generators
 
 
+def test_aborting_one_choice_stops_it_alone(variants):
+    """Engine.abort(request_id, index): that choice ends with "abort" within one step, the others give the
+    tokens they give without it, and every block is given back."""
+    fx = variants["dense_plain"]
+    model = gem4.load(fx.hf_causal, dtype="float32")
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=30)
+    want = choices(Engine(model, prefill_chunk=8, max_num_seqs=3).submit(fx.ids[:20], params, n=3))
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=3)
+    stream = engine.submit(fx.ids[:20], params, n=3)
+    got: dict[int, list] = {}
+    for e in stream:
+        got.setdefault(e.index, []).append(e)
+        if e.index == 1 and len(got[1]) == 5:
+            assert engine.abort(stream.request_id, 1)
+    assert got[1][-1].finish_reason == "abort" and len(got[1]) <= 5 + 2       # one more step at most
+    assert [e.token_id for e in got[1][:5]] == [e.token_id for e in want[1][:5]]
+    for i in (0, 2):
+        assert [e.token_id for e in got[i]] == [e.token_id for e in want[i]] and got[i][-1].finish_reason == "length"
+    assert not engine.abort(stream.request_id, 0)                             # finished: nothing to stop
+    wait_idle(engine)
+    assert engine.kv_cache_usage == 0 and not engine._runner._generators
+
+
 def test_choices_preempted_for_room_still_give_their_tokens(variants):
     fx = variants["dense_plain"]
     model = gem4.load(fx.hf_causal, dtype="float32")

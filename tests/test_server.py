@@ -1368,9 +1368,9 @@ class RecordingEngine(gem4.Engine):
         super().__init__(*args, **kwargs)
         self.abort_steps: dict[str, int] = {}
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str, index: int | None = None) -> bool:
         self.abort_steps[request_id] = self.steps
-        return super().abort(request_id)
+        return super().abort(request_id, index)
 
 
 def test_real_engine_stops_a_disconnected_stream_within_one_step(tiny_dir):

@@ -245,7 +245,7 @@ class Engine:
         # shared with caller threads, guarded by _lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
-        self._aborts: set[str] = set()
+        self._aborts: set[tuple[str, int | None]] = set()   # (request id, choice index or None: all)
         self._streams: dict[str, Stream] = {}
         self._open: dict[str, int] = {}                 # request id -> choices not finished yet
         self._thread: threading.Thread | None = None
@@ -298,13 +298,17 @@ class Engine:
         it before the final event aborts the request."""
         return Generation(self.submit(prompt, params, request_id=request_id, n=n))
 
-    def abort(self, request_id: str) -> bool:
-        """Ask the engine to stop a request; its stream ends with an "abort" event within one step.
-        Returns False if the request is not in flight (unknown or already finished)."""
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Ask the engine to stop a request -- or, with `index`, only that choice of it (the others go on;
+        the server ends a choice early at a stop string) -- which then ends with an "abort" event within one
+        step. A choice that still waits to be forked off its parent's prompt is dropped with its abort event
+        the same way; choice 0 of a request whose other choices have not been forked yet is stopped only
+        with them (its prompt is theirs). Returns False if the request is not in flight (unknown or already
+        finished)."""
         with self._lock:
             if request_id not in self._streams:
                 return False
-            self._aborts.add(request_id)
+            self._aborts.add((request_id, index))
             return True
 
     @property
@@ -394,8 +398,8 @@ class Engine:
                 if not aborts and not self._scheduler.has_work():
                     self._thread = None
                     return
-            for request_id in aborts:
-                self._abort(request_id)
+            for request_id, index in aborts:
+                self._abort(request_id, index)
             try:
                 self._step()
             except BaseException as e:   # noqa: BLE001 - handed to every consumer, then the thread ends
@@ -473,9 +477,9 @@ class Engine:
             stream._put(_ERROR)
             stream._put(error)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, index: int | None = None) -> None:
         now = time.perf_counter()
-        for seq in self._scheduler.remove(request_id):    # [] if it finished meanwhile
+        for seq in self._scheduler.remove(request_id, index=index):    # [] if it finished meanwhile
             text = seq.abort(now)
             self._publish(seq, GenerationEvent(
                 request_id=request_id, token_id=None, text=text, finish_reason=ABORT, stop_reason=None,

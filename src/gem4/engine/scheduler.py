@@ -110,13 +110,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, request_id: str, failed: bool = False) -> list[Sequence]:
-        """Take every choice of a request out of the queues and give back their KV (abort, failure: a failed
-        request's last block is not cached); the caller finishes them. Choices not yet forked come with their
-        parent. [] if none is queued."""
+    def remove(self, request_id: str, failed: bool = False, index: int | None = None) -> list[Sequence]:
+        """Take every choice of a request (or only choice `index`) out of the queues and give back their KV
+        (abort, failure: a failed request's last block is not cached); the caller finishes them. Choices not
+        yet forked come with their parent; one of them alone is dropped from its parent's list, and a parent
+        with choices still to fork stays (their prompt is its). [] if none is queued."""
         out = []
         for queue in (self.running, self.waiting):
             for seq in [s for s in queue if s.request_id == request_id]:
+                if index is not None and seq.index != index:
+                    out += [c for c in seq.forks if c.index == index]
+                    seq.forks = [c for c in seq.forks if c.index != index]
+                    continue
+                if index is not None and seq.forks:
+                    continue
                 queue.remove(seq)
                 self._free(seq, cache=not failed)
                 out += [seq, *seq.forks]

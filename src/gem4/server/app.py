@@ -59,8 +59,8 @@ choice index and each choice has its own `ChatOutput` / `CompletionOutput` (stop
 finish_reason, logprobs per choice). As vLLM's server does: `choices[i].index` is i; a stream opens
 with a role chunk per choice, then each chunk carries one choice's delta, and each choice ends with its
 own finish chunk; usage counts the prompt once and the completion tokens of every choice. A choice that
-the server ends early (a stop string, a single tool call) is only cut from the reply; the engine request
-is aborted, every choice with it, once every choice is complete.
+the server ends early (a stop string, a single tool call) is cut from the reply there and stopped in the
+engine (`Engine.abort(request_id, index)`) while the other choices go on.
 """
 from __future__ import annotations
 
@@ -281,6 +281,12 @@ class Generation:
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def end_choice(self, index: int) -> None:
+        """The server ended choice `index` before the engine did (a stop string, a single tool call): stop
+        generating it; the request's other choices go on (with one choice, `close` stops the request)."""
+        if self.n > 1 and not self.finished:
+            self.state.engine.abort(self.request_id, index)
 
     def close(self, reason: str) -> None:
         """The handler is done: count how the client's reply ended; abort the engine request if it
@@ -722,7 +728,12 @@ async def _whole_reply(request: Request, gen: Generation, outs: list, build: Cal
     async def collect():
         while not all(o.done for o in outs):
             ev = await gen.next()
-            outs[ev.index].feed(ev)
+            out = outs[ev.index]
+            if out.done:                          # ended by the server: its stop is on the way
+                continue
+            out.feed(ev)
+            if out.done and not ev.finished:
+                gen.end_choice(ev.index)
         return build()
 
     try:
@@ -1029,6 +1040,8 @@ async def _chat_stream(gen: Generation, outs: list[ChatOutput], request_id: str,
                 yield _sse(chunk(ev.index, delta, logprobs=out.take_logprobs()))
             if out.done:
                 yield _sse(chunk(ev.index, P.ChatDelta(), out.finish_reason, out.take_logprobs()))
+                if not ev.finished:
+                    gen.end_choice(ev.index)
         gen.close(outs[0].finish_reason)
         if include_usage:
             final = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=[],
