@@ -40,6 +40,9 @@ So a hit is bit-for-bit the K/V a cold run stored, on every layer type, and cost
 
 Several choices of one request (OpenAI's `n`): `fork(parent, child)` gives the child the parent's table
 and window, every block and sliding part shared (counts +1).
+
+`window` is how far back a query at p reads sliding K/V: the model's sliding window, plus what a drafter
+reads beyond it (the Gemma 4 assistant reads two positions more, engine/mtp.py).
 """
 from __future__ import annotations
 
