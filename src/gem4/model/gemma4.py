@@ -25,6 +25,7 @@ from torch import nn
 from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, KVPool, StepLayout
 from gem4.model import kernels
+from gem4.model.experts import Resident
 from gem4.model.layers import (
     DECODE_ROWS, QuantLinear, RMSNorm, attend, embed_scale, experts_forward, gelu_mul, glu,
     packed_linear, project, rms_norm, rope_cos_sin, softcap,
@@ -112,7 +113,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """26B-A4B routed experts: gate_up_proj [E, 2*Im, H] and down_proj [E, H, Im], dense in the weight dtype,
     or (fast mode, `pack`) Q8_0 / Q4_0 packed as [E * rows, ...] in the kernels' layout: expert e is the row
-    range [e * rows, (e + 1) * rows) of it, read only when a token is routed to e."""
+    range [e * rows, (e + 1) * rows) of it, read only when a token is routed to e. The weights are a slab of
+    slots and `store` (model/experts.py) says which slot holds expert e: every expert in its own slot
+    (Resident), or N slots filled from the GGUF on demand (SlotCache, `stream`)."""
 
     fused = False          # fast mode (Model.use_kernels): the gelu gate runs kernels.gelu_mul
 
@@ -124,6 +127,7 @@ class Experts(nn.Module):
         for name, dims in self.dims.items():
             setattr(self, name, nn.Parameter(torch.empty(moe.num_experts, *dims), requires_grad=False))
         self.packed_types: dict[str, GGMLType] = {}                # name -> type, for the packed ones
+        self.store = Resident()
 
     def pack(self, name: str, raw: torch.Tensor, ggml_type: GGMLType) -> None:
         """Load time: GGML bytes of `name` ("gate_up_proj" / "down_proj", [E, rows, k]) -> the kernels' layout."""
@@ -133,16 +137,25 @@ class Experts(nn.Module):
         self.register_buffer(name, packed, persistent=False)
         self.packed_types[name] = GGMLType(ggml_type)
 
+    def stream(self, store, slabs: dict[str, torch.Tensor], packed_types: dict[str, GGMLType]) -> None:
+        """Load time: the weights become `store`'s slot slabs (packed as `pack` lays them out, or dense)."""
+        for name, slab in slabs.items():
+            delattr(self, name)
+            self.register_buffer(name, slab, persistent=False)
+        self.packed_types = dict(packed_types)
+        self.store = store
+
     def _product(self, name: str):
         """Expert e's x @ W_e.T for the weight `name`: (e, xs [n, k]) -> [n, rows] float32."""
-        w = getattr(self, name)
+        w, slot = getattr(self, name), self.store.slot
         if name not in self.packed_types:
-            return lambda e, xs: F.linear(xs.to(w.dtype), w[e]).to(xs.dtype)
+            return lambda e, xs: F.linear(xs.to(w.dtype), w[slot(e)]).to(xs.dtype)
         (rows, k), ggml_type = self.dims[name], self.packed_types[name]
-        return lambda e, xs: packed_linear(xs, w[e * rows:(e + 1) * rows], rows, k, ggml_type)
+        return lambda e, xs: packed_linear(xs, w[slot(e) * rows:(slot(e) + 1) * rows], rows, k, ggml_type)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, self._product("gate_up_proj"), self._product("down_proj"), idx, weights, self.fused)
+        return experts_forward(x, self._product("gate_up_proj"), self._product("down_proj"), idx, weights, self.fused,
+                               self.store.tiles)
 
 
 class DecoderLayer(nn.Module):
@@ -176,7 +189,7 @@ class DecoderLayer(nn.Module):
         """Fast mode, once at load: the weights and dims with which kernels.decode_layer runs this whole layer
         for a decode step (decode_layer.cpp lists them), or None where it does not cover the layer: a
         projection that no GEMV kernel reads (neither packed nor bf16), or a 26B-A4B router projection that
-        is not a dense float32 matrix."""
+        is not a dense float32 matrix, or streamed experts (their slots are filled by the Python store)."""
         attn, mlp, spec = self.self_attn, self.mlp, self.spec
         linears = [attn.q_proj, getattr(attn, "k_proj", None), getattr(attn, "v_proj", None), attn.o_proj,
                    mlp.gate_proj, mlp.up_proj, mlp.down_proj,
@@ -194,6 +207,8 @@ class DecoderLayer(nn.Module):
             dims += [0, 0, 0] if lin is None else [lin.out_features, lin.in_features, int(lin.gemv_type)]
         if hasattr(self, "experts"):                   # 26B-A4B
             router, experts = self.router, self.experts
+            if experts.store.streamed:
+                return None
             if router.proj.layout != "dense" or router.proj.weight.dtype != torch.float32:
                 return None
             weights += [self.pre_feedforward_layernorm_2.weight, self.post_feedforward_layernorm_1.weight,
@@ -231,6 +246,7 @@ class Model(nn.Module):
     """Gemma 4 text model. `Model.logits(ids)` is the public full-sequence entry point."""
 
     fused = False          # fast mode (use_kernels): the final softcap runs kernels.softcap
+    expert_cache = None    # 26B-A4B with streamed experts: model/experts.py ExpertFile (slots, stats)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -5,6 +5,7 @@ compute dtype (or, for lookup tables, in a row-addressable stored form) from `we
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -246,13 +247,15 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, fus
 
 
 def experts_forward(x: torch.Tensor, gate_up, down, expert_idx: torch.Tensor, expert_w: torch.Tensor,
-                    fused: bool = False) -> torch.Tensor:
+                    fused: bool = False, tiles=None) -> torch.Tensor:
     """Routed experts (26B-A4B), batched by expert.
 
     x [T, H]; gate_up(e, xs [n, H]) -> [n, 2*Im] (columns [0, Im) gate, [Im, 2Im) up) and down(e, h [n, Im])
     -> [n, H]: expert e's products; expert_idx, expert_w [T, K]. Returns sum_k w[t,k] * down_e(gelu(g) * u)
     -> [T, H]. (token, slot) pairs are grouped by expert, so the loop runs over the experts in use, never
-    over tokens. `fused` (fast mode): the gelu gate runs kernels.gelu_mul.
+    over tokens. `fused` (fast mode): the gelu gate runs kernels.gelu_mul. `tiles` (the expert store's,
+    model/experts.py): the ascending experts in use -> groups, each ready in the store before it is yielded;
+    the experts are summed in ascending order whatever the grouping.
     """
     T, K = expert_idx.shape
     flat_expert = expert_idx.reshape(-1)                          # [T*K]
@@ -260,17 +263,17 @@ def experts_forward(x: torch.Tensor, gate_up, down, expert_idx: torch.Tensor, ex
     token_of = order // K                                         # [T*K] token of each sorted pair
     weight_of = expert_w.reshape(-1)[order]                       # [T*K]
     counts = torch.bincount(flat_expert).tolist()
+    starts = [0] + list(itertools.accumulate(counts))
+    used = [e for e, n in enumerate(counts) if n]
     out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        tokens = token_of[start:start + n]
-        gu = gate_up(e, x[tokens])                                # [n, 2*Im]
-        im = gu.shape[-1] // 2
-        y = down(e, gelu_mul(gu[:, :im].contiguous(), gu[:, im:].contiguous(), fused))    # [n, H]
-        out.index_add_(0, tokens, y * weight_of[start:start + n, None].to(x.dtype))
-        start += n
+    for group in (tiles(used) if tiles is not None else (used,)):
+        for e in group:
+            start, n = starts[e], counts[e]
+            tokens = token_of[start:start + n]
+            gu = gate_up(e, x[tokens])                            # [n, 2*Im]
+            im = gu.shape[-1] // 2
+            y = down(e, gelu_mul(gu[:, :im].contiguous(), gu[:, im:].contiguous(), fused))    # [n, H]
+            out.index_add_(0, tokens, y * weight_of[start:start + n, None].to(x.dtype))
     return out
 
 

@@ -32,6 +32,7 @@ class TensorEntry:
     # Drop the tensor's mapped file pages from the process once the loader holds its own copy (they
     # would otherwise count twice in its memory); views taken earlier stay valid. No-op where not mmapped.
     release: Callable[[], None] = lambda: None
+    offset: int | None = None    # absolute byte offset of the stored bytes in the file (GGUF; streamed experts)
 
 
 @dataclass

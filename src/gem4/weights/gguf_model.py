@@ -266,7 +266,7 @@ def _entry(reader: GGUFReader, gguf_name: str, canonical: str) -> TensorEntry:
     is_block = info.ggml_type not in FLOAT_TYPES
     return TensorEntry(name=canonical, shape=info.shape, stored=info.ggml_type.name, nbytes=info.nbytes, dense=dense,
                        raw=(lambda: (raw_bytes(), info.ggml_type)) if is_block else None,
-                       release=lambda: reader.release(gguf_name))
+                       release=lambda: reader.release(gguf_name), offset=info.offset)
 
 
 def open_gguf(path: Path) -> Checkpoint:

@@ -71,8 +71,30 @@ def _block_storage(name: str, entry, packed_kernels: bool) -> str | None:
     return None
 
 
+def _check_streamable(ckpt: Checkpoint, device: str, slots, memory_limit) -> None:
+    """Streamed experts need a 26B-A4B GGUF on the CPU, and one well-formed option."""
+    from gem4.model.experts import ExpertCacheError
+
+    if slots is not None and memory_limit is not None:
+        raise ExpertCacheError("give one of expert_cache_slots and memory_limit, not both")
+    if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+        raise ExpertCacheError(f"expert_cache_slots must be a positive integer, got {slots!r}")
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, (int, float))
+                                     or not memory_limit > 0):
+        raise ExpertCacheError(f"memory_limit must be a positive number of GB, got {memory_limit!r}")
+    if ckpt.config.moe is None:
+        raise ExpertCacheError(f"{ckpt.path}: the model has no routed experts to stream "
+                               "(expert_cache_slots / memory_limit are for 26B-A4B)")
+    if ckpt.format != "gguf":
+        raise ExpertCacheError(f"{ckpt.path}: experts are streamed from a GGUF file only "
+                               f"(this is a {ckpt.format} checkpoint; gem4 convert writes a GGUF)")
+    if torch.device(device).type != "cpu":
+        raise ExpertCacheError(f"streamed experts run on the CPU only, not {device!r}")
+
+
 def load_with_tokenizer(path: str | Path, tokenizer: str | Path | None = None, dtype: str = "auto",
-                        device: str = "cpu", progress: bool = False):
+                        device: str = "cpu", progress: bool = False, expert_cache_slots: int | None = None,
+                        memory_limit: float | None = None):
     """-> (Model, Tokenizer) of the checkpoint at `path`, the tokenizer read from `tokenizer` (a file or
     directory) or from the checkpoint itself.
 
@@ -88,20 +110,28 @@ def load_with_tokenizer(path: str | Path, tokenizer: str | Path | None = None, d
     except BaseException:
         ckpt.close()
         raise
-    model = bind(ckpt, dtype=dtype, device=device, progress=progress)
+    model = bind(ckpt, dtype=dtype, device=device, progress=progress, expert_cache_slots=expert_cache_slots,
+                 memory_limit=memory_limit)
     if tok.vocab_size > model.config.vocab_size:
         raise ValueError(f"the tokenizer has {tok.vocab_size} tokens, the model only "
                          f"{model.config.vocab_size}: they do not belong together")
     return model, tok
 
 
-def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: bool = False) -> Model:
+def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: bool = False,
+         expert_cache_slots: int | None = None, memory_limit: float | None = None) -> Model:
+    """`expert_cache_slots` / `memory_limit` (GB; one of them): 26B-A4B's routed experts are not bound but
+    streamed from the GGUF into per-layer slots (model/experts.py); model.expert_cache holds the slot count
+    and the counters."""
     if dtype == "auto":
         dtype = AUTO_DTYPE
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     torch_dtype = DTYPES[dtype]
     config = ckpt.config
+    stream = expert_cache_slots is not None or memory_limit is not None
+    if stream:
+        _check_streamable(ckpt, device, expert_cache_slots, memory_limit)
     with torch.device("meta"):
         model = Model(config, torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -109,10 +139,13 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
 
     # fast mode: projections in kernels.PACKED_TYPES stay packed and the decode step runs compiled kernels (float32 is the reference)
     packed_kernels = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available()
-    state = {}
+    state, streamed = {}, {}
     for name in tqdm(list(expected), desc="loading weights", unit="tensor", disable=not progress):
         entry = ckpt.tensors.get(name)
         storage = _block_storage(name, entry, packed_kernels)
+        if stream and name.endswith(EXPERT_WEIGHTS):       # read on demand into slots (model/experts.py)
+            streamed[name] = entry
+            continue
         if storage is not None:
             raw, ggml_type = entry.raw()
             parent, attr = name.rsplit(".", 1)
@@ -131,6 +164,13 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
             state[name] = entry.dense().to(device)
         else:
             state[name] = entry.dense().to(device=device, dtype=_weight_dtype(name, expected[name], torch_dtype))
+    if stream:
+        from gem4.model.experts import stream_experts
+        resident = (sum(t.nbytes for t in state.values())
+                    + sum(b.nbytes for b in model.buffers() if not b.is_meta))
+        packed = {name: _block_storage(name, entry, packed_kernels) == "experts" for name, entry in streamed.items()}
+        model.expert_cache = stream_experts(model, ckpt.path, streamed, packed, torch_dtype, expert_cache_slots,
+                                            memory_limit, resident)
     model.load_state_dict(state, strict=True, assign=True)
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
@@ -140,11 +180,17 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     return model
 
 
-def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: bool = False) -> Model:
+def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: bool = False,
+         expert_cache_slots: int | None = None, memory_limit: float | None = None) -> Model:
     """Load a Gemma 4 text model from a `.gguf` file or an HF checkpoint directory.
 
     dtype "auto" (the default) is the fast mode, "bfloat16": bf16 weights and matmul inputs, compiled
     kernels on CPUs that run them. "float32" is the reference mode (matches transformers to ~1e-5).
+
+    26B-A4B in a memory cap: `expert_cache_slots=N` (top_k <= N) keeps N routed experts per layer in slots
+    filled from the GGUF on demand (LFU), `memory_limit=GB` computes N from the weights' budget; the
+    other weights stay resident. The logits are the same as without.
     """
     ckpt = open_checkpoint(path)
-    return bind(ckpt, dtype=dtype, device=device, progress=progress)
+    return bind(ckpt, dtype=dtype, device=device, progress=progress, expert_cache_slots=expert_cache_slots,
+                memory_limit=memory_limit)

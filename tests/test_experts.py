@@ -1,0 +1,192 @@
+"""Streamed 26B-A4B experts (model/experts.py, issue 17): per-layer slots filled from the GGUF on demand, LFU
+eviction, the same logits as the resident experts for every slot count from top_k to E."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gem4
+from gem4 import Engine, SamplingParams
+from gem4.model.experts import ExpertCacheError, ExpertFile, ExpertTensor, SlotCache, GB
+from model_fixtures import build_hf, prompt_ids
+
+E, TOP_K, LAYERS = 8, 2, 6          # the tiny "moe" variant (model_fixtures.VARIANTS)
+MODES = [("f32", "float32"), ("q8_0", "bfloat16"), ("q4_0", "bfloat16")]
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.gguf_model import write_gguf
+
+    root = tmp_path_factory.mktemp("moe")
+    causal, _ = build_hf("moe")
+    causal.save_pretrained(root / "causal")
+    files = {}
+    for t, _ in MODES:
+        files[t] = root / f"{t}.gguf"
+        write_gguf(open_checkpoint(root / "causal"), files[t], t)
+    return root, files
+
+
+def steps(model):
+    """A 20-token prefill, nine one-token decode steps and a three-token step: their logits [31, V]."""
+    cache = model.new_cache()
+    out = [model.extend(torch.arange(3, 23), cache, logits=20)]
+    out += [model.extend(torch.tensor([t]), cache) for t in (5, 9, 100, 7, 3, 11, 40, 41, 42)]
+    out.append(model.extend(torch.tensor([1, 2, 3]), cache, logits=3))
+    return torch.cat(out)
+
+
+def check_counters(model):
+    """Every use is a hit or a miss; each miss reads one expert's two weights; no layer reads an expert it
+    never used, and with every expert in a slot each is read once."""
+    cache, stats = model.expert_cache, model.expert_cache.stats
+    stores = [layer.experts.store for layer in model.layers]
+    uses = sum(sum(s.uses) for s in stores)
+    distinct = sum(sum(u > 0 for u in s.uses) for s in stores)
+    per_expert = sum(t.nbytes for t in stores[0].tensors.values())
+    assert stats.hits + stats.misses == uses
+    assert stats.bytes_read == stats.misses * per_expert
+    assert stats.misses >= distinct
+    if cache.slots == E:
+        assert stats.misses == distinct
+    for s in stores:                          # the slot maps agree both ways
+        assert all(s.held[s.slot_of[e]] == e for e in range(E) if s.slot_of[e] >= 0)
+        assert all(s.slot_of[e] == slot for slot, e in enumerate(s.held) if e >= 0)
+
+
+@pytest.mark.parametrize("gguf,dtype", MODES)
+def test_streamed_experts_give_the_resident_logits(moe, gguf, dtype):
+    """Bit-identical logits over prefill and decode steps for every slot count top_k..E, float32 (F32 file)
+    and the fast mode (Q8_0 / Q4_0 packed; the resident layers decode through kernels.decode_layer, the
+    streamed ones through the Python layer)."""
+    _, files = moe
+    resident = gem4.load(files[gguf], dtype=dtype)
+    assert resident.expert_cache is None
+    want = steps(resident)
+    for slots in range(TOP_K, E + 1):
+        model = gem4.load(files[gguf], dtype=dtype, expert_cache_slots=slots)
+        assert model.expert_cache.slots == slots
+        assert all(layer.plan is None for layer in model.layers)
+        got = steps(model)
+        assert torch.equal(got, want), (gguf, slots, (got - want).abs().max())
+        check_counters(model)
+        if dtype == "bfloat16":               # the slot slabs hold Experts.pack's layout
+            assert set(model.layers[0].experts.packed_types) == {"gate_up_proj", "down_proj"}
+
+
+def test_a_prefill_chunk_reads_each_expert_once_in_bounded_tiles(moe):
+    """45 tokens route to every expert of a layer; with top_k slots the chunk runs in tiles of two experts
+    and still reads each (layer, expert) once, as with E slots: the same misses, no hits."""
+    _, files = moe
+    ids = prompt_ids()
+    counts = {}
+    for slots in (TOP_K, E):
+        model = gem4.load(files["q8_0"], dtype="bfloat16", expert_cache_slots=slots)
+        model.logits(ids)
+        counts[slots] = model.expert_cache.stats
+        check_counters(model)
+    assert counts[TOP_K] == counts[E]
+    assert counts[E].hits == 0 and LAYERS * TOP_K < counts[E].misses <= LAYERS * E
+
+
+def test_batched_requests_decode_the_same_tokens_streamed(moe):
+    """Several sequences batched through the Engine (prefill chunks beside decodes, the prefix cache on):
+    greedy tokens equal to the resident model's, the slots shared by the whole batch."""
+    _, files = moe
+    ids = prompt_ids()
+    prompts = [ids[0:5], ids[3:30], ids[10:12], ids[1:45], ids[3:30]]
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    def run(model):
+        engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_num_batched_tokens=12)
+        streams = [engine.submit(p, params) for p in prompts]
+        return [[e.token_id for e in s] for s in streams]
+
+    for gguf, dtype in MODES[:2]:
+        want = run(gem4.load(files[gguf], dtype=dtype))
+        for slots in (TOP_K, 3, E):
+            model = gem4.load(files[gguf], dtype=dtype, expert_cache_slots=slots)
+            assert run(model) == want, (gguf, slots)
+            check_counters(model)
+            assert model.expert_cache.stats.hits > 0
+
+
+def test_memory_limit_sizes_the_slots(moe):
+    """memory_limit (GB) minus the other weights, divided among the layers' slots; too little is refused
+    with the numbers."""
+    _, files = moe
+    probe = gem4.load(files["q8_0"], dtype="bfloat16", expert_cache_slots=E)
+    cache = probe.expert_cache
+    slab = sum(b.nbytes for layer in probe.layers for b in (layer.experts.gate_up_proj, layer.experts.down_proj))
+    assert slab == cache.slot_bytes * E * LAYERS
+    resident = sum(t.nbytes for name, t in list(probe.named_parameters()) + list(probe.named_buffers())
+                   if ".experts." not in name and not t.is_meta)
+    for slots in (TOP_K, 5):
+        limit = (resident + slots * cache.slot_bytes * LAYERS + cache.slot_bytes) / GB   # a bit over: floors to slots
+        model = gem4.load(files["q8_0"], dtype="bfloat16", memory_limit=limit)
+        assert model.expert_cache.slots == slots
+    assert gem4.load(files["q8_0"], dtype="bfloat16", memory_limit=100).expert_cache.slots == E
+    with pytest.raises(ExpertCacheError, match=r"room for 1 expert slots per layer.*top_k = 2"):
+        gem4.load(files["q8_0"], dtype="bfloat16",
+                  memory_limit=(resident + 1.5 * cache.slot_bytes * LAYERS) / GB)
+
+
+def test_streaming_refusals(moe, tmp_path):
+    root, files = moe
+    with pytest.raises(ExpertCacheError, match="fewer than the 2 experts a token uses"):
+        gem4.load(files["q8_0"], expert_cache_slots=1)
+    with pytest.raises(ExpertCacheError, match="not both"):
+        gem4.load(files["q8_0"], expert_cache_slots=4, memory_limit=8)
+    with pytest.raises(ExpertCacheError, match="positive integer"):
+        gem4.load(files["q8_0"], expert_cache_slots=0)
+    with pytest.raises(ExpertCacheError, match="positive number of GB"):
+        gem4.load(files["q8_0"], memory_limit=-1)
+    with pytest.raises(ExpertCacheError, match="GGUF file only"):
+        gem4.load(root / "causal", expert_cache_slots=4)
+    assert gem4.load(files["q8_0"], expert_cache_slots=100).expert_cache.slots == E     # more than E: E
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.gguf_model import write_gguf
+    dense, _ = build_hf("dense_plain")
+    dense.save_pretrained(tmp_path / "dense")
+    write_gguf(open_checkpoint(tmp_path / "dense"), tmp_path / "dense.gguf", "q8_0")
+    with pytest.raises(ExpertCacheError, match="no routed experts"):
+        gem4.load(tmp_path / "dense.gguf", expert_cache_slots=4)
+
+
+def test_lfu_eviction_with_recency_tie_break(tmp_path):
+    """SlotCache over a file of 6 experts (rows 2, k 3, float32): the least used expert goes, the least
+    recently used among equals, never one of the group being loaded; slots hold the file's bytes."""
+    experts = torch.arange(6 * 2 * 3, dtype=torch.float32).reshape(6, 2, 3)
+    path = tmp_path / "experts.bin"
+    path.write_bytes(b"\0" * 16 + experts.numpy().tobytes())
+    file = ExpertFile(path)
+    tensor = ExpertTensor(16, 2 * 3 * 4, lambda raw: raw.view(torch.float32).reshape(2, 3))
+    slab = torch.zeros(2, 2, 3)
+    store = SlotCache(file, {"w": tensor}, 6, 2, {"w": slab})
+
+    def held():
+        return sorted(e for e in store.held if e >= 0)
+
+    list(store.tiles([0, 1]))
+    store.load([0])                      # uses: 0 -> 2, 1 -> 1
+    store.load([2])                      # evicts 1 (fewer uses)
+    assert held() == [0, 2]
+    store.load([2])                      # uses: 0 -> 2, 2 -> 2; 0 less recent
+    store.load([3])                      # equal uses: evicts 0, the least recently used
+    assert held() == [2, 3]
+    for _ in range(3):
+        store.load([2])                  # uses: 2 -> 5, 3 -> 1
+    store.load([3, 4])                   # 3 is in the group: 2 goes although 3 is used less (2 uses)
+    assert held() == [3, 4]
+    store.load([1])                      # 1's use before its eviction counts: 2 uses now; evicts 4 (1 use)
+    assert held() == [1, 3]
+    store.load([5])                      # 1 and 3 both used twice: evicts 3, the less recent
+    assert held() == [1, 5]
+    for slot, e in enumerate(store.held):
+        assert torch.equal(slab[slot], experts[e])
+    assert (file.stats.hits, file.stats.misses) == (6, 7)
+    assert file.stats.bytes_read == 7 * 24
+    assert [g for g in store.tiles([0, 2, 4, 5])] == [[0, 2], [4, 5]]       # tiles of at most `slots`
+    file.close()
