@@ -1,5 +1,5 @@
-"""K-quants (Q4_K, Q5_K, Q6_K) on the fast path: the lossless x16 repack, the decode GEMV, prefill and
-table rows against dequantize + float matmul; gem4's quantizers read back by gguf-py; llama.cpp's _M mixes;
+"""K-quants (Q4_K, Q5_K, Q6_K) and Q4_1 / Q5_0 / Q5_1 on the fast path: the lossless x16 repack, the decode
+GEMV, prefill and table rows against dequantize + float matmul; gem4's quantizers read back by gguf-py; llama.cpp's _M mixes;
 the fast mode of tiny models stored in these types against the float32 path."""
 from __future__ import annotations
 
@@ -13,25 +13,30 @@ from gem4.weights.quants import BLOCK_INFO, GGMLType, dequantize, quantize
 from test_kernels import decode_logits, greedy
 
 K_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+# the 32-weight formats llama.cpp falls back to for rows that are not whole 256-blocks (Q5_0 / Q5_1), and Q4_1
+LEGACY = [GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1]
 # fp16 bit patterns of block scales: largest finite, smallest subnormal, smallest normal, zero, 1.0, ordinary
 EXTREME_D = [0x7BFF, 0x0001, 0x0400, 0x0000, 0x3C00, 0x1A00]
 
 
 def random_blocks(t: GGMLType, rows: int, k: int, g: torch.Generator, d_bits=None) -> torch.Tensor:
     """GGML bytes of an [rows, k] weight: every quant and sub-block scale byte random, the fp16 scales (d, and
-    dmin for Q4_K / Q5_K) from `d_bits` (one per row, else random ordinary values)."""
-    n = rows * k // 256
-    raw = torch.randint(0, 256, (n, BLOCK_INFO[t].type_size), generator=g, dtype=torch.uint8)
+    dmin / m where the type has one) from `d_bits` (one per row, else random ordinary values of both signs)."""
+    info = BLOCK_INFO[t]
+    n = rows * k // info.block_size
+    raw = torch.randint(0, 256, (n, info.type_size), generator=g, dtype=torch.uint8)
     if d_bits is None:
-        d = (torch.rand(n, 2, generator=g) * 1e-3).half().view(torch.int16)
+        d = ((torch.rand(n, 2, generator=g) - 0.5) * 2e-3).half().view(torch.int16)
     else:
-        per_row = torch.tensor(d_bits, dtype=torch.int32).repeat_interleave(k // 256)   # [n]
+        per_row = torch.tensor(d_bits, dtype=torch.int32).repeat_interleave(k // info.block_size)   # [n]
         d = torch.stack([per_row, per_row.flip(0)], dim=1).to(torch.int16)
     d = d.view(torch.uint8).reshape(n, 4)
     if t == GGMLType.Q6_K:
         raw[:, 208:210] = d[:, :2]
-    else:
+    elif t in (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q4_1, GGMLType.Q5_1):      # d, dmin / d, m
         raw[:, 0:4] = d
+    else:                                                                         # Q5_0: d only
+        raw[:, 0:2] = d[:, :2]
     return raw.reshape(-1)
 
 
@@ -41,10 +46,11 @@ def packed(raw: torch.Tensor, t: GGMLType, rows: int, k: int) -> QuantLinear:
     return layer
 
 
-@pytest.mark.parametrize("t", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", K_TYPES + LEGACY, ids=lambda t: t.name)
 @pytest.mark.parametrize("k", [256, 512, 768, 2560])
 def test_repack_is_lossless_with_extreme_scales(t, k):
-    # 1, 2, 3 and 10 super-blocks per row: half a group, one group, one and a half, several
+    # K-quants: 1, 2, 3 and 10 super-blocks per row: half a group, one group, one and a half, several
+    # (32-weight formats: 8, 16, 24 and 80 blocks)
     g = torch.Generator().manual_seed(k + int(t))
     rows = 3 * len(EXTREME_D)
     raw = random_blocks(t, rows, k, g, EXTREME_D * 3)
@@ -64,7 +70,7 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     return block_max @ dense.abs().T / 32767 + 1e-5 * (x.abs() @ dense.abs().T)
 
 
-@pytest.mark.parametrize("t", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", K_TYPES + LEGACY, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 def test_gemv_equals_dequantize_then_matmul(t, rows):
     g = torch.Generator().manual_seed(rows * 100 + int(t))
@@ -82,7 +88,7 @@ def test_gemv_equals_dequantize_then_matmul(t, rows):
     assert ((y.double() - ref).abs() <= error_bound(x.double(), dense)).all()
 
 
-@pytest.mark.parametrize("t", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", K_TYPES + LEGACY, ids=lambda t: t.name)
 def test_gemv_rows_do_not_depend_on_their_batch_mates(t):
     """Batch invariance: a row's result is the same bit for bit whatever the call's size (1..DECODE_ROWS) and
     its position in it (the kernel takes rows in passes of 4)."""
@@ -97,7 +103,7 @@ def test_gemv_rows_do_not_depend_on_their_batch_mates(t):
             assert all(torch.equal(together[i], alone[start + i]) for i in range(m)), (m, start)
 
 
-@pytest.mark.parametrize("t", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("t", K_TYPES + LEGACY, ids=lambda t: t.name)
 def test_prefill_takes_bf16_tiles_of_the_weight(t):
     # 20 rows > DECODE_ROWS: kernels.linear, W in bf16 a tile at a time; k = 65536 makes 32 rows a tile, so the
     # 80 rows take three tiles, the last one partial

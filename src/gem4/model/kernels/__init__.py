@@ -1,8 +1,9 @@
 """Compiled CPU kernels of the fast mode, built once per machine on first use.
 
-- `repack(raw, n_out, k_in, ggml_type)`: Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K GGML blocks -> the kernels' "x16"
+- `repack(raw, n_out, k_in, ggml_type)`: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K GGML blocks -> the kernels' "x16"
   layout (once at load, lossless; same size give or take the padding of a row's last 16 blocks and, for
-  Q4_K / Q5_K, their unpacked 6-bit scales; `ggml_gemv.cpp` and `kquants.h` describe it).
+  Q4_K / Q5_K, their unpacked 6-bit scales; Q5_0 / Q5_1 high bits as Q5_K's; `ggml_gemv.cpp` and `kquants.h`
+  describe it).
   `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode); `gemv_multi` (Q, K, V from one
   input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's GEMM
   (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
@@ -75,6 +76,7 @@ TUNE = "icelake-server"               # scheduling only (no instruction set): th
 CFLAGS = ("-O3", *(f"-m{isa}" for isa in ISA), f"-mtune={TUNE}", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0,    # formats the compiled kernels read
+                          GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
                           GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 LIBRARY = "gem4_kernels.so"
 BUILD_TIME = "about 1-2 minutes"      # 5 sources on 2 cores (longer on a busy machine)

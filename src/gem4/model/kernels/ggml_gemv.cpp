@@ -1,7 +1,10 @@
-// Products with Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights (AVX-512 + VNNI), in a load-time layout made for them.
+// Products with Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights (AVX-512 + VNNI), in a load-time
+// layout made for them.
 //
 // GGML block (32 weights):  Q8_0: fp16 d | int8 q[32]                           w = d * q
 //                           Q4_0: fp16 d | u8 qs[16] (lo nibble: j, hi: j + 16)   w = d * (q - 8)
+//                           Q4_1 / Q5_0 / Q5_1: Q4_0's nibbles (+ qh: bit j = bit 4 of weight j; + fp16 m)
+//                           w = d q + m / d (q - 16) / d q + m
 // K-quants (super-blocks of 256 weights): kquants.h. Their x16 rows use Q4_0's 32-weight blocks, groups and
 // nibble order for the low 4 bits of q, plus high-bit vectors and unpacked sub-block scales per group
 // (lossless: dequant_x16 gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
@@ -44,7 +47,11 @@ constexpr int GROUP = 16;              // blocks per x16 group
 constexpr int64_t GROUP_ELEMS = GROUP * QK;
 constexpr int MAX_M = 4;               // rows of x handled per pass over a row of W
 constexpr int64_t PREFETCH = 2048;     // software prefetch distance in the weight stream (faster in most runs)
-constexpr int64_t Q8_0_TYPE = 8, Q4_0_TYPE = 2;   // GGML type ids
+constexpr int64_t Q8_0_TYPE = 8, Q4_0_TYPE = 2, Q4_1_TYPE = 3, Q5_0_TYPE = 6, Q5_1_TYPE = 7;   // GGML type ids
+// Q4_1 / Q5_0 / Q5_1 (32-weight blocks): Q4_0's nibbles; Q5_0 / Q5_1 add one high-bit vector per group (bit i
+// of the block's qh placed as for Q5_K, kquants.h); Q4_1 / Q5_1 keep their fp16 m beside d (64 scale bytes a group).
+constexpr bool legacy_high(int64_t t) { return t == Q5_0_TYPE || t == Q5_1_TYPE; }
+constexpr bool legacy_min(int64_t t) { return t == Q4_1_TYPE || t == Q5_1_TYPE; }
 
 int64_t groups_of(int64_t k_in) { return (k_in / QK + GROUP - 1) / GROUP; }
 
@@ -61,14 +68,16 @@ struct Format {
 
 Format format_of(int64_t ggml_type, int64_t k_in) {
     const bool k = gem4_kq::is_k(ggml_type);
-    TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE || k,
-                "only Q8_0 (8), Q4_0 (2), Q4_K (12), Q5_K (13) and Q6_K (14) have kernels");
+    TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE || ggml_type == Q4_1_TYPE || legacy_high(ggml_type) || k,
+                "only Q8_0 (8), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13) and Q6_K (14) have kernels");
     const int64_t block = k ? gem4_kq::QK_K : QK;
     TORCH_CHECK(k_in > 0 && k_in % block == 0, "k_in must be a positive multiple of ", block, " for this type");
-    const int64_t q = ggml_type == Q8_0_TYPE ? 32 : 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : 0);
-    const int64_t G = groups_of(k_in), meta = k ? gem4_kq::meta_bytes(ggml_type) : GROUP * 2;
+    const int64_t q = ggml_type == Q8_0_TYPE ? 32 : 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : legacy_high(ggml_type));
+    const int64_t G = groups_of(k_in);
+    const int64_t meta = k ? gem4_kq::meta_bytes(ggml_type) : GROUP * 2 * (legacy_min(ggml_type) ? 2 : 1);
     const int64_t quants_at = (G * meta + 63) / 64 * 64;
-    const int64_t block_bytes = k ? gem4_kq::super_bytes(ggml_type) : 2 + q;
+    const int64_t block_bytes = k ? gem4_kq::super_bytes(ggml_type)
+                                  : 2 + 32 / (ggml_type == Q8_0_TYPE ? 1 : 2) + 2 * legacy_min(ggml_type) + 4 * legacy_high(ggml_type);
     return {ggml_type, block_bytes, block, q, meta, G, quants_at, quants_at + G * GROUP * q};
 }
 
@@ -90,7 +99,7 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
     at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {
         std::memset(dst + n0 * f.row_bytes, 0, (n1 - n0) * f.row_bytes);      // padding blocks: d = 0
         gem4_kq::Super sb;
-        const gem4_kq::HighBits hb = gem4_kq::high_bits(f.type);
+        const gem4_kq::HighBits hb = gem4_kq::high_bits(legacy_high(f.type) ? gem4_kq::Q5_K : f.type);
         for (int64_t n = n0; n < n1; ++n) {
             uint8_t* row = dst + n * f.row_bytes;
             for (int64_t b = 0; b < nb; ++b) {
@@ -102,10 +111,19 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
                     continue;
                 }
                 uint8_t* grp = row + f.quants_at + (b / GROUP) * group_bytes;
+                uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
                 const int64_t lane = b % GROUP;
-                std::memcpy(row + 2 * b, blk, 2);                                                   // d
-                for (int64_t v = 0; v < f.quant_bytes / 4; ++v)
-                    std::memcpy(grp + v * 64 + 4 * lane, blk + 2 + 4 * v, 4);
+                std::memcpy(meta + 2 * lane, blk, 2);                                               // d
+                if (legacy_min(f.type)) std::memcpy(meta + 32 + 2 * lane, blk + 2, 2);              // m
+                const int64_t qh_at = 2 + 2 * legacy_min(f.type), qs_at = qh_at + 4 * legacy_high(f.type);
+                for (int64_t v = 0; v < (f.type == Q8_0_TYPE ? 8 : 4); ++v)
+                    std::memcpy(grp + v * 64 + 4 * lane, blk + qs_at + 4 * v, 4);
+                if (legacy_high(f.type)) {                                                          // bit e of qh: weight e
+                    uint32_t qh, word = 0;
+                    std::memcpy(&qh, blk + qh_at, 4);
+                    for (int e = 0; e < 32; ++e) word |= ((qh >> e) & 1u) << hb.shift[e];
+                    std::memcpy(grp + 256 + 4 * lane, &word, 4);
+                }
             }
         }
     });
@@ -161,36 +179,48 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, 
                                 _mm512_permutexvar_epi16(perm, q), 4);
         dx[g * GROUP + lane] = scale;
         const int32_t lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
-        if (ggml_type == Q4_0_TYPE) {
-            corr[g * GROUP + lane] = -8 * (lo + hi);
+        if (ggml_type == Q4_0_TYPE || ggml_type == Q5_0_TYPE) {
+            corr[g * GROUP + lane] = (ggml_type == Q4_0_TYPE ? -8 : -16) * (lo + hi);
         } else if (ggml_type == gem4_kq::Q6_K) {
             corr[g * GROUP + lane] = -32 * lo;
             corr2[g * GROUP + lane] = -32 * hi;
-        } else if (gem4_kq::is_k(ggml_type)) {
+        } else if (gem4_kq::is_k(ggml_type) || legacy_min(ggml_type)) {
             xsum[g * GROUP + lane] = scale * static_cast<float>(lo + hi);
         }
     }
 }
 
 // y[i, n] for rows n in [n0, n1) of W and MC rows of x.
+// Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1: y += dot_b (d_b dx_b) [+ m_b xsum_b], dot_b from Q4_0's / Q5_0's
+// -8 / -16 * sum (corr) or 0; Q5_0 / Q5_1 merge their high bits as Q5_K does (gemv_rows_k).
 template <int MC, int64_t TYPE>
-void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, const Format& f, const uint8_t* w,
-               float* y, int64_t N, int64_t n0, int64_t n1) {
-    constexpr int64_t QB = TYPE == Q8_0_TYPE ? 32 : 16, GB = GROUP * QB;
+void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, const float* xsum, const Format& f,
+               const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+    constexpr bool H5 = legacy_high(TYPE), M = legacy_min(TYPE);
+    constexpr int64_t QB = TYPE == Q8_0_TYPE ? 32 : H5 ? 20 : 16, GB = GROUP * QB;
+    constexpr int NV = TYPE == Q8_0_TYPE ? 8 : 4;             // 64-byte vectors of nibbles / int8
     constexpr int steps = TYPE == Q8_0_TYPE ? 2 : 4;          // int16 weight vectors per 64 quant bytes
     const int64_t G = f.groups, stride = G * GROUP_ELEMS;   // stride: the stream of one row of x
-    const __m512i low4 = _mm512_set1_epi16(0x000F);
+    const __m512i low4 = _mm512_set1_epi16(0x000F), hmask = _mm512_set1_epi32(0x00100010);
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * f.row_bytes;
         __m512 acc[MC];
         for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < G; ++g) {
             const uint8_t* grp = row + f.quants_at + g * GB;
+            const uint8_t* meta = row + g * f.meta_bytes;
             const int16_t* xs = stream + g * GROUP_ELEMS;
             __m512i dot[MC];
-            for (int i = 0; i < MC; ++i) dot[i] = TYPE == Q4_0_TYPE ? _mm512_loadu_si512(corr + i * G * GROUP + g * GROUP)
+            for (int i = 0; i < MC; ++i)
+                dot[i] = (TYPE == Q4_0_TYPE || TYPE == Q5_0_TYPE) ? _mm512_loadu_si512(corr + i * G * GROUP + g * GROUP)
                                                                   : _mm512_setzero_si512();
-            for (int64_t v = 0; v < QB / 4; ++v) {
+            __m512i h0 = _mm512_setzero_si512();
+            if constexpr (H5) {
+                _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + 256), _MM_HINT_T0);
+                h0 = _mm512_loadu_si512(grp + 256);
+            }
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; ++v) {
                 _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + v * 64), _MM_HINT_T0);
                 const __m512i raw = _mm512_loadu_si512(grp + v * 64);
                 __m512i e[4];
@@ -203,15 +233,34 @@ void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, cons
                     e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);         // hi nibbles of bytes 0, 2
                     e[3] = _mm512_srli_epi16(raw, 12);                                // hi nibbles of bytes 1, 3
                 }
-                for (int s = 0; s < steps; ++s)
+#pragma GCC unroll 4
+                for (int s = 0; s < steps; ++s) {
+                    if constexpr (H5)
+                        e[s] = _mm512_ternarylogic_epi32(e[s], _mm512_rolv_epi32(h0, _mm512_set1_epi32((4 - (4 * v + s)) & 31)), hmask, 0xF8);
                     for (int i = 0; i < MC; ++i)
                         dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_loadu_si512(xs + i * stride + (v * steps + s) * 32));
+                }
             }
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * GROUP * 2)));
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
             for (int i = 0; i < MC; ++i)
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_loadu_ps(dx + i * G * GROUP + g * GROUP)), acc[i]);
+            if constexpr (M) {
+                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
+                for (int i = 0; i < MC; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xsum + i * G * GROUP + g * GROUP), acc[i]);
+            }
         }
         for (int i = 0; i < MC; ++i) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
+    }
+}
+
+template <int64_t TYPE>
+void gemv_chunk(int mc, const int16_t* stream, const float* dx, const int32_t* corr, const float* xsum, const Format& f,
+                const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+    switch (mc) {
+        case 1: gemv_rows<1, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
+        case 2: gemv_rows<2, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
+        case 3: gemv_rows<3, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
+        default: gemv_rows<4, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
     }
 }
 
@@ -312,17 +361,6 @@ void gemv_chunk_k(int mc, const int16_t* stream, const float* dx, const int32_t*
     }
 }
 
-template <int64_t TYPE>
-void gemv_chunk(int mc, const int16_t* stream, const float* dx, const int32_t* corr, const Format& f, const uint8_t* w,
-                float* y, int64_t N, int64_t n0, int64_t n1) {
-    switch (mc) {
-        case 1: gemv_rows<1, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
-        case 2: gemv_rows<2, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
-        case 3: gemv_rows<3, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
-        default: gemv_rows<4, TYPE>(stream, dx, corr, f, w, y, N, n0, n1); break;
-    }
-}
-
 void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
     TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n_out
                 && w.size(1) == f.row_bytes, "w must be the x16 layout of an [n_out, k_in] weight");
@@ -377,8 +415,11 @@ struct Prepared {
             const int32_t *c = corr.data + m0 * sg, *c2 = corr2.data + m0 * sg;
             float* yo = y + m0 * ldy;
             switch (type) {
-                case Q8_0_TYPE: gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, f, w, yo, ldy, n0, n1); break;
-                case Q4_0_TYPE: gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, f, w, yo, ldy, n0, n1); break;
+                case Q8_0_TYPE: gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
+                case Q4_0_TYPE: gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
+                case Q4_1_TYPE: gemv_chunk<Q4_1_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
+                case Q5_0_TYPE: gemv_chunk<Q5_0_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
+                case Q5_1_TYPE: gemv_chunk<Q5_1_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
                 case gem4_kq::Q4_K: gemv_chunk_k<gem4_kq::Q4_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
                 case gem4_kq::Q5_K: gemv_chunk_k<gem4_kq::Q5_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
                 default: gemv_chunk_k<gem4_kq::Q6_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
@@ -533,21 +574,39 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                     w0 = _mm512_sub_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(lo), a, R), m, R);
                     w1 = _mm512_sub_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(hi), a, R), m, R);
                 }
-            } else {
+            } else {                                         // w = d q (Q8_0), d (q - 8 / 16), (d q) + m: as quants.py
+                const uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
                 uint16_t dbits;
-                std::memcpy(&dbits, row + 2 * b, 2);
+                std::memcpy(&dbits, meta + 2 * lane, 2);
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
                 if (ggml_type == Q8_0_TYPE) {
                     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
                     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16))));
+                    w0 = _mm512_mul_ps(w0, d);
+                    w1 = _mm512_mul_ps(w1, d);
                 } else {
                     const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
-                    const __m512i eight = _mm512_set1_epi32(8);
-                    w0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask4), eight));
-                    w1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight));
+                    __m512i lo = _mm512_and_si512(raw, mask4), hi = _mm512_srli_epi32(raw, 4);
+                    if (legacy_high(ggml_type)) {
+                        uint32_t h0;
+                        std::memcpy(&h0, grp + 256 + 4 * lane, 4);
+                        const __m512i h = _mm512_set1_epi32(static_cast<int>(h0));
+                        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_lo), hbits), 4));
+                        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_hi), hbits), 4));
+                    }
+                    if (legacy_min(ggml_type)) {             // (d q) + m, two roundings (never one FMA)
+                        uint16_t mbits;
+                        std::memcpy(&mbits, meta + 32 + 2 * lane, 2);
+                        const __m512 m = _mm512_set1_ps(_cvtsh_ss(mbits));
+                        constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                        w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(lo), R), m, R);
+                        w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(hi), R), m, R);
+                    } else {
+                        const __m512i off = _mm512_set1_epi32(ggml_type == Q4_0_TYPE ? 8 : 16);
+                        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, off)), d);
+                        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, off)), d);
+                    }
                 }
-                w0 = _mm512_mul_ps(w0, d);
-                w1 = _mm512_mul_ps(w1, d);
             }
             uint8_t* dst = op + ((n - n0) * k_in + b * QK) * out_size;
             if (bf16) {
