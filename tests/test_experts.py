@@ -190,3 +190,51 @@ def test_lfu_eviction_with_recency_tie_break(tmp_path):
     assert file.stats.bytes_read == 7 * 24
     assert [g for g in store.tiles([0, 2, 4, 5])] == [[0, 2], [4, 5]]       # tiles of at most `slots`
     file.close()
+
+
+def test_metrics_and_stats_line_report_the_cache(moe):
+    """/metrics' gem4:expert_cache_* counters and the CLI stats line read the model's counters at the time."""
+    from types import SimpleNamespace
+    from gem4.cli import _stats_line
+    from gem4.server.metrics import Metrics
+
+    _, files = moe
+    model = gem4.load(files["q8_0"], dtype="bfloat16", expert_cache_slots=3)
+    engine = Engine(model)
+    metrics = Metrics("moe", 1, lambda: engine)
+    events = list(engine.generate(prompt_ids()[:20], SamplingParams(temperature=0, max_tokens=4)))
+    s = model.expert_cache.stats
+    assert s.hits > 0 and s.misses > 0
+    text = metrics.render()
+    assert f'gem4:expert_cache_hits_total{{model_name="moe"}} {float(s.hits)}' in text
+    assert f'gem4:expert_cache_misses_total{{model_name="moe"}} {float(s.misses)}' in text
+    assert f'gem4:expert_cache_bytes_read_total{{model_name="moe"}} {float(s.bytes_read)}' in text
+    line = _stats_line(events[-1], model.expert_cache)
+    assert f"experts: {s.hits} hits, {s.misses} misses ({round(100 * s.hits / (s.hits + s.misses))}% hit)" in line
+    plain = Metrics("plain", 1, lambda: SimpleNamespace(model=gem4.load(files["q8_0"], dtype="bfloat16")))
+    assert "gem4:expert_cache_hits_total{" not in plain.render()          # resident experts: declared, no sample
+    assert "experts:" not in _stats_line(events[-1])
+
+
+def test_cli_flags(moe, tmp_path, capsys):
+    """gem4 run --expert-cache-slots N / --memory-limit GB: the slot line at load, the counters in the stats
+    line; a bad count is one clear error; gem4 serve takes the same flags."""
+    import argparse
+    from gem4.cli import main
+    from gem4.demo import write_tokenizer
+    from gem4.server.main import add_arguments
+
+    _, files = moe
+    tok = write_tokenizer(tmp_path / "tok", 512)
+    base = ["run", str(files["q8_0"]), "--tokenizer", str(tok), "-p", "hi", "-n", "3", "--temperature", "0"]
+    assert main(base + ["--expert-cache-slots", "3"]) == 0
+    err = capsys.readouterr().err
+    assert f"expert cache: 3 slots per layer x {LAYERS} layers" in err and "| experts: " in err
+    assert main(base + ["--memory-limit", "50"]) == 0
+    assert f"expert cache: {E} slots per layer" in capsys.readouterr().err
+    assert main(base + ["--expert-cache-slots", "1"]) != 0
+    assert "fewer than the 2 experts a token uses" in capsys.readouterr().err
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["m.gguf", "--expert-cache-slots", "8", "--memory-limit", "7.5"])
+    assert (args.expert_cache_slots, args.memory_limit) == (8, 7.5)

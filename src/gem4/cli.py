@@ -18,7 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-from gem4.argtypes import SPECULATIVE_HELP, ArgParser, check_model_or_demo, int_at_least, speculative_config
+from gem4.argtypes import (EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser, check_model_or_demo,
+                           int_at_least, positive_float, speculative_config)
 
 
 def log(message: str) -> None:
@@ -76,15 +77,20 @@ def _open(args: argparse.Namespace):
     """-> (Engine, Tokenizer) for MODEL or --demo, with a load progress bar on stderr (errors name the real
     cause first: weights.loader.load_with_tokenizer)."""
     import gem4
+    from gem4.model.experts import expert_cache_summary
     from gem4.tokenizer import TokenizerError
     from gem4.weights.loader import load_with_tokenizer
 
     try:
-        model, tokenizer = load_with_tokenizer(_model_path(args), args.tokenizer, dtype=args.dtype, progress=True)
+        model, tokenizer = load_with_tokenizer(_model_path(args), args.tokenizer, dtype=args.dtype, progress=True,
+                                               expert_cache_slots=args.expert_cache_slots,
+                                               memory_limit=args.memory_limit)
     except TokenizerError as e:
         hint = "" if args.tokenizer else " (MODEL carries no usable tokenizer: pass --tokenizer PATH, a GGUF " \
                                          "file, an HF directory or a tokenizer.json)"
         raise ValueError(f"{e}{hint}") from None
+    if model.expert_cache is not None:
+        log(expert_cache_summary(model.expert_cache))
     return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk,
                        speculative_config=args.speculative_config), tokenizer
 
@@ -97,10 +103,14 @@ def _params(args: argparse.Namespace, max_tokens: int | None):
                           stop=tuple(args.stop or ()))
 
 
-def _stats_line(event) -> str:
+def _stats_line(event, expert_cache=None) -> str:
     s = event.stats
     drafts = (f" | drafts accepted: {s.accepted_tokens}/{s.draft_tokens} ({100 * s.accepted_tokens / s.draft_tokens:.0f}%)"
               if s.draft_tokens else "")
+    if expert_cache is not None:                       # streamed experts: the process's totals so far
+        c = expert_cache.stats
+        drafts += (f" | experts: {c.hits} hits, {c.misses} misses "
+                   f"({100 * c.hits / max(c.hits + c.misses, 1):.0f}% hit), {c.bytes_read / 1e9:.2f} GB read")
     return (f"prompt: {s.prompt_tokens} tokens, {s.cached_tokens} cached, {s.prompt_tps:.1f} tok/s | generated: "
             f"{s.completion_tokens} tokens, {s.generation_tps:.1f} tok/s | TTFT: {s.ttft_s * 1000:.0f} ms | "
             f"finish: {event.finish_reason}{drafts}")
@@ -216,7 +226,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not wrote.endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()
-    log(_stats_line(last))
+    log(_stats_line(last, engine.model.expert_cache))
     return 0
 
 
@@ -287,7 +297,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             log("(interrupted)")
             continue
         history = turn + [assistant_message(result)]
-        log(_stats_line(last))
+        log(_stats_line(last, engine.model.expert_cache))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -338,6 +348,8 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--system", default=None, help="system prompt (implies --chat for run)")
     g.add_argument("--think", action="store_true", help="enable thinking in the chat template")
     g.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
+    g.add_argument("--expert-cache-slots", type=int_at_least(1), default=None, metavar="N", help=EXPERT_SLOTS_HELP)
+    g.add_argument("--memory-limit", type=positive_float, default=None, metavar="GB", help=MEMORY_LIMIT_HELP)
     g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON", help=SPECULATIVE_HELP)
     return g
 

@@ -17,8 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from gem4.argtypes import (SPECULATIVE_HELP, ArgParser, check_model_or_demo, int_at_least, port, positive_float,
-                           speculative_config)
+from gem4.argtypes import (EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser, check_model_or_demo,
+                           int_at_least, port, positive_float, speculative_config)
 
 
 def _json_object(text: str) -> dict:
@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int_at_least(0), default=64,
                    help="queued requests beyond which new ones get 503")
     p.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
+    p.add_argument("--expert-cache-slots", type=int_at_least(1), default=None, metavar="N", help=EXPERT_SLOTS_HELP)
+    p.add_argument("--memory-limit", type=positive_float, default=None, metavar="GB", help=MEMORY_LIMIT_HELP)
     p.add_argument("--heartbeat-interval", type=positive_float, default=10.0,
                    help="seconds without output after which a stream gets an SSE `: ping` comment")
     p.add_argument("--max-request-body-mb", type=positive_float, default=None, metavar="MIB",
@@ -148,7 +150,11 @@ def _load(args: argparse.Namespace, path: str):
     from gem4.weights.loader import load_with_tokenizer
 
     path = str(resolve(path, _log))                     # a local path as is; owner/name[:TAG] from the hub
-    model, tokenizer = load_with_tokenizer(path, args.tokenizer, dtype=args.dtype, device=args.device, progress=True)
+    model, tokenizer = load_with_tokenizer(path, args.tokenizer, dtype=args.dtype, device=args.device, progress=True,
+                                           expert_cache_slots=args.expert_cache_slots, memory_limit=args.memory_limit)
+    if model.expert_cache is not None:
+        from gem4.model.experts import expert_cache_summary
+        _log(expert_cache_summary(model.expert_cache))
     return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),

@@ -185,6 +185,12 @@ class _LiveCollector:
                                             labels=("model_name",)),
             "seqs": HistogramMetricFamily("gem4:iteration_seqs_total", "Histogram of sequences per engine step.",
                                           labels=("model_name",)),
+            "expert_hits": CounterMetricFamily("gem4:expert_cache_hits", "Streamed experts found in their layer's "
+                                               "slots (per layer and step).", labels=("model_name",)),
+            "expert_misses": CounterMetricFamily("gem4:expert_cache_misses", "Streamed experts read from the file.",
+                                                 labels=("model_name",)),
+            "expert_bytes": CounterMetricFamily("gem4:expert_cache_bytes_read", "Bytes of streamed experts read.",
+                                                labels=("model_name",)),
         }
 
     def collect(self) -> Iterator[Metric]:
@@ -212,6 +218,12 @@ class _LiveCollector:
                 queries, hits = engine.prefix_cache_counts
                 fam["queries"].add_metric(label, queries)
                 fam["hits"].add_metric(label, hits)
+            cache = getattr(getattr(engine, "model", None), "expert_cache", None)
+            if cache is not None:                                        # 26B-A4B, streamed experts
+                stats = cache.stats
+                fam["expert_hits"].add_metric(label, stats.hits)
+                fam["expert_misses"].add_metric(label, stats.misses)
+                fam["expert_bytes"].add_metric(label, stats.bytes_read)
             for key, attr, bounds in (("tokens", "step_tokens", _STEP_TOKEN_BUCKETS),
                                       ("seqs", "batch_sizes", _STEP_SEQ_BUCKETS)):
                 counts = getattr(engine, attr, None)
