@@ -189,6 +189,16 @@ def test_lfu_eviction_with_recency_tie_break(tmp_path):
     assert (file.stats.hits, file.stats.misses) == (6, 7)
     assert file.stats.bytes_read == 7 * 24
     assert [g for g in store.tiles([0, 2, 4, 5])] == [[0, 2], [4, 5]]       # tiles of at most `slots`
+    store.prefetch(torch.tensor([[3, 1]]))               # reads start before the layer's dense branch
+    assert store.pending is not None and held() == [1, 3]
+    assert list(store.tiles([1, 3])) == [[1, 3]] and store.pending is None
+    for slot, e in enumerate(store.held):
+        assert torch.equal(slab[slot], experts[e])
+    short = SlotCache(file, {"w": ExpertTensor(16 + 5 * 24, 24, tensor.convert)}, 6, 2, {"w": slab})
+    short.load([0])
+    with pytest.raises(OSError, match="past the end of the file"):
+        short.load([1])                                  # expert 1 of this view lies past the end
+    assert short.held.count(-1) == 1 and short.slot_of[1] == -1 and short.slot(0) >= 0   # never a hit on it
     file.close()
 
 

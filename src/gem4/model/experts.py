@@ -16,7 +16,9 @@ computed:
   slot), the least recently used among equals, never an expert of the group being loaded. Groups come in
   ascending expert order, so the sum over experts runs in the resident path's order: logits are
   bit-identical for every slot count from top_k up. With fewer slots than a prefill chunk's experts, the
-  chunk runs in several groups (bounded tiles), each expert read at most once per chunk.
+  chunk runs in several groups (bounded tiles), each expert read at most once per chunk. The layer calls
+  `prefetch` with the router's choice before its dense branch, so a step's reads (when its experts fit in
+  the slots) overlap that branch.
 
 Where each expert lies: a GGUF expert tensor [E, rows, k] stores expert e as the contiguous byte range
 [offset + e * rows * row_bytes, +rows * row_bytes), read straight from the file (no repacked copy on disk:
@@ -40,6 +42,9 @@ class Resident:
     """Every expert in its own slot (slot = expert id): the plain path."""
 
     streamed = False
+
+    def prefetch(self, idx: torch.Tensor) -> None:
+        pass
 
     def tiles(self, used: list[int]) -> Iterator[list[int]]:
         yield used
@@ -111,18 +116,48 @@ class SlotCache:
         self.uses = [0] * num_experts              # LFU: steps that used each expert (kept across evictions)
         self.last = [-1] * slots                   # recency tie-break: clock of the slot's last use
         self.clock = 0
+        self.pending: tuple[list[int], list] | None = None        # prefetch: (group, its reads in flight)
 
     def slot(self, e: int) -> int:
         return self.slot_of[e]
 
+    def prefetch(self, idx: torch.Tensor) -> None:
+        """The router's choice idx [T, K], before the layer's dense branch runs: where the step's experts fit
+        in one group, their misses start reading now and `tiles` waits for them (the reads overlap the
+        dense branch)."""
+        used = torch.unique(idx).tolist()                         # ascending, as experts_forward lists them
+        if len(used) <= self.slots:
+            self.pending = (used, self._start(used))
+
     def tiles(self, used: list[int]) -> Iterator[list[int]]:
         """used (ascending expert ids) -> groups of at most `slots`, each loaded before it is yielded."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._wait(pending[1])
         for start in range(0, len(used), self.slots):
             group = used[start:start + self.slots]
-            self.load(group)
+            if pending is None or pending[0] != group:
+                self.load(group)
             yield group
 
     def load(self, group: list[int]) -> None:
+        self._wait(self._start(group))
+
+    def _wait(self, reads: list) -> None:
+        """Block on a group's reads; a failed read empties its slot (never a hit on bytes not read) and raises."""
+        error = None
+        for (e, s), future in reads:
+            try:
+                future.result()
+            except BaseException as exc:                        # noqa: BLE001  re-raised below
+                error = error or exc
+                if self.held[s] == e:
+                    self.held[s], self.slot_of[e], self.last[s] = -1, -1, -1
+        if error is not None:
+            raise error
+
+    def _start(self, group: list[int]) -> list:
+        """Bookkeeping of a group (uses, hits, victims) and its misses' reads submitted: -> [((e, slot), future)]."""
         self.clock += 1
         stats, misses = self.file.stats, []
         for e in group:
@@ -133,7 +168,7 @@ class SlotCache:
             else:
                 misses.append(e)
         if not misses:
-            return
+            return []
         # victims: empty slots first, then the least used experts, least recently used among equals; the
         # group's own experts were all stamped with this clock, and a group never exceeds the slots
         free = sorted((s for s in range(self.slots) if self.last[s] != self.clock),
@@ -146,10 +181,9 @@ class SlotCache:
                 self.slot_of[old] = -1
             self.held[s], self.slot_of[e], self.last[s] = e, s, self.clock
             fills.append((e, s))
-        for f in [self.file.pool.submit(self._fill, e, s, name) for e, s in fills for name in self.tensors]:
-            f.result()
         stats.misses += len(fills)
         stats.bytes_read += len(fills) * sum(t.nbytes for t in self.tensors.values())
+        return [((e, s), self.file.pool.submit(self._fill, e, s, name)) for e, s in fills for name in self.tensors]
 
     def _fill(self, e: int, s: int, name: str) -> None:
         t = self.tensors[name]

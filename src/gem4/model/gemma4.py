@@ -230,9 +230,11 @@ class DecoderLayer(nn.Module):
         x = self.post_attention_layernorm.add_to(x, attn)
         # feed-forward block
         r = x
-        m = self.mlp(self.pre_feedforward_layernorm(r))
-        if hasattr(self, "experts"):           # 26B-A4B
+        if hasattr(self, "experts"):           # 26B-A4B: routed first, so streamed experts load beside the dense branch
             idx, weights = self.router(r)
+            self.experts.store.prefetch(idx)
+        m = self.mlp(self.pre_feedforward_layernorm(r))
+        if hasattr(self, "experts"):
             routed = self.experts(self.pre_feedforward_layernorm_2(r), idx, weights)
             m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
         x = self.post_feedforward_layernorm.add_to(r, m)
