@@ -179,7 +179,9 @@ def test_q4_k_m_mix_follows_llama_cpp():
     assert mix_type("layers.3.experts.down_proj", (8, 256, 512), Q4K, n_layers, v_layers) == Q4K
     assert mix_type("layers.4.experts.down_proj", (8, 256, 512), Q4K, n_layers, v_layers) == Q6K
     assert mix_type("layers.5.mlp.up_proj.weight", (6144, 1536), Q4K, n_layers, v_layers) == Q4K
-    assert mix_type("layers.5.mlp.up_proj.weight", (6144, 96), Q4K, n_layers, v_layers) == GGMLType.Q8_0
+    assert mix_type("layers.5.mlp.up_proj.weight", (6144, 96), Q4K, n_layers, v_layers) == GGMLType.Q5_0
+    assert mix_type("layers.4.experts.down_proj", (8, 256, 704), Q4K, n_layers, v_layers) == GGMLType.Q8_0   # Q6_K's
+    assert mix_type("layers.3.experts.down_proj", (8, 256, 704), GGMLType.Q5_K, n_layers, v_layers) == GGMLType.Q5_1
     assert mix_type("layers.5.mlp.up_proj.weight", (6144, 8), Q4K, n_layers, v_layers) == GGMLType.F16
     assert mix_type("layers.5.input_layernorm.weight", (1536,), Q4K, n_layers, v_layers) == GGMLType.F32
     assert mix_type("per_layer_model_projection.weight", (4096, 1536), Q4K, n_layers, v_layers) == GGMLType.BF16
@@ -263,3 +265,24 @@ def test_decode_layer_is_the_layer_it_replaces_in_a_mix(k_models):
         for layer in model.layers:
             layer.plan = None
         assert torch.equal(one_call, decode_logits(model, ids, 20)), name
+
+
+def test_fallback_rows_are_packed_in_their_own_types(tmp_path):
+    """26B-A4B-like experts whose rows are not whole 256-blocks (Im = 96 here, 704 in the real model): a Q4_K_M
+    file keeps them in llama.cpp's fallbacks (Q5_0, Q8_0 where Q6_K was due), and the fast mode packs those too
+    (no bf16 copy) and tracks the float32 path."""
+    from model_fixtures import build_hf, prompt_ids
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.gguf_model import write_gguf
+
+    causal, _ = build_hf("moe", **dict(WIDE, moe_intermediate_size=96))
+    causal.save_pretrained(tmp_path / "hf")
+    write_gguf(open_checkpoint(tmp_path / "hf"), tmp_path / "m.gguf", "q4_k_m")
+    ref, fast = gem4.load(tmp_path / "m.gguf", dtype="float32"), gem4.load(tmp_path / "m.gguf", dtype="bfloat16")
+    down = {layer.experts.packed_types["down_proj"] for layer in fast.layers}
+    assert down == {GGMLType.Q5_0, GGMLType.Q8_0}                  # of 6 layers, 2 and 5 get "more bits" (Q6_K -> Q8_0)
+    assert {layer.experts.packed_types["gate_up_proj"] for layer in fast.layers} == {GGMLType.Q4_K}
+    ids = prompt_ids()
+    a, b = fast.logits(ids), ref.logits(ids)
+    per_position = sorted(float(((x - y) ** 2).mean() / (y ** 2).mean()) for x, y in zip(a, b))
+    assert per_position[len(per_position) // 2] <= 1e-3, per_position

@@ -315,9 +315,8 @@ MIXES = {"q4_k_m": GGMLType.Q4_K, "q5_k_m": GGMLType.Q5_K}
 FILE_TYPE = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q8_0: 7, GGMLType.BF16: 32,
              GGMLType.Q4_K: 14, GGMLType.Q5_K: 16, GGMLType.Q6_K: 18}
 MIX_FILE_TYPE = {"q4_k_m": 15, "q5_k_m": 17}
-# rows that are not whole 256-blocks: llama.cpp falls back to Q5_0 / Q5_1 / Q8_0; gem4 writes no Q5_0 / Q5_1,
-# so Q8_0 for all three (F16 when not even 32-blocks)
-K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q8_0, GGMLType.Q5_K: GGMLType.Q8_0, GGMLType.Q6_K: GGMLType.Q8_0}
+# rows that are not whole 256-blocks (26B-A4B's experts, Im = 704): llama.cpp's fallbacks (F16 when not even 32-blocks)
+K_FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
 _VT = GGUFValueType
 
 

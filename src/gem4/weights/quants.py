@@ -320,8 +320,8 @@ _FLOAT_DTYPES: dict[GGMLType, torch.dtype] = {
 }
 
 DEQUANT_TYPES: frozenset[GGMLType] = frozenset({*_FLOAT_DTYPES, *_BLOCK_DEQUANT})
-QUANT_TYPES: frozenset[GGMLType] = frozenset({*_FLOAT_DTYPES, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K,
-                                               GGMLType.Q5_K, GGMLType.Q6_K})
+QUANT_TYPES: frozenset[GGMLType] = frozenset({*_FLOAT_DTYPES, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0,
+                                               GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,6 +404,38 @@ def _quant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     q = q.to(torch.uint8).clamp(0, 15)
     packed = q[:, :16] | (q[:, 16:] << 4)                     # (n, 16)
     return torch.cat([_f32_to_f16_bytes(d.squeeze(-1)), packed], dim=-1)
+
+
+def _high_bits(q: torch.Tensor) -> torch.Tensor:
+    """(n, 32) values 0..31 -> (n, 4) qh bytes: bit i (little-endian) = bit 4 of element i (np.packbits, little)."""
+    bits = (q >> 4).reshape(-1, 4, 8)
+    return (bits << torch.arange(8, dtype=torch.uint8)).sum(dim=-1, dtype=torch.uint8)
+
+
+def _quant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    """(n, 32) float32 -> (n, 20) uint8.  d = (max - min) / 15, m = min, q = trunc((x - min) / d + 0.5)."""
+    mx, mn = blocks.amax(dim=-1, keepdim=True), blocks.amin(dim=-1, keepdim=True)
+    d = (mx - mn) / 15
+    q = torch.trunc((blocks - mn) * _safe_reciprocal(d) + 0.5).to(torch.uint8).clamp(0, 15)
+    return torch.cat([_f32_to_f16_bytes(d.squeeze(-1)), _f32_to_f16_bytes(mn.squeeze(-1)),
+                      q[:, :16] | (q[:, 16:] << 4)], dim=-1)
+
+
+def _quant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    """(n, 32) float32 -> (n, 22) uint8.  d = (signed value of largest magnitude, first one) / -16."""
+    imax = blocks.abs().argmax(dim=-1, keepdim=True)
+    d = blocks.gather(-1, imax) / -16
+    q = torch.trunc(blocks * _safe_reciprocal(d) + 16.5).to(torch.uint8).clamp(0, 31)
+    return torch.cat([_f32_to_f16_bytes(d.squeeze(-1)), _high_bits(q), (q[:, :16] & 0x0F) | (q[:, 16:] << 4)], dim=-1)
+
+
+def _quant_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    """(n, 32) float32 -> (n, 24) uint8.  d = (max - min) / 31, m = min, q = trunc((x - min) / d + 0.5)."""
+    mx, mn = blocks.amax(dim=-1, keepdim=True), blocks.amin(dim=-1, keepdim=True)
+    d = (mx - mn) / 31
+    q = torch.trunc((blocks - mn) * _safe_reciprocal(d) + 0.5).to(torch.uint8).clamp(0, 31)
+    return torch.cat([_f32_to_f16_bytes(d.squeeze(-1)), _f32_to_f16_bytes(mn.squeeze(-1)), _high_bits(q),
+                      (q[:, :16] & 0x0F) | (q[:, 16:] << 4)], dim=-1)
 
 
 def _f16_round(x: torch.Tensor) -> torch.Tensor:
@@ -490,6 +522,9 @@ def _quant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 _BLOCK_QUANT: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.Q8_0: _quant_q8_0,
     GGMLType.Q4_0: _quant_q4_0,
+    GGMLType.Q4_1: _quant_q4_1,
+    GGMLType.Q5_0: _quant_q5_0,
+    GGMLType.Q5_1: _quant_q5_1,
     GGMLType.Q4_K: _quant_q4_k,
     GGMLType.Q5_K: _quant_q5_k,
     GGMLType.Q6_K: _quant_q6_k,
@@ -508,7 +543,7 @@ def _quant_bf16(x: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, ggml_type: GGMLType) -> torch.Tensor:
     """float32 tensor (last dim a multiple of the block size) -> 1-D uint8 tensor of GGML bytes.
 
-    Supported: F32, F16, BF16, Q8_0, Q4_0 (bytes identical to gguf.quants.quantize) and Q4_K, Q5_K, Q6_K
+    Supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (bytes identical to gguf.quants.quantize) and Q4_K, Q5_K, Q6_K
     (gem4's own round-to-nearest quantizers, see _quant_k_affine and _quant_q6_k; gguf-py has none).
     Other floating dtypes are converted to float32 first."""
     t = _as_type(ggml_type)
