@@ -160,19 +160,21 @@ def bench_steps(model, assistant, context: int, ks: list[int], repeats: int, cal
 
 
 def report_steps(res: dict) -> None:
+    """Medians over the rounds, the per-round ratios' median, and the fastest call of all rounds."""
     med = {part: {n: statistics.median(v) for n, v in d.items()} for part, d in res.items()}
-    f1 = res["forward"][1]
-    print("\n| rows (K + 1) | forward ms | x 1 row | head ms (of it) | layers ms (the rest) |")
+    f1, fast1, head1 = res["forward"][1], min(res["forward"][1]), min(res["head"][1])
+    print("\n| rows (K + 1) | forward ms (median of rounds) | x 1 row | x 1 row, fastest | head ms, fastest (x 1 row) |")
     print("|---|---|---|---|---|")
     for n in med["forward"]:
-        ratio = statistics.median(a / b for a, b in zip(res["forward"][n], f1))     # per-round ratio
-        print(f"| {n} | {1000 * med['forward'][n]:.1f} | {ratio:.2f} | {1000 * med['head'][n]:.1f} "
-              f"| {1000 * (med['forward'][n] - med['head'][n]):.1f} |")
-    print("\n| drafts | assistant ms | per draft ms | x one 1-row target forward |")
-    print("|---|---|---|---|")
+        ratio = statistics.median(a / b for a, b in zip(res["forward"][n], f1))
+        head = min(res["head"][n])
+        print(f"| {n} | {1000 * med['forward'][n]:.0f} | {ratio:.2f} | {min(res['forward'][n]) / fast1:.2f} "
+              f"| {1000 * head:.1f} ({head / head1:.2f}) |")
+    print("\n| drafts | assistant ms (median of rounds) | per draft ms | x one 1-row target forward | fastest ms |")
+    print("|---|---|---|---|---|")
     for k, t in med["draft"].items():
         ratio = statistics.median(a / b for a, b in zip(res["draft"][k], f1))
-        print(f"| {k} | {1000 * t:.2f} | {1000 * t / k:.2f} | {ratio:.3f} |")
+        print(f"| {k} | {1000 * t:.1f} | {1000 * t / k:.1f} | {ratio:.3f} | {1000 * min(res['draft'][k]):.1f} |")
 
 
 # ---- 3: end to end through the engine ----
@@ -226,32 +228,43 @@ def bench_e2e(model, prompt_len: int, output: int, forced: list[tuple[float, lis
             cases.append(("mtp", k, Engine(model, speculative_config={"method": "mtp", "model": assistant,
                                                                       "num_speculative_tokens": k}, **common), None))
     results: dict[str, list[dict]] = {}
+    order = 0                                                                     # each run's place in time
     for r in range(repeats):
         for i, (label, k, engine, drafter) in enumerate(cases):
             if i and i % 6 == 0:                                                  # plain again, between cases
-                results.setdefault("plain", []).append(_strip(run_once(plain, prompt, output), want))
+                results.setdefault("plain", []).append(_strip(run_once(plain, prompt, output), want, order))
+                order += 1
             if drafter is not None:
                 engine._runner.drafter = drafter
                 if isinstance(drafter, ForcedDrafter):
                     drafter.rng.seed(k)                                           # the same draws every round
-            out = _strip(run_once(engine, prompt, output), want)
+            out = _strip(run_once(engine, prompt, output), want, order)
+            order += 1
             results.setdefault(f"{label} K={k}" if k else label, []).append(out)
             print(f"round {r} {label} K={k}: {out['tps']:.2f} tok/s, accepted {out['accepted']}/{out['drafted']} "
                   f"in {out['steps']} steps, tokens {'equal' if out['equal'] else 'DIFFER'}", flush=True)
     return results
 
 
-def _strip(out: dict, want: list[int]) -> dict:
+def _strip(out: dict, want: list[int], order: int) -> dict:
     tokens = out.pop("tokens")
-    out["equal"] = tokens == want
+    out["equal"], out["order"] = tokens == want, order
     return out
+
+
+def _against_plain(run: dict, plain: list[dict]) -> float:
+    """A run's tok/s over the mean of the plain runs just before and after it (the load drifts)."""
+    before = max((p for p in plain if p["order"] < run["order"]), key=lambda p: p["order"])
+    after = [p for p in plain if p["order"] > run["order"]]
+    near = [before] + ([min(after, key=lambda p: p["order"])] if after else [])
+    return run["tps"] / statistics.mean(p["tps"] for p in near)
 
 
 def report_e2e(results: dict) -> None:
     base = statistics.median(x["tps"] for x in results["plain"])
     print(f"\nplain: {base:.2f} tok/s over {len(results['plain'])} runs")
-    print("\n| drafter | K | decode tok/s | x plain | acceptance (accepted / drafted) | tokens / step | "
-          "all tokens equal plain |")
+    print("\n| drafter | K | decode tok/s | x plain (the plain runs around each run) [rounds] | acceptance "
+          "(accepted / drafted) | tokens / step | all tokens equal plain |")
     print("|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         if name == "plain":
@@ -260,7 +273,9 @@ def report_e2e(results: dict) -> None:
         drafted, accepted, steps = (sum(x[f] for x in runs) for f in ("drafted", "accepted", "steps"))
         label, k = name.rsplit(" K=", 1)
         acc = f"{accepted / drafted:.2f}" if drafted else "no drafts"
-        print(f"| {label} | {k} | {tps:.2f} | {tps / base:.2f} | {acc} | "
+        ratios = [_against_plain(x, results["plain"]) for x in runs]
+        print(f"| {label} | {k} | {tps:.2f} | {statistics.median(ratios):.2f} "
+              f"[{', '.join(f'{x:.2f}' for x in ratios)}] | {acc} | "
               f"{(accepted + steps) / steps if steps else 1:.2f} | {all(x['equal'] for x in runs)} |")
 
 
