@@ -452,8 +452,7 @@ class Engine:
         """Speculation counters (vLLM's spec_decode_* metrics): a verification step, its drafts, and how
         many were accepted, by draft position; the request's own in its stats."""
         accepted = len(sample.token_ids) - 1
-        seq.num_draft_tokens += sample.drafts
-        seq.num_accepted_tokens += accepted
+        seq.record_drafts(sample.drafts, accepted)
         self.spec_drafts += 1
         self.spec_draft_tokens += sample.drafts
         self.spec_accepted_tokens += accepted

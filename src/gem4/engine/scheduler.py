@@ -143,8 +143,12 @@ class Scheduler:
             if seq not in self.running:                                      # preempted for an older one
                 continue
             # drafts: as many as speculation asks, the budget leaves and the request can still emit after
-            # this step's token (its max_tokens counts the context's end too)
+            # this step's token (its max_tokens counts the context's end too); none while its drafts keep
+            # missing (Sequence.record_drafts)
             slots = max(0, min(self.num_speculative_tokens, spare, seq.max_tokens - len(seq.output_ids) - 1))
+            if slots and seq.draft_pause:
+                seq.draft_pause -= 1
+                slots = 0
             while seq in self.running and not self.blocks.can_reserve(seq.seq_id, seq.num_tokens + slots,
                                                                       seq.num_computed):
                 if slots:

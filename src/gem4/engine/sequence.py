@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from gem4.sampling import SamplingParams
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"   # finish reasons (OpenAI's names)
+MAX_DRAFT_PAUSE = 32     # decode steps without drafts at most, after verification rounds that accepted none
 
 
 class Status(enum.Enum):
@@ -141,6 +142,8 @@ class Sequence:
         self.num_cached_tokens: int | None = None     # prompt tokens the prefix cache held at its first admission
         self.num_draft_tokens = 0                     # speculation: drafts verified for it ...
         self.num_accepted_tokens = 0                  # ... and accepted
+        self.draft_misses = 0                         # verification rounds in a row that accepted no draft
+        self.draft_pause = 0                          # decode steps left to run without drafts (back-off)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._detok = detokenizer                     # None: token ids only, no text
@@ -191,6 +194,16 @@ class Sequence:
         if len(self.output_ids) >= self.max_tokens:
             return TokenOutput(token_id, text + self._release_text(), *self._finish(LENGTH, None, now))
         return TokenOutput(token_id, text, None, None)
+
+    def record_drafts(self, drafted: int, accepted: int) -> None:
+        """A verification round's outcome. Back-off: after m rounds in a row that accepted none of their
+        drafts, the next min(2^(m-1), MAX_DRAFT_PAUSE) decode steps draft nothing (a drafter that keeps
+        missing, e.g. prompt lookup on text that no longer repeats, then costs ~1/32 of a verification step
+        per token instead of one); a round that accepts a draft ends the back-off."""
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.draft_misses = 0 if accepted else self.draft_misses + 1
+        self.draft_pause = min(2 ** (self.draft_misses - 1), MAX_DRAFT_PAUSE) if self.draft_misses else 0
 
     def abort(self, now: float) -> str:
         """Finish with "abort"; returns the held text (it was not a stop string)."""
