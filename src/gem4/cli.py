@@ -91,8 +91,8 @@ def _open(args: argparse.Namespace):
         raise ValueError(f"{e}{hint}") from None
     if model.expert_cache is not None:
         log(expert_cache_summary(model.expert_cache))
-    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk,
-                       speculative_config=args.speculative_config), tokenizer
+    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, speculative_config=args.speculative_config,
+                       enable_prefix_caching=args.enable_prefix_caching), tokenizer
 
 
 def _params(args: argparse.Namespace, max_tokens: int | None):
@@ -351,6 +351,8 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--expert-cache-slots", type=int_at_least(1), default=None, metavar="N", help=EXPERT_SLOTS_HELP)
     g.add_argument("--memory-limit", type=positive_float, default=None, metavar="GB", help=MEMORY_LIMIT_HELP)
     g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON", help=SPECULATIVE_HELP)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of the longest cached prefix (chat: the conversation so far)")
     return g
 
 
