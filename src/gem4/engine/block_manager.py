@@ -46,6 +46,7 @@ reads beyond it (the Gemma 4 assistant reads two positions more, engine/mtp.py).
 """
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -216,7 +217,7 @@ class BlockManager:
         partial, agree = None, 0                                         # then one block as far as it agrees
         rest = tokens[len(entries) * bs:min((len(entries) + 1) * bs, limit)]
         for e in self._children.get(parent, ()):
-            n = _common(e.tokens, rest)
+            n = len(os.path.commonprefix([e.tokens, tuple(rest)]))
             if n > agree:
                 partial, agree = e, n
         blocks = [e.block for e in entries] + ([partial.block] if partial else [])
@@ -351,13 +352,3 @@ class BlockManager:
             self._release_sliding(b)
         for b in s.table:
             self._release(b)
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of a and b."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

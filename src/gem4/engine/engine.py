@@ -220,7 +220,6 @@ class Engine:
             end_token_ids = stop_token_ids(tokenizer) if tokenizer is not None else ()
         self.end_token_ids = frozenset(int(i) for i in end_token_ids)
         self.prefill_chunk = prefill_chunk
-        self.prefix_caching = enable_prefix_caching
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.speculative_config = None if speculative_config is None else SpeculativeConfig.parse(speculative_config)
@@ -236,11 +235,12 @@ class Engine:
                       block_size=block_size)
         blocks = BlockManager(pool.num_blocks, pool.block_size, pool.num_sliding_blocks, pool.window + slack,
                               caching=enable_prefix_caching)
-        k = 0 if self.speculative_config is None else self.speculative_config.num_speculative_tokens
-        drafter = (None if self.speculative_config is None else MtpDrafter(assistant, model, pool, blocks, k) if mtp
-                   else self.speculative_config.ngram())
+        drafter, k = None, 0
+        if self.speculative_config is not None:
+            k = self.speculative_config.num_speculative_tokens
+            drafter = MtpDrafter(assistant, model, pool, blocks, k) if mtp else self.speculative_config.ngram()
         self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens,
-                                    num_speculative_tokens=0 if drafter is None else drafter.num_speculative_tokens)
+                                    num_speculative_tokens=k)
         self._runner = ModelRunner(model, pool, blocks, drafter)
         # shared with caller threads, guarded by _lock
         self._lock = threading.Lock()
@@ -315,6 +315,11 @@ class Engine:
     def num_preemptions(self) -> int:
         """Sequences preempted so far (their KV freed for older ones; recomputed later)."""
         return self._scheduler.num_preemptions
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether the prefix cache is on (the block manager's)."""
+        return self._scheduler.blocks.caching
 
     @property
     def prefix_cache_counts(self) -> tuple[int, int]:

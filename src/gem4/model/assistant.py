@@ -54,7 +54,8 @@ from torch import nn
 
 from gem4.config import FULL, LAYER_TYPES, SLIDING, ConfigError, ModelConfig
 from gem4.kv_cache import Attend, KVPool, SeqStep
-from gem4.model.layers import QuantLinear, RMSNorm, attend, glu, rope_cos_sin
+from gem4.model.gemma4 import MLP
+from gem4.model.layers import QuantLinear, RMSNorm, attend, rope_cos_sin
 
 
 # ---- config ----
@@ -232,19 +233,6 @@ class AssistantAttention(nn.Module):
         return self.o_proj(attend(q, kv[0], kv[1], a, self.fused))                                # [B, Ha]
 
 
-class AssistantMLP(nn.Module):
-    fused = False
-
-    def __init__(self, hidden: int, inner: int):
-        super().__init__()
-        self.gate_proj = QuantLinear(hidden, inner)
-        self.up_proj = QuantLinear(hidden, inner)
-        self.down_proj = QuantLinear(inner, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(x, self.gate_proj, self.up_proj, self.fused))
-
-
 class AssistantLayerModule(nn.Module):
     """docs/gemma4.md §2.4 without PLE and experts; the attention reads the target's K/V."""
 
@@ -253,7 +241,7 @@ class AssistantLayerModule(nn.Module):
         H, eps = config.hidden_size, config.rms_norm_eps
         self.spec = spec
         self.self_attn = AssistantAttention(config, spec)
-        self.mlp = AssistantMLP(H, spec.intermediate_size)
+        self.mlp = MLP(H, spec.intermediate_size)                 # the target's MLP module
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.pre_feedforward_layernorm = RMSNorm(H, eps)

@@ -35,7 +35,7 @@ from gem4.model.assistant import Assistant, AssistantConfig, CentroidHead
 from gem4.weights.checkpoint import CheckpointError, TensorEntry
 from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
 from gem4.weights.gguf_model import (
-    FILE_TYPE, LAYER_NAMES, OUT_TYPES, _entry, _Meta, rope_metadata, tensor_type,
+    FILE_TYPE, LAYER_NAMES, OUT_TYPES, _entry, _Meta, layer_types_from, rope_metadata, tensor_type,
 )
 from gem4.weights.hf import _int, _safetensors_files, config_from_hf
 from gem4.weights.loader import AUTO_DTYPE, DTYPES, _block_storage, _check_manifest, _weight_dtype
@@ -149,11 +149,7 @@ def _gguf_config(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_fr
     nextn = m.integer("nextn_predict_layers", L)
     if nextn != L:
         raise CheckpointError(f"{where}: {ARCH}.nextn_predict_layers={nextn} differs from {ARCH}.block_count={L}")
-    pattern = m.get("attention.sliding_window_pattern", required=True)
-    if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (L,)):
-        raise CheckpointError(f"{where}: {ARCH}.attention.sliding_window_pattern must be a bool array of "
-                              f"{ARCH}.block_count={L} entries")
-    layer_types = [SLIDING if s else FULL for s in pattern]
+    layer_types = layer_types_from(m, L)
     n_heads = m.per_layer("attention.head_count", L, required=True)
     kv_known = m.get("attention.head_count_kv") is not None
     n_kv = m.per_layer("attention.head_count_kv", L) if kv_known else n_heads

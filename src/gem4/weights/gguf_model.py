@@ -170,6 +170,15 @@ def _check_architecture(reader: GGUFReader) -> None:
                               f"({ARCH!r}) text models{hint}")
 
 
+def layer_types_from(m: "_Meta", L: int) -> list[str]:
+    """The layer types from `{arch}.attention.sliding_window_pattern`, a bool array of block_count entries."""
+    pattern = m.get("attention.sliding_window_pattern", required=True)
+    if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (L,)):
+        raise CheckpointError(f"{m.r.path}: {m.arch}.attention.sliding_window_pattern must be a bool array of "
+                              f"{m.arch}.block_count={L} entries")
+    return [SLIDING if s else FULL for s in pattern]
+
+
 def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> ModelConfig:
     """GGUF metadata (+ tensor shapes for what the metadata leaves to them) -> ModelConfig (docs/gemma4.md §4.2)."""
     m, where = _Meta(reader), reader.path
@@ -178,11 +187,7 @@ def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rop
     H = m.integer("embedding_length", required=True)
     if not L or L <= 0 or H <= 0:
         raise CheckpointError(f"{where}: {ARCH}.block_count={L} and {ARCH}.embedding_length={H} must be positive")
-    pattern = m.get("attention.sliding_window_pattern", required=True)
-    if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (L,)):
-        raise CheckpointError(f"{where}: {ARCH}.attention.sliding_window_pattern must be a bool array of "
-                              f"{ARCH}.block_count={L} entries")
-    layer_types = [SLIDING if s else FULL for s in pattern]
+    layer_types = layer_types_from(m, L)
     n_heads = m.per_layer("attention.head_count", L, required=True)
     n_kv = m.per_layer("attention.head_count_kv", L, default=None) if m.get("attention.head_count_kv") is not None else n_heads
     d_full = m.integer("attention.key_length", required=True)
