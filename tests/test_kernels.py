@@ -414,10 +414,12 @@ def test_gemv_rows_do_not_depend_on_their_batch_mates():
     """Batch invariance of the decode GEMVs: each row of an M-row call equals that row alone, bit for bit."""
     g = torch.Generator().manual_seed(11)
     for ggml_type in PACKED:
-        layer, _ = packed_linear(torch.randn(96, 320, generator=g), ggml_type)
-        x = torch.randn(DECODE_ROWS, 320, generator=g)
-        together = layer(x)
-        assert all(torch.equal(together[i], layer(x[i:i + 1])[0]) for i in range(DECODE_ROWS))
+        for n, k in ((96, 320), (40, 4096)):        # 4096 inputs: tiles of W and spans of groups (ggml_gemv.cpp)
+            layer, dense = packed_linear(torch.randn(n, k, generator=g), ggml_type)
+            x = torch.randn(DECODE_ROWS, k, generator=g)
+            together = layer(x)
+            assert all(torch.equal(together[i], layer(x[i:i + 1])[0]) for i in range(DECODE_ROWS))
+            torch.testing.assert_close(together, x @ dense.T, rtol=1e-4, atol=1e-4 * (x @ dense.T).abs().max().item())
     w = torch.randn(96, 320, generator=g).bfloat16()
     x = torch.randn(DECODE_ROWS, 320, generator=g)
     together = kernels.gemv_bf16(x, w)

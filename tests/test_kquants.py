@@ -74,7 +74,7 @@ def error_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 def test_gemv_equals_dequantize_then_matmul(t, rows):
     g = torch.Generator().manual_seed(rows * 100 + int(t))
-    n, k = 2 * len(EXTREME_D) + 5, 1280
+    n, k = 2 * len(EXTREME_D) + 5, 2560          # 5 groups of 16 blocks: passes of 5-8 rows split them into spans
     raw = random_blocks(t, n, k, g, EXTREME_D * 2 + [0x2000, 0x2400, 0x2800, 0x1C00, 0x3000])
     dense = dequantize(raw, t, (n, k)).double()
     layer = packed(raw, t, n, k)
@@ -91,16 +91,17 @@ def test_gemv_equals_dequantize_then_matmul(t, rows):
 @pytest.mark.parametrize("t", K_TYPES + LEGACY, ids=lambda t: t.name)
 def test_gemv_rows_do_not_depend_on_their_batch_mates(t):
     """Batch invariance: a row's result is the same bit for bit whatever the call's size (1..DECODE_ROWS) and
-    its position in it (the kernel takes rows in passes of 4)."""
+    its position in it (the kernel takes rows in passes of up to 8; with 4096 inputs a pass of 4 or more rows
+    goes over W in tiles of 16 rows and spans of groups, 40 rows leaving a partial tile)."""
     g = torch.Generator().manual_seed(int(t))
-    n, k = 40, 768
-    layer = packed(random_blocks(t, n, k, g), t, n, k)
-    x = torch.randn(DECODE_ROWS, k, generator=g)
-    alone = [layer(x[i:i + 1])[0] for i in range(DECODE_ROWS)]
-    for m in range(1, DECODE_ROWS + 1):
-        for start in (0, DECODE_ROWS - m):
-            together = layer(x[start:start + m])
-            assert all(torch.equal(together[i], alone[start + i]) for i in range(m)), (m, start)
+    for n, k in ((40, 768), (40, 4096)):
+        layer = packed(random_blocks(t, n, k, g), t, n, k)
+        x = torch.randn(DECODE_ROWS, k, generator=g)
+        alone = [layer(x[i:i + 1])[0] for i in range(DECODE_ROWS)]
+        for m in range(1, DECODE_ROWS + 1):
+            for start in (0, DECODE_ROWS - m):
+                together = layer(x[start:start + m])
+                assert all(torch.equal(together[i], alone[start + i]) for i in range(m)), (m, start, k)
 
 
 @pytest.mark.parametrize("t", K_TYPES + LEGACY, ids=lambda t: t.name)

@@ -22,7 +22,7 @@
 // error <= 2^-16 of the block's largest value, far below bf16's 2^-9) and laid out in the order the
 // kernel reads them; each 16-bit half of a weight lane is one weight, so one vpdpwssd takes two weights
 // of every block of the group, with exact integer products and sums. Q4_0's "- 8" is applied once per
-// block as -8 * sum(activation block). The weights are read once per call for up to 4 rows of x at a
+// block as -8 * sum(activation block). The weights are read once per call for up to 8 rows of x at a
 // time; rows of W are split across torch's intra-op threads. gemv_x16_multi (several weights, one x)
 // and gemv_x16_glu (gelu(x Gate^T) * x Up^T) share one preparation of x and one parallel pass.
 // dequant_x16 turns (rows of) a weight back into float32 or bf16 (token tables are looked up by rows);
@@ -45,7 +45,7 @@ namespace gem4_ops {
 constexpr int QK = 32;                 // weights per GGML block
 constexpr int GROUP = 16;              // blocks per x16 group
 constexpr int64_t GROUP_ELEMS = GROUP * QK;
-constexpr int MAX_M = 4;               // rows of x handled per pass over a row of W
+constexpr int MAX_M = 8;               // rows of x handled per pass over a row of W
 constexpr int64_t PREFETCH = 2048;     // software prefetch distance in the weight stream (faster in most runs)
 constexpr int64_t Q8_0_TYPE = 8, Q4_0_TYPE = 2, Q4_1_TYPE = 3, Q5_0_TYPE = 6, Q5_1_TYPE = 7;   // GGML type ids
 // Q4_1 / Q5_0 / Q5_1 (32-weight blocks): Q4_0's nibbles; Q5_0 / Q5_1 add one high-bit vector per group (bit i
@@ -145,19 +145,20 @@ inline int64_t stream_pos(int64_t ggml_type, int64_t lane, int64_t elem) {
     return (v * 4 + hi * 2 + r % 2) * 32 + 2 * lane + r / 2;
 }
 
-// One row of x -> the kernel's activation stream, per-block scales, and the block sums the weights' offsets
-// need: Q4_0 -8 * sum (corr); Q6_K -32 * the sums of the block's first and last 16 (corr, corr2); Q4_K / Q5_K
-// scale * sum (xsum, for the sub-block mins). K-quants take Q4_0's stream order (kquants.h).
+// Row i of a chunk of mc rows of x -> the kernel's activation stream, per-block scales, and the block sums the
+// weights' offsets need: Q4_0 -8 * sum (corr); Q6_K -32 * the sums of the block's first and last 16 (corr,
+// corr2); Q4_K / Q5_K scale * sum (xsum, for the sub-block mins). K-quants take Q4_0's stream order (kquants.h).
+// The chunk's rows are interleaved (the kernels then address every row's operands from one pointer with
+// constant offsets; with a pointer per row, the compiler ran out of registers and reloaded addresses from
+// the stack before every multiply): the 64-byte stream vector of (group g, step k, row i) is vector
+// (g * STEPS + k) * mc + i, and the per-block values of (g, i) are at (g * mc + i) * GROUP. The arrays come
+// zeroed (the padding blocks of the last group stay 0).
 // Each block is quantized in one register, its 32 values reordered so that 32-bit word k holds the pair
 // that step k multiplies, and the 16 words scattered to lane `lane` of the group's 16 steps.
-void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, float* dx, int32_t* corr, int32_t* corr2,
-                 float* xsum) {
-    const int64_t nb = K / QK, G = groups_of(K);
-    std::memset(stream, 0, G * GROUP_ELEMS * sizeof(int16_t));
-    std::memset(dx, 0, G * GROUP * sizeof(float));
-    std::memset(corr, 0, G * GROUP * sizeof(int32_t));
-    std::memset(corr2, 0, G * GROUP * sizeof(int32_t));
-    std::memset(xsum, 0, G * GROUP * sizeof(float));
+constexpr int64_t STEPS = GROUP_ELEMS / 32;   // 64-byte stream vectors per group and row
+void prepare_row(const float* x, int64_t K, int64_t ggml_type, int64_t mc, int64_t i, int16_t* stream, float* dx,
+                 int32_t* corr, int32_t* corr2, float* xsum) {
+    const int64_t nb = K / QK;
     alignas(64) int16_t order[QK];                            // order[2k + t] = element in half t of step k
     for (int64_t e = 0; e < QK; ++e) {
         const int64_t pos = stream_pos(ggml_type, 0, e);      // step * 32 + half, for lane 0
@@ -165,7 +166,7 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, 
     }
     const __m512i perm = _mm512_load_si512(order);
     const __m512i steps = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(GROUP));
+                                             _mm512_set1_epi32(static_cast<int>(mc * 16)));   // int32 units
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
@@ -173,46 +174,68 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int16_t* stream, 
         const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
         const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)), _mm512_cvtsepi32_epi16(q1), 1);
-        const int64_t g = b / GROUP, lane = b % GROUP;
-        // step k of the group lives at int32 index k * GROUP + lane of its stream
-        _mm512_i32scatter_epi32(stream + g * GROUP_ELEMS, _mm512_add_epi32(steps, _mm512_set1_epi32(static_cast<int>(lane))),
+        const int64_t g = b / GROUP, lane = b % GROUP, at = (g * mc + i) * GROUP + lane;
+        // step k of the group: 32-bit word `lane` of stream vector (g * STEPS + k) * mc + i
+        _mm512_i32scatter_epi32(stream + (g * STEPS * mc + i) * 32, _mm512_add_epi32(steps, _mm512_set1_epi32(static_cast<int>(lane))),
                                 _mm512_permutexvar_epi16(perm, q), 4);
-        dx[g * GROUP + lane] = scale;
+        dx[at] = scale;
         const int32_t lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
         if (ggml_type == Q4_0_TYPE || ggml_type == Q5_0_TYPE) {
-            corr[g * GROUP + lane] = (ggml_type == Q4_0_TYPE ? -8 : -16) * (lo + hi);
+            corr[at] = (ggml_type == Q4_0_TYPE ? -8 : -16) * (lo + hi);
         } else if (ggml_type == gem4_kq::Q6_K) {
-            corr[g * GROUP + lane] = -32 * lo;
-            corr2[g * GROUP + lane] = -32 * hi;
+            corr[at] = -32 * lo;
+            corr2[at] = -32 * hi;
         } else if (gem4_kq::is_k(ggml_type) || legacy_min(ggml_type)) {
-            xsum[g * GROUP + lane] = scale * static_cast<float>(lo + hi);
+            xsum[at] = scale * static_cast<float>(lo + hi);
         }
     }
 }
 
+// A chunk of rows of x as prepare_row lays them out.
+struct XChunk {
+    const int16_t* stream;
+    const float* dx;
+    const int32_t* corr;
+    const int32_t* corr2;
+    const float* xsum;
+};
+
+// The groups [g0, g1) of a pass: a row's 16-lane sums carry over in `part` (MC vectors per row of W, from row
+// n0 on) when g1 < groups, and go to y when g1 = groups. Splitting the groups keeps the chunk's activations in
+// L1 (8 rows of x over 6144 inputs are 96 KB) and leaves each sum's order as it is: group after group.
+struct Span {
+    int64_t g0, g1;
+    float* part;
+};
+
 // y[i, n] for rows n in [n0, n1) of W and MC rows of x.
 // Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1: y += dot_b (d_b dx_b) [+ m_b xsum_b], dot_b from Q4_0's / Q5_0's
 // -8 / -16 * sum (corr) or 0; Q5_0 / Q5_1 merge their high bits as Q5_K does (gemv_rows_k).
+// Each row of x takes the same operations in the same order whatever MC is (batch invariance).
 template <int MC, int64_t TYPE>
-void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, const float* xsum, const Format& f,
-               const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1, const Span& sp) {
+    const int16_t* stream = x.stream;
+    const float *dx = x.dx, *xsum = x.xsum;
+    const int32_t* corr = x.corr;
     constexpr bool H5 = legacy_high(TYPE), M = legacy_min(TYPE);
     constexpr int64_t QB = TYPE == Q8_0_TYPE ? 32 : H5 ? 20 : 16, GB = GROUP * QB;
     constexpr int NV = TYPE == Q8_0_TYPE ? 8 : 4;             // 64-byte vectors of nibbles / int8
     constexpr int steps = TYPE == Q8_0_TYPE ? 2 : 4;          // int16 weight vectors per 64 quant bytes
-    const int64_t G = f.groups, stride = G * GROUP_ELEMS;   // stride: the stream of one row of x
+    const int64_t G = f.groups;
     const __m512i low4 = _mm512_set1_epi16(0x000F), hmask = _mm512_set1_epi32(0x00100010);
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * f.row_bytes;
         __m512 acc[MC];
-        for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
+        float* part = sp.part + (n - n0) * MC * 16;             // this row's partial sums between spans
+        for (int i = 0; i < MC; ++i) acc[i] = sp.g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * i);
+        for (int64_t g = sp.g0; g < sp.g1; ++g) {
             const uint8_t* grp = row + f.quants_at + g * GB;
             const uint8_t* meta = row + g * f.meta_bytes;
-            const int16_t* xs = stream + g * GROUP_ELEMS;
+            const int16_t* xs = stream + g * GROUP_ELEMS * MC;      // vector (k, i) at xs + (k * MC + i) * 32
+            const int64_t at = g * MC * GROUP;                      // row i's per-block values at at + i * GROUP
             __m512i dot[MC];
             for (int i = 0; i < MC; ++i)
-                dot[i] = (TYPE == Q4_0_TYPE || TYPE == Q5_0_TYPE) ? _mm512_loadu_si512(corr + i * G * GROUP + g * GROUP)
+                dot[i] = (TYPE == Q4_0_TYPE || TYPE == Q5_0_TYPE) ? _mm512_load_si512(corr + at + i * GROUP)
                                                                   : _mm512_setzero_si512();
             __m512i h0 = _mm512_setzero_si512();
             if constexpr (H5) {
@@ -238,29 +261,36 @@ void gemv_rows(const int16_t* stream, const float* dx, const int32_t* corr, cons
                     if constexpr (H5)
                         e[s] = _mm512_ternarylogic_epi32(e[s], _mm512_rolv_epi32(h0, _mm512_set1_epi32((4 - (4 * v + s)) & 31)), hmask, 0xF8);
                     for (int i = 0; i < MC; ++i)
-                        dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_loadu_si512(xs + i * stride + (v * steps + s) * 32));
+                        dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_load_si512(xs + ((v * steps + s) * MC + i) * 32));
                 }
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
             for (int i = 0; i < MC; ++i)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_loadu_ps(dx + i * G * GROUP + g * GROUP)), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_load_ps(dx + at + i * GROUP)), acc[i]);
             if constexpr (M) {
                 const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
-                for (int i = 0; i < MC; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_loadu_ps(xsum + i * G * GROUP + g * GROUP), acc[i]);
+                for (int i = 0; i < MC; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_load_ps(xsum + at + i * GROUP), acc[i]);
             }
         }
-        for (int i = 0; i < MC; ++i) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
+        for (int i = 0; i < MC; ++i) {
+            if (sp.g1 == G) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
+            else _mm512_store_ps(part + 16 * i, acc[i]);
+        }
     }
 }
 
 template <int64_t TYPE>
-void gemv_chunk(int mc, const int16_t* stream, const float* dx, const int32_t* corr, const float* xsum, const Format& f,
-                const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+void gemv_chunk(int mc, const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1,
+                const Span& sp) {
     switch (mc) {
-        case 1: gemv_rows<1, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
-        case 2: gemv_rows<2, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
-        case 3: gemv_rows<3, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
-        default: gemv_rows<4, TYPE>(stream, dx, corr, xsum, f, w, y, N, n0, n1); break;
+        case 1: gemv_rows<1, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 2: gemv_rows<2, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 3: gemv_rows<3, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 4: gemv_rows<4, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 5: gemv_rows<5, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 6: gemv_rows<6, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 7: gemv_rows<7, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        default: gemv_rows<8, TYPE>(x, f, w, y, N, n0, n1, sp); break;
     }
 }
 
@@ -270,26 +300,30 @@ void gemv_chunk(int mc, const int16_t* stream, const float* dx, const int32_t* c
 //   Q6_K         y += (dotA_b (d scA_b) + dotB_b (d scB_b)) dx_b, dotA / dotB from -32 * sum (corr / corr2)
 // Every row of x takes the same operations in the same order whatever MC is (batch invariance).
 template <int MC, int64_t TYPE>
-void gemv_rows_k(const int16_t* stream, const float* dx, const int32_t* corr, const int32_t* corr2, const float* xsum,
-                 const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1, const Span& sp) {
+    const int16_t* stream = x.stream;
+    const float *dx = x.dx, *xsum = x.xsum;
+    const int32_t *corr = x.corr, *corr2 = x.corr2;
     constexpr bool Q6 = TYPE == gem4_kq::Q6_K, Q5 = TYPE == gem4_kq::Q5_K;
     constexpr int64_t GB = GROUP * (16 + 4 * (Q6 ? 2 : Q5 ? 1 : 0));
-    const int64_t G = f.groups, stride = G * GROUP_ELEMS, sg = G * GROUP;
+    const int64_t G = f.groups;
     const __m512i low4 = _mm512_set1_epi16(0x000F);
     const __m512i hmask = _mm512_set1_epi32(Q6 ? 0x00300030 : 0x00100010);     // bits 4(-5) of both halves
     const __m512i two_d = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);   // lanes 8..15: super 1
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * f.row_bytes;
         __m512 acc[MC];
-        for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
+        float* part = sp.part + (n - n0) * MC * 16;             // this row's partial sums between spans
+        for (int i = 0; i < MC; ++i) acc[i] = sp.g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * i);
+        for (int64_t g = sp.g0; g < sp.g1; ++g) {
             const uint8_t* grp = row + f.quants_at + g * GB;
             const uint8_t* meta = row + g * f.meta_bytes;
-            const int16_t* xs = stream + g * GROUP_ELEMS;
+            const int16_t* xs = stream + g * GROUP_ELEMS * MC;      // interleaved rows, as in gemv_rows
+            const int64_t at = g * MC * GROUP;
             __m512i dot[MC], dot2[MC];                 // Q6_K: dot for weights 0..15 of each block, dot2 16..31
             for (int i = 0; i < MC; ++i) {
-                dot[i] = Q6 ? _mm512_loadu_si512(corr + i * sg + g * GROUP) : _mm512_setzero_si512();
-                dot2[i] = Q6 ? _mm512_loadu_si512(corr2 + i * sg + g * GROUP) : _mm512_setzero_si512();
+                dot[i] = Q6 ? _mm512_load_si512(corr + at + i * GROUP) : _mm512_setzero_si512();
+                dot2[i] = Q6 ? _mm512_load_si512(corr2 + at + i * GROUP) : _mm512_setzero_si512();
             }
             __m512i h0 = _mm512_setzero_si512(), h1 = _mm512_setzero_si512();
             if constexpr (Q5 || Q6) {
@@ -318,7 +352,7 @@ void gemv_rows_k(const int16_t* stream, const float* dx, const int32_t* corr, co
                         e[s] = _mm512_ternarylogic_epi32(e[s], _mm512_rolv_epi32(k < 8 ? h0 : h1, _mm512_set1_epi32((4 - 2 * (k % 8)) & 31)),
                                                          hmask, 0xF8);
                     for (int i = 0; i < MC; ++i) {
-                        const __m512i xv = _mm512_loadu_si512(xs + i * stride + k * 32);
+                        const __m512i xv = _mm512_load_si512(xs + (k * MC + i) * 32);
                         if (Q6 && s >= 2) dot2[i] = _mm512_dpwssd_epi32(dot2[i], e[s], xv);   // weights 16..31: scB
                         else dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], xv);
                     }
@@ -334,30 +368,37 @@ void gemv_rows_k(const int16_t* stream, const float* dx, const int32_t* corr, co
                 const __m512 a2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)))));
                 for (int i = 0; i < MC; ++i) {
                     const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), a, _mm512_mul_ps(_mm512_cvtepi32_ps(dot2[i]), a2));
-                    acc[i] = _mm512_fmadd_ps(t, _mm512_loadu_ps(dx + i * sg + g * GROUP), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(t, _mm512_load_ps(dx + at + i * GROUP), acc[i]);
                 }
             } else {
                 const __m512 m = _mm512_permutexvar_ps(_mm512_add_epi32(two_d, _mm512_set1_epi32(2)), dd);
                 const __m512 a = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta)))));
                 const __m512 b = _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 16)))));
                 for (int i = 0; i < MC; ++i) {
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(a, _mm512_loadu_ps(dx + i * sg + g * GROUP)), acc[i]);
-                    acc[i] = _mm512_fnmadd_ps(b, _mm512_loadu_ps(xsum + i * sg + g * GROUP), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(a, _mm512_load_ps(dx + at + i * GROUP)), acc[i]);
+                    acc[i] = _mm512_fnmadd_ps(b, _mm512_load_ps(xsum + at + i * GROUP), acc[i]);
                 }
             }
         }
-        for (int i = 0; i < MC; ++i) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
+        for (int i = 0; i < MC; ++i) {
+            if (sp.g1 == G) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
+            else _mm512_store_ps(part + 16 * i, acc[i]);
+        }
     }
 }
 
 template <int64_t TYPE>
-void gemv_chunk_k(int mc, const int16_t* stream, const float* dx, const int32_t* corr, const int32_t* corr2, const float* xsum,
-                  const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1) {
+void gemv_chunk_k(int mc, const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1,
+                  const Span& sp) {
     switch (mc) {
-        case 1: gemv_rows_k<1, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
-        case 2: gemv_rows_k<2, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
-        case 3: gemv_rows_k<3, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
-        default: gemv_rows_k<4, TYPE>(stream, dx, corr, corr2, xsum, f, w, y, N, n0, n1); break;
+        case 1: gemv_rows_k<1, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 2: gemv_rows_k<2, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 3: gemv_rows_k<3, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 4: gemv_rows_k<4, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 5: gemv_rows_k<5, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 6: gemv_rows_k<6, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        case 7: gemv_rows_k<7, TYPE>(x, f, w, y, N, n0, n1, sp); break;
+        default: gemv_rows_k<8, TYPE>(x, f, w, y, N, n0, n1, sp); break;
     }
 }
 
@@ -400,30 +441,51 @@ struct Prepared {
           stream(M * per_row), dx(M * f.groups * GROUP), corr(M * f.groups * GROUP), corr2(M * f.groups * GROUP),
           xsum(M * f.groups * GROUP) {
         const int64_t sg = f.groups * GROUP;
-        for (int64_t m = 0; m < M; ++m)
-            prepare_row(x.data_ptr<float>() + m * k_in, k_in, type, stream.data + m * per_row, dx.data + m * sg,
-                        corr.data + m * sg, corr2.data + m * sg, xsum.data + m * sg);
+        std::memset(stream.data, 0, M * per_row * sizeof(int16_t));
+        for (float* a : {dx.data, xsum.data}) std::memset(a, 0, M * sg * sizeof(float));
+        for (int32_t* a : {corr.data, corr2.data}) std::memset(a, 0, M * sg * sizeof(int32_t));
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {        // chunks of rows as rows() takes them, interleaved
+            const int64_t mc = std::min<int64_t>(MAX_M, M - m0);
+            for (int64_t i = 0; i < mc; ++i)
+                prepare_row(x.data_ptr<float>() + (m0 + i) * k_in, k_in, type, mc, i, stream.data + m0 * per_row,
+                            dx.data + m0 * sg, corr.data + m0 * sg, corr2.data + m0 * sg, xsum.data + m0 * sg);
+        }
     }
 
-    // y[m * ldy + n] for rows n in [n0, n1) of the x16 weight w, every row m of x
+    // y[m * ldy + n] for rows n in [n0, n1) of the x16 weight w, every row m of x: chunks of up to MAX_M rows
+    // of x, each in one pass over W; when a chunk's activations would not stay in L1, W is taken TILE_N rows
+    // at a time and each tile in spans of groups (Span).
+    static constexpr int64_t TILE_N = 16;
+    static constexpr int64_t X_L1 = 24 << 10;     // activation bytes per span (L1 is 32-48 KB)
     void rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
         const int64_t sg = f.groups * GROUP;
+        alignas(64) float part[TILE_N * MAX_M * 16];
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
-            const int16_t* s = stream.data + m0 * per_row;
-            const float *sx = dx.data + m0 * sg, *xs = xsum.data + m0 * sg;
-            const int32_t *c = corr.data + m0 * sg, *c2 = corr2.data + m0 * sg;
+            const XChunk xc{stream.data + m0 * per_row, dx.data + m0 * sg, corr.data + m0 * sg, corr2.data + m0 * sg,
+                            xsum.data + m0 * sg};
+            const int64_t span = std::max<int64_t>(1, X_L1 / (mc * GROUP_ELEMS * static_cast<int64_t>(sizeof(int16_t))));
             float* yo = y + m0 * ldy;
-            switch (type) {
-                case Q8_0_TYPE: gemv_chunk<Q8_0_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
-                case Q4_0_TYPE: gemv_chunk<Q4_0_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
-                case Q4_1_TYPE: gemv_chunk<Q4_1_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
-                case Q5_0_TYPE: gemv_chunk<Q5_0_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
-                case Q5_1_TYPE: gemv_chunk<Q5_1_TYPE>(mc, s, sx, c, xs, f, w, yo, ldy, n0, n1); break;
-                case gem4_kq::Q4_K: gemv_chunk_k<gem4_kq::Q4_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
-                case gem4_kq::Q5_K: gemv_chunk_k<gem4_kq::Q5_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
-                default: gemv_chunk_k<gem4_kq::Q6_K>(mc, s, sx, c, c2, xs, f, w, yo, ldy, n0, n1); break;
+            if (span >= f.groups) {
+                chunk(mc, xc, w, yo, ldy, n0, n1, Span{0, f.groups, part});
+                continue;
             }
+            for (int64_t t0 = n0; t0 < n1; t0 += TILE_N)
+                for (int64_t g0 = 0; g0 < f.groups; g0 += span)
+                    chunk(mc, xc, w, yo, ldy, t0, std::min(n1, t0 + TILE_N), Span{g0, std::min(f.groups, g0 + span), part});
+        }
+    }
+
+    void chunk(int mc, const XChunk& xc, const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1, const Span& sp) const {
+        switch (type) {
+            case Q8_0_TYPE: gemv_chunk<Q8_0_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
+            case Q4_0_TYPE: gemv_chunk<Q4_0_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
+            case Q4_1_TYPE: gemv_chunk<Q4_1_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
+            case Q5_0_TYPE: gemv_chunk<Q5_0_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
+            case Q5_1_TYPE: gemv_chunk<Q5_1_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
+            case gem4_kq::Q4_K: gemv_chunk_k<gem4_kq::Q4_K>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
+            case gem4_kq::Q5_K: gemv_chunk_k<gem4_kq::Q5_K>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
+            default: gemv_chunk_k<gem4_kq::Q6_K>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
         }
     }
 };
