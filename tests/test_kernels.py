@@ -55,7 +55,7 @@ def test_prefill_gemm_over_several_weight_tiles(ggml_type):
     # so these 80 rows take three tiles, the last one partial
     g = torch.Generator().manual_seed(12)
     layer, dense = packed_linear(torch.randn(80, 65536, generator=g), ggml_type)
-    x = torch.randn(9, 65536, generator=g)
+    x = torch.randn(DECODE_ROWS + 1, 65536, generator=g)                  # just past the GEMV's rows
     ref = torch.nn.functional.linear(x.bfloat16(), dense.bfloat16()).float()
     torch.testing.assert_close(layer(x), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
@@ -303,7 +303,7 @@ def test_fused_projections_equal_separate_calls():
     mixed = [packed_linear(torch.randn(32, 64, generator=g), t)[0] for t in PACKED]
     x = torch.randn(2, 64, generator=g)
     assert all(torch.equal(a, lin(x)) for a, lin in zip(project(x, mixed), mixed))
-    x = torch.randn(20, 64, generator=g)
+    x = torch.randn(DECODE_ROWS + 4, 64, generator=g)
     assert all(torch.equal(a, lin(x)) for a, lin in zip(project(x, mixed), mixed))
 
 
@@ -387,7 +387,7 @@ def test_gemv_bf16_takes_x_as_two_bf16_terms(M, N, K):
 
 
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_0])
-@pytest.mark.parametrize("T", [1, 3, 20])
+@pytest.mark.parametrize("T", [1, 3, DECODE_ROWS + 4])
 def test_packed_experts_equal_their_dequantized_weights(ggml_type, T):
     """26B-A4B experts packed as [E * rows, k] (Experts.pack): expert e's products read its own rows, through
     the GEMV (T <= DECODE_ROWS) and the tiled GEMM; equal to the dense dequantized experts within the

@@ -106,14 +106,14 @@ def test_gemv_rows_do_not_depend_on_their_batch_mates(t):
 
 @pytest.mark.parametrize("t", K_TYPES + LEGACY, ids=lambda t: t.name)
 def test_prefill_takes_bf16_tiles_of_the_weight(t):
-    # 20 rows > DECODE_ROWS: kernels.linear, W in bf16 a tile at a time; k = 65536 makes 32 rows a tile, so the
+    # DECODE_ROWS + 4 rows: kernels.linear, W in bf16 a tile at a time; k = 65536 makes 32 rows a tile, so the
     # 80 rows take three tiles, the last one partial
     g = torch.Generator().manual_seed(30 + int(t))
     n, k = 80, 65536
     raw = random_blocks(t, n, k, g)
     dense = dequantize(raw, t, (n, k))
     layer = packed(raw, t, n, k)
-    x = torch.randn(20, k, generator=g)
+    x = torch.randn(DECODE_ROWS + 4, k, generator=g)
     ref = torch.nn.functional.linear(x.bfloat16(), dense.bfloat16()).float()
     torch.testing.assert_close(layer(x), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 

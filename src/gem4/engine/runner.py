@@ -17,7 +17,7 @@ chunk's logits row, with its own generator. All sampling rows go through the sam
 Speculation: a decode chunk with draft slots first gets the drafter's drafts (prompt lookup's, or the
 assistant's for all such sequences in one batch: engine/mtp.py, which needs the target's final-normed
 hidden state of each sampling row, so the forward then returns them too); its K+1 rows [last token, drafts]
-run in the same pass as any decode chunk (K+1 <= DECODE_ROWS, the same kernels as plain decoding) with
+run in the same pass as any decode chunk (K+1 <= 8 <= DECODE_ROWS, the same kernels as plain decoding) with
 logits for every row, and `speculative.verify` accepts drafts by exact rejection sampling with the
 sequence's own generator: a `Sample` then carries the accepted drafts and one more token.
 

@@ -187,7 +187,7 @@ def verify(
 # ---- configuration ----
 
 METHODS = ("ngram", "mtp")
-MAX_SPECULATIVE_TOKENS = 7      # K + 1 verification rows fit the 8-row decode kernels (model/layers.DECODE_ROWS)
+MAX_SPECULATIVE_TOKENS = 7      # K + 1 verification rows fit one pass of the GEMV kernel over W (8 rows)
 
 
 @dataclass(frozen=True)
