@@ -17,6 +17,7 @@ import torch
 
 import gem4
 from gem4 import Engine, SamplingParams
+from gem4.model.layers import DECODE_ROWS
 from gem4.demo import demo_tokenizer
 from gem4.engine import EngineError, InvalidParameter, NonFiniteLogits
 from gem4.config import FULL, SLIDING, build_config, rope_default
@@ -92,6 +93,8 @@ class ScriptedModel:
     token of the script for that row's sequence (counted per sequence, which the model tells apart by the
     block holding its position 0: its engine needs the prefix cache off, which would share that block);
     rows without logits only advance."""
+
+    decode_rows = DECODE_ROWS      # the runner packs chunks of up to this many rows into one pass
 
     def __init__(self, script: list[int], vocab_size: int = 4096, context: int = 4096, delay: float = 0.0):
         self.script = script

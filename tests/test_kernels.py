@@ -437,3 +437,17 @@ def test_openmp_spin_default_and_an_explicit_value_wins(preset, expect):
     out = subprocess.run([sys.executable, "-c", "import gem4, os; print(os.environ['GOMP_SPINCOUNT'])"],
                          env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert out == expect
+
+
+def test_a_model_switches_from_gemv_to_gemm_at_one_row_count(variants):
+    """set_decode_rows: packed weights take the GEMV up to DECODE_ROWS rows; a model whose weights gemv_bf16 reads
+    switches at DECODE_ROWS_BF16 (the bf16 GEMM is faster beyond); every layer and linear of a model agrees,
+    which the runner's passes rely on (engine/runner.py, batch invariance)."""
+    from gem4.model.gemma4 import DecoderLayer
+    fx = variants["dense_plain"]
+    for path, rows in ((fx.gguf["q4_0"], layers.DECODE_ROWS), (fx.hf_causal, layers.DECODE_ROWS_BF16)):
+        model = gem4.load(path, dtype="bfloat16")
+        owners = [m for m in model.modules() if isinstance(m, (QuantLinear, DecoderLayer))]
+        assert model.decode_rows == rows and {m.decode_rows for m in owners} == {rows}
+        x = torch.randn(rows + 1, model.config.hidden_size)
+        assert model.layers[0].mlp.up_proj.takes_gemv(x[:rows]) and not model.layers[0].mlp.up_proj.takes_gemv(x)

@@ -17,7 +17,7 @@ chunk's logits row, with its own generator. All sampling rows go through the sam
 Speculation: a decode chunk with draft slots first gets the drafter's drafts (prompt lookup's, or the
 assistant's for all such sequences in one batch: engine/mtp.py, which needs the target's final-normed
 hidden state of each sampling row, so the forward then returns them too); its K+1 rows [last token, drafts]
-run in the same pass as any decode chunk (K+1 <= 8 <= DECODE_ROWS, the same kernels as plain decoding) with
+run in the same pass as any decode chunk (K+1 <= 8 <= the model's decode_rows, the same kernels as plain decoding) with
 logits for every row, and `speculative.verify` accepts drafts by exact rejection sampling with the
 sequence's own generator: a `Sample` then carries the accepted drafts and one more token.
 
@@ -25,10 +25,10 @@ Copies the scheduler asks for (plain int pairs in the Batch) are done here, on t
 forward: the copy-on-write block copies (the copy must hold the shared rows before a sequence writes over
 them). A copy that raises is no one request's fault: it fails the step.
 
-Batch invariance: in the fast mode a linear layer takes up to DECODE_ROWS rows through the GEMV kernels
-and more through bf16 GEMM tiles, which round differently. So that a request's tokens never depend on its
-batch mates, a chunk's rows take the path its own size picks: chunks of at most DECODE_ROWS tokens
-(decode steps, short prompts) go through forward passes of at most DECODE_ROWS rows together, longer
+Batch invariance: in the fast mode a linear layer takes up to the model's `decode_rows` rows through the GEMV
+kernels and more through bf16 GEMM tiles, which round differently. So that a request's tokens never depend on its
+batch mates, a chunk's rows take the path its own size picks: chunks of at most decode_rows tokens
+(decode steps, short prompts) go through forward passes of at most decode_rows rows together, longer
 chunks through one pass of their own kind. A step with both costs one more pass over the weights.
 
 Failures stay with the request they concern: `run` returns, per chunk, a `Sample`, None (cache only) or a
@@ -54,7 +54,6 @@ from gem4.engine.mtp import MtpDrafter
 from gem4.engine.scheduler import Batch, Chunk
 from gem4.engine.speculative import verify
 from gem4.kv_cache import KVPool, SeqStep
-from gem4.model.layers import DECODE_ROWS
 from gem4.sampling import Sampler, SeedStream
 
 
@@ -180,7 +179,7 @@ class ModelRunner:
         logits of its `num_logits` last rows [n, V] (with the assistant: (logits, final-normed hidden
         states [n, H])), or None."""
         out: dict[int, object] = {}
-        for group in _passes([len(w.ids) for w in work]):
+        for group in _passes([len(w.ids) for w in work], self.model.decode_rows):
             out.update(zip(group, self._forward_pass([work[i] for i in group])))
         return [out[i] for i in range(len(work))]
 
@@ -262,14 +261,14 @@ class ModelRunner:
         return self._generators[seq_id]
 
 
-def _passes(sizes: list[int]) -> list[list[int]]:
-    """Chunk indices grouped into forward passes by their row counts: chunks of up to DECODE_ROWS rows packed
-    into passes of at most DECODE_ROWS rows, longer chunks in one pass of their own."""
+def _passes(sizes: list[int], decode_rows: int) -> list[list[int]]:
+    """Chunk indices grouped into forward passes by their row counts: chunks of up to decode_rows rows packed
+    into passes of at most decode_rows rows, longer chunks in one pass of their own."""
     small, large = [], []
     for i, n in enumerate(sizes):
-        if n > DECODE_ROWS:
+        if n > decode_rows:
             large.append(i)
-        elif small and sum(sizes[j] for j in small[-1]) + n <= DECODE_ROWS:
+        elif small and sum(sizes[j] for j in small[-1]) + n <= decode_rows:
             small[-1].append(i)
         else:
             small.append([i])

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from gem4.sampling import SamplingParams
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"   # finish reasons (OpenAI's names)
-MAX_DRAFT_PAUSE = 32     # decode steps without drafts at most, after verification rounds that accepted none
+MAX_DRAFT_PAUSE = 64     # decode steps without drafts at most, after verification rounds that accepted none
 
 
 class Status(enum.Enum):
@@ -197,13 +197,15 @@ class Sequence:
 
     def record_drafts(self, drafted: int, accepted: int) -> None:
         """A verification round's outcome. Back-off: after m rounds in a row that accepted none of their
-        drafts, the next min(2^(m-1), MAX_DRAFT_PAUSE) decode steps draft nothing (a drafter that keeps
-        missing, e.g. prompt lookup on text that no longer repeats, then costs ~1/32 of a verification step
-        per token instead of one); a round that accepts a draft ends the back-off."""
+        drafts, the next min(4^(m-1), MAX_DRAFT_PAUSE) decode steps draft nothing (1, 4, 16, 64, 64, ...),
+        so a drafter that keeps missing (prompt lookup on text that no longer repeats, an assistant that does
+        not fit the target) verifies 5 times in the first 128 tokens and once per 65 after; a round that
+        accepts a draft ends the back-off. Measured (benchmarks/RESULTS.md S): with 2^(m-1) and 32 an
+        always-wrong drafter ran at 0.94-0.95x plain decoding for K = 3."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.draft_misses = 0 if accepted else self.draft_misses + 1
-        self.draft_pause = min(2 ** (self.draft_misses - 1), MAX_DRAFT_PAUSE) if self.draft_misses else 0
+        self.draft_pause = min(4 ** (self.draft_misses - 1), MAX_DRAFT_PAUSE) if self.draft_misses else 0
 
     def abort(self, now: float) -> str:
         """Finish with "abort"; returns the held text (it was not a stop string)."""

@@ -28,7 +28,7 @@ from gem4.model import kernels
 from gem4.model.experts import Resident
 from gem4.model.layers import (
     DECODE_ROWS, QuantLinear, RMSNorm, attend, embed_scale, experts_forward, gelu_mul, glu,
-    packed_linear, project, rms_norm, rope_cos_sin, softcap,
+    packed_linear, project, rms_norm, rope_cos_sin, set_decode_rows, softcap,
 )
 from gem4.weights.quants import GGMLType
 
@@ -160,6 +160,7 @@ class Experts(nn.Module):
 
 class DecoderLayer(nn.Module):
     fused = False          # fast mode (Model.use_kernels): the per-layer input gate runs kernels.gelu_mul
+    decode_rows = DECODE_ROWS   # fast mode: up to this many rows run the layer as one kernels.decode_layer call
 
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -220,7 +221,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: StepLayout, pool: KVPool) -> torch.Tensor:
         spec = self.spec
-        if self.plan is not None and x.shape[0] <= DECODE_ROWS:       # fast-mode decode: the layer in one call
+        if self.plan is not None and x.shape[0] <= self.decode_rows:  # fast-mode decode: the layer in one call
             k_store, v_store = pool.store(spec.index)
             rows = step.write[spec.layer_type] if spec.owns_kv else None
             return kernels.decode_layer(x, ple, *rope, k_store, v_store, rows, step.attend[spec.layer_type],
@@ -248,6 +249,7 @@ class Model(nn.Module):
     """Gemma 4 text model. `Model.logits(ids)` is the public full-sequence entry point."""
 
     fused = False          # fast mode (use_kernels): the final softcap runs kernels.softcap
+    decode_rows = DECODE_ROWS   # fast mode: inputs of up to this many rows take the decode kernels (set_decode_rows)
     expert_cache = None    # 26B-A4B with streamed experts: model/experts.py ExpertFile (slots, stats)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
@@ -340,6 +342,7 @@ class Model(nn.Module):
                 module.fused = True
         for layer in self.layers:
             layer.plan = layer.decode_plan()
+        set_decode_rows(self)
 
     @property
     def device(self) -> torch.device:

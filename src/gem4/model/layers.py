@@ -75,10 +75,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-DECODE_ROWS = 32       # inputs of up to this many rows (decode, small batches, short chunks) take the compiled
-                       # decode kernels: the GEMV reads W once per 8 rows, the prefill GEMM first turns all of W
+# Fast mode: inputs of up to `decode_rows` rows (decode, small batches, short chunks) take the compiled decode
+# kernels; a model's decode_rows (set_decode_rows, at load) is one of these two:
+DECODE_ROWS = 32       # packed weights: the GEMV reads W once per 8 rows, the prefill GEMM first turns all of W
                        # into bf16 (~3 ms for a 6144 x 1536 Q4_0 weight here), so the GEMV is faster up to ~48-64
-                       # rows (0.19x the GEMM's time at 8 rows, 0.34x at 16, 0.64-0.77x at 32; 2 threads)
+                       # rows (0.19x the GEMM's time at 8 rows, 0.34x at 16, 0.64-0.77x at 32; Q8_0 alike; 2 threads)
+DECODE_ROWS_BF16 = 8   # a model with bf16 weights read by gemv_bf16 (4 rows per pass): 2.2x the bf16 GEMM's time at
+                       # 8 rows here (an AMX host), 4-9x at 16-32
 GEMM_ATTENTION_ROWS = 64   # fast mode: chunks of at least this many tokens attend with bf16 GEMMs
                            # (kernels.attend_chunk), shorter ones with float32 dot products (kernels.attend):
                            # at E2B's head shapes the two cost the same at ~64 rows (measured, 2 threads)
@@ -101,6 +104,7 @@ class QuantLinear(nn.Module):
     """
 
     fused = False          # fast mode (Model.use_kernels): bf16 weights take decode-sized inputs through gemv_bf16
+    decode_rows = DECODE_ROWS   # the model's (set_decode_rows)
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -130,13 +134,15 @@ class QuantLinear(nn.Module):
         """Rows `ids` of W as float32 [len(ids), in]: W used as a lookup table (token embeddings).
 
         Only these rows are converted, so a table in blocks (the 262144 x 8960 E2B per-layer
-        embedding) is never materialised.
+        embedding) is never materialised. Gathered with index_select: the same rows as W[ids], ~8x faster
+        for thousands of rows (the assistant's centroid head: 4096 rows of its [262144, 256] table).
         """
+        ids = ids.reshape(-1)
         if self.layout == "dense":
-            return self.weight[ids].float()
+            return self.weight.index_select(0, ids).float()
         if self.layout == "packed":
-            return kernels.dequant(self.packed[ids], self.in_features, self.ggml_type, torch.float32)
-        return dequantize(self.raw[ids].contiguous(), self.ggml_type, (ids.numel(), self.in_features))
+            return kernels.dequant(self.packed.index_select(0, ids), self.in_features, self.ggml_type, torch.float32)
+        return dequantize(self.raw.index_select(0, ids), self.ggml_type, (ids.numel(), self.in_features))
 
     @property
     def gemv_type(self) -> GGMLType | None:
@@ -149,9 +155,9 @@ class QuantLinear(nn.Module):
         return None
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """True when forward(x) is one GEMV kernel call: x float32 [M <= DECODE_ROWS, in], contiguous, and a
+        """True when forward(x) is one GEMV kernel call: x float32 [M <= decode_rows, in], contiguous, and a
         kernel reads this weight (gemv_type)."""
-        return (self.gemv_type is not None and x.dim() == 2 and x.shape[0] <= DECODE_ROWS
+        return (self.gemv_type is not None and x.dim() == 2 and x.shape[0] <= self.decode_rows
                 and x.dtype == torch.float32 and x.is_contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,6 +171,18 @@ class QuantLinear(nn.Module):
             raise RuntimeError("this weight is kept in GGML blocks as a lookup table; it has no matmul")
         y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features, self.in_features, self.ggml_type)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def set_decode_rows(model: nn.Module) -> int:
+    """Fast mode, once at load (after `fused` is set): the model's decode_rows, given to every module that has
+    the class attribute. One number per model, so that every layer switches from the GEMV kernels to the GEMMs
+    at the same row count and a forward pass of small chunks (engine/runner.py) takes one path throughout."""
+    bf16 = any(isinstance(m, QuantLinear) and m.gemv_type == GGMLType.BF16 for m in model.modules())
+    rows = DECODE_ROWS_BF16 if bf16 else DECODE_ROWS
+    for module in model.modules():
+        if hasattr(type(module), "decode_rows"):
+            module.decode_rows = rows
+    return rows
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
