@@ -17,6 +17,7 @@
 //     Q6_K 36 bytes: sc of the first 16 weights of each block [16], of the last 16 [16], d[2].
 //   Sizes: Q6_K as GGML; Q4_K +2.8 %, Q5_K +2.3 % (unpacked scales).
 #pragma once
+#include <immintrin.h>
 #include <cstdint>
 #include <cstring>
 
@@ -39,12 +40,20 @@ struct Super {
 
 inline void decode(int64_t type, const uint8_t* b, Super& s) {
     if (type == Q6_K) {
+        // weight e = 128 h + r: low 4 bits from ql[64 h + r % 64] (low nibble for r < 64, high for r >= 64),
+        // bits 4-5 from qh[32 h + r % 32] >> 2 (r / 32); in 64-byte vectors, 64 weights at a time
         const uint8_t *ql = b, *qh = b + 128;
-        for (int e = 0; e < QK_K; ++e) {
-            const int h = e / 128, r = e % 128;
-            const int lo = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0xF;
-            const int hi = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
-            s.q[e] = static_cast<uint8_t>(lo | hi << 4);
+        const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+        const __mmask64 upper = 0xFFFFFFFF00000000ull;         // r % 64 >= 32: the next pair of qh bits
+        for (int h = 0; h < 2; ++h) {
+            const __m512i l = _mm512_loadu_si512(ql + 64 * h);
+            const __m512i q2 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * h)));
+            for (int half = 0; half < 2; ++half) {             // r in [64 half, 64 half + 64)
+                const __m512i lo = _mm512_and_si512(half ? _mm512_srli_epi16(l, 4) : l, m4);
+                const __m512i hi = _mm512_and_si512(_mm512_mask_blend_epi8(upper, _mm512_srli_epi16(q2, 4 * half),
+                                                                           _mm512_srli_epi16(q2, 4 * half + 2)), m2);
+                _mm512_storeu_si512(s.q + 128 * h + 64 * half, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+            }
         }
         std::memcpy(s.sc, b + 192, 16);
         std::memcpy(&s.d, b + 208, 2);
@@ -106,14 +115,19 @@ inline void place_super(int64_t type, const Super& s, int half, const HighBits& 
         uint8_t nibbles[16];                                   // Q4_0's order: byte j = weight j | weight j + 16
         for (int j = 0; j < 16; ++j) nibbles[j] = static_cast<uint8_t>((q[j] & 0xF) | (q[j + 16] & 0xF) << 4);
         for (int v = 0; v < 4; ++v) std::memcpy(grp + v * 64 + 4 * lane, nibbles + 4 * v, 4);
-        if (type != Q4_K) {
-            uint32_t words[2] = {0, 0}, w0 = 0, w1 = 0;        // in registers: no store-to-load chain per weight
-            for (int e = 0; e < 32; ++e) {
-                const uint32_t bits = static_cast<uint32_t>(q[e] >> 4) << hb.shift[e];
-                w0 |= hb.vector[e] ? 0 : bits;
-                w1 |= hb.vector[e] ? bits : 0;
+        if (type != Q4_K) {                                    // each weight's high bits shifted into place, or'ed
+            uint32_t words[2];
+            for (int v = 0; v < 2; ++v) {
+                __m512i w = _mm512_setzero_si512();
+                for (int part = 0; part < 2; ++part) {             // weights 16 part .. 16 part + 15
+                    const __m512i hi = _mm512_srli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * part))), 4);
+                    const __m512i shift = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb.shift + 16 * part)));
+                    const __mmask16 mine = _mm512_cmpeq_epi32_mask(
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hb.vector + 16 * part))), _mm512_set1_epi32(v));
+                    w = _mm512_or_si512(w, _mm512_maskz_sllv_epi32(mine, hi, shift));
+                }
+                words[v] = static_cast<uint32_t>(_mm512_reduce_or_epi32(w));
             }
-            words[0] = w0, words[1] = w1;
             for (int v = 0; v < high_vectors(type); ++v) std::memcpy(grp + 256 + 64 * v + 4 * lane, words + v, 4);
         }
         if (type == Q6_K) {
