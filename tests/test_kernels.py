@@ -440,9 +440,10 @@ def test_openmp_spin_default_and_an_explicit_value_wins(preset, expect):
 
 
 def test_a_model_switches_from_gemv_to_gemm_at_one_row_count(variants):
-    """set_decode_rows: packed weights take the GEMV up to DECODE_ROWS rows; a model whose weights gemv_bf16 reads
-    switches at DECODE_ROWS_BF16 (the bf16 GEMM is faster beyond); every layer and linear of a model agrees,
-    which the runner's passes rely on (engine/runner.py, batch invariance)."""
+    """set_decode_rows: packed weights take the GEMV up to DECODE_ROWS rows; a model whose decoder layers' weights
+    gemv_bf16 reads switches at DECODE_ROWS_BF16 (the bf16 GEMM is faster beyond); every layer and linear of a
+    model agrees, which the runner's passes rely on (engine/runner.py, batch invariance). One bf16 matrix outside
+    the layers: test_kquants."""
     from gem4.model.gemma4 import DecoderLayer
     fx = variants["dense_plain"]
     for path, rows in ((fx.gguf["q4_0"], layers.DECODE_ROWS), (fx.hf_causal, layers.DECODE_ROWS_BF16)):

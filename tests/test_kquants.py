@@ -215,6 +215,15 @@ def k_models(tmp_path_factory):
     return out, prompt_ids()
 
 
+def test_a_bf16_matrix_outside_the_layers_keeps_the_gemv_rows(k_models):
+    """The Q4_K_M mix keeps the per-layer model projection in BF16 (as llama.cpp's files do); it is outside the
+    decoder layers, so the model keeps DECODE_ROWS (layers.set_decode_rows)."""
+    paths, _ = k_models
+    model = gem4.load(paths["ple_kvshare", "q4_k_m"], dtype="bfloat16")
+    assert model.per_layer_model_projection.gemv_type == GGMLType.BF16
+    assert model.decode_rows == DECODE_ROWS
+
+
 NEAR_TIE = 0.05          # top-2 logit margin (logit std ~0.5-1 on these models) under which a greedy flip is rounding
 
 

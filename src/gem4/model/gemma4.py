@@ -342,7 +342,7 @@ class Model(nn.Module):
                 module.fused = True
         for layer in self.layers:
             layer.plan = layer.decode_plan()
-        set_decode_rows(self)
+        set_decode_rows(self, self.layers)
 
     @property
     def device(self) -> torch.device:

@@ -80,8 +80,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 DECODE_ROWS = 32       # packed weights: the GEMV reads W once per 8 rows, the prefill GEMM first turns all of W
                        # into bf16 (~3 ms for a 6144 x 1536 Q4_0 weight here), so the GEMV is faster up to ~48-64
                        # rows (0.19x the GEMM's time at 8 rows, 0.34x at 16, 0.64-0.77x at 32; Q8_0 alike; 2 threads)
-DECODE_ROWS_BF16 = 8   # a model with bf16 weights read by gemv_bf16 (4 rows per pass): 2.2x the bf16 GEMM's time at
-                       # 8 rows here (an AMX host), 4-9x at 16-32
+DECODE_ROWS_BF16 = 8   # decoder layers with bf16 weights read by gemv_bf16 (4 rows per pass): 2.2x the bf16 GEMM's
+                       # time at 8 rows here (an AMX host), 4-9x at 16-32
 GEMM_ATTENTION_ROWS = 64   # fast mode: chunks of at least this many tokens attend with bf16 GEMMs
                            # (kernels.attend_chunk), shorter ones with float32 dot products (kernels.attend):
                            # at E2B's head shapes the two cost the same at ~64 rows (measured, 2 threads)
@@ -173,11 +173,15 @@ class QuantLinear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def set_decode_rows(model: nn.Module) -> int:
+def set_decode_rows(model: nn.Module, bulk: nn.Module) -> int:
     """Fast mode, once at load (after `fused` is set): the model's decode_rows, given to every module that has
     the class attribute. One number per model, so that every layer switches from the GEMV kernels to the GEMMs
-    at the same row count and a forward pass of small chunks (engine/runner.py) takes one path throughout."""
-    bf16 = any(isinstance(m, QuantLinear) and m.gemv_type == GGMLType.BF16 for m in model.modules())
+    at the same row count and a forward pass of small chunks (engine/runner.py) takes one path throughout.
+    DECODE_ROWS_BF16 when gemv_bf16 reads a weight of `bulk` (the decoder layers: most of a step's reads), else
+    DECODE_ROWS: a bf16 matrix outside them (llama.cpp's GGUFs, and gem4 convert's K-quant mixes, keep the
+    E2B/E4B per-layer model projection in BF16) then takes gemv_bf16 up to DECODE_ROWS rows, slower there than
+    the bf16 GEMM but one matrix of the step."""
+    bf16 = any(isinstance(m, QuantLinear) and m.gemv_type == GGMLType.BF16 for m in bulk.modules())
     rows = DECODE_ROWS_BF16 if bf16 else DECODE_ROWS
     for module in model.modules():
         if hasattr(type(module), "decode_rows"):

@@ -72,13 +72,23 @@ inline void decode(int64_t type, const uint8_t* b, Super& s) {
             s.mn[j] = (k[j + 4] >> 4) | ((k[j] >> 6) << 4);
         }
     }
+    // weight e = 32 j + l: the low (j even) or high (j odd) nibble of qs[32 (j / 2) + l]; Q5_K: bit 4 is bit j
+    // of qh[l]. 64 weights (sub-blocks 2p, 2p + 1) per vector: the 32 qs bytes in both halves of a register.
     const uint8_t* qs = b + (type == Q5_K ? 48 : 16);
     const uint8_t* qh = b + 16;
-    for (int e = 0; e < QK_K; ++e) {
-        const int j = e / 32, l = e % 32;
-        int q = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 0xF;
-        if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
-        s.q[e] = static_cast<uint8_t>(q);
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m1 = _mm512_set1_epi8(0x01);
+    const __mmask64 upper = 0xFFFFFFFF00000000ull;             // sub-block 2p + 1
+    const __m512i h = type == Q5_K ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh)))
+                                   : _mm512_setzero_si512();
+    for (int p = 0; p < 4; ++p) {
+        const __m512i q2 = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * p)));
+        __m512i q = _mm512_and_si512(_mm512_mask_blend_epi8(upper, q2, _mm512_srli_epi16(q2, 4)), m4);
+        if (type == Q5_K) {
+            const __m512i bit = _mm512_and_si512(_mm512_mask_blend_epi8(upper, _mm512_srli_epi16(h, 2 * p),
+                                                                        _mm512_srli_epi16(h, 2 * p + 1)), m1);
+            q = _mm512_or_si512(q, _mm512_slli_epi16(bit, 4));
+        }
+        _mm512_storeu_si512(s.q + 64 * p, q);
     }
 }
 
