@@ -34,6 +34,7 @@
 #include <sys/mman.h>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kquants.h"
@@ -206,6 +207,19 @@ struct XChunk {
 struct Span {
     int64_t g0, g1;
     float* part;
+
+    // row r (from n0) of W: its MC sums at the span's start, and where they go at its end (y[i * N] at the last)
+    template <int MC>
+    void begin(int64_t r, __m512 (&acc)[MC]) const {
+        for (int i = 0; i < MC; ++i) acc[i] = g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + (r * MC + i) * 16);
+    }
+    template <int MC>
+    void end(int64_t r, const __m512 (&acc)[MC], bool last, float* y, int64_t N) const {
+        for (int i = 0; i < MC; ++i) {
+            if (last) y[i * N] = _mm512_reduce_add_ps(acc[i]);
+            else _mm512_store_ps(part + (r * MC + i) * 16, acc[i]);
+        }
+    }
 };
 
 // y[i, n] for rows n in [n0, n1) of W and MC rows of x.
@@ -226,8 +240,7 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * f.row_bytes;
         __m512 acc[MC];
-        float* part = sp.part + (n - n0) * MC * 16;             // this row's partial sums between spans
-        for (int i = 0; i < MC; ++i) acc[i] = sp.g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * i);
+        sp.begin<MC>(n - n0, acc);
         for (int64_t g = sp.g0; g < sp.g1; ++g) {
             const uint8_t* grp = row + f.quants_at + g * GB;
             const uint8_t* meta = row + g * f.meta_bytes;
@@ -272,27 +285,10 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
                 for (int i = 0; i < MC; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_load_ps(xsum + at + i * GROUP), acc[i]);
             }
         }
-        for (int i = 0; i < MC; ++i) {
-            if (sp.g1 == G) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
-            else _mm512_store_ps(part + 16 * i, acc[i]);
-        }
+        sp.end<MC>(n - n0, acc, sp.g1 == G, y + n, N);
     }
 }
 
-template <int64_t TYPE>
-void gemv_chunk(int mc, const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1,
-                const Span& sp) {
-    switch (mc) {
-        case 1: gemv_rows<1, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 2: gemv_rows<2, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 3: gemv_rows<3, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 4: gemv_rows<4, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 5: gemv_rows<5, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 6: gemv_rows<6, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 7: gemv_rows<7, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        default: gemv_rows<8, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-    }
-}
 
 // The K-quant GEMV (kquants.h has the layout): Q4_0's nibble steps, each weight's high bits or'ed in by a
 // rotate and a ternary-logic merge, and the sub-block scales applied per group, for MC rows of x:
@@ -313,8 +309,7 @@ void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, i
     for (int64_t n = n0; n < n1; ++n) {
         const uint8_t* row = w + n * f.row_bytes;
         __m512 acc[MC];
-        float* part = sp.part + (n - n0) * MC * 16;             // this row's partial sums between spans
-        for (int i = 0; i < MC; ++i) acc[i] = sp.g0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(part + 16 * i);
+        sp.begin<MC>(n - n0, acc);
         for (int64_t g = sp.g0; g < sp.g1; ++g) {
             const uint8_t* grp = row + f.quants_at + g * GB;
             const uint8_t* meta = row + g * f.meta_bytes;
@@ -380,27 +375,10 @@ void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, i
                 }
             }
         }
-        for (int i = 0; i < MC; ++i) {
-            if (sp.g1 == G) y[i * N + n] = _mm512_reduce_add_ps(acc[i]);
-            else _mm512_store_ps(part + 16 * i, acc[i]);
-        }
+        sp.end<MC>(n - n0, acc, sp.g1 == G, y + n, N);
     }
 }
 
-template <int64_t TYPE>
-void gemv_chunk_k(int mc, const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1,
-                  const Span& sp) {
-    switch (mc) {
-        case 1: gemv_rows_k<1, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 2: gemv_rows_k<2, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 3: gemv_rows_k<3, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 4: gemv_rows_k<4, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 5: gemv_rows_k<5, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 6: gemv_rows_k<6, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        case 7: gemv_rows_k<7, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-        default: gemv_rows_k<8, TYPE>(x, f, w, y, N, n0, n1, sp); break;
-    }
-}
 
 void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
     TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n_out
@@ -426,6 +404,22 @@ int64_t rows_of(const torch::Tensor& x, int64_t k_in) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
                 "x must be contiguous float32 [M, k_in]");
     return x.size(0);
+}
+
+// A pass's row count mc (1..MAX_M) as a compile-time constant: fn(std::integral_constant<int, mc>).
+static_assert(MAX_M == 8, "with_rows lists the row counts 1..8");
+template <typename Fn>
+void with_rows(int mc, Fn&& fn) {
+    switch (mc) {
+        case 1: fn(std::integral_constant<int, 1>{}); break;
+        case 2: fn(std::integral_constant<int, 2>{}); break;
+        case 3: fn(std::integral_constant<int, 3>{}); break;
+        case 4: fn(std::integral_constant<int, 4>{}); break;
+        case 5: fn(std::integral_constant<int, 5>{}); break;
+        case 6: fn(std::integral_constant<int, 6>{}); break;
+        case 7: fn(std::integral_constant<int, 7>{}); break;
+        default: fn(std::integral_constant<int, MAX_M>{}); break;
+    }
 }
 
 struct Prepared {
@@ -477,16 +471,19 @@ struct Prepared {
     }
 
     void chunk(int mc, const XChunk& xc, const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1, const Span& sp) const {
-        switch (type) {
-            case Q8_0_TYPE: gemv_chunk<Q8_0_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-            case Q4_0_TYPE: gemv_chunk<Q4_0_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-            case Q4_1_TYPE: gemv_chunk<Q4_1_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-            case Q5_0_TYPE: gemv_chunk<Q5_0_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-            case Q5_1_TYPE: gemv_chunk<Q5_1_TYPE>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-            case gem4_kq::Q4_K: gemv_chunk_k<gem4_kq::Q4_K>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-            case gem4_kq::Q5_K: gemv_chunk_k<gem4_kq::Q5_K>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-            default: gemv_chunk_k<gem4_kq::Q6_K>(mc, xc, f, w, y, ldy, n0, n1, sp); break;
-        }
+        with_rows(mc, [&](auto rows) {
+            constexpr int MC = decltype(rows)::value;
+            switch (type) {
+                case Q8_0_TYPE: gemv_rows<MC, Q8_0_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case Q4_0_TYPE: gemv_rows<MC, Q4_0_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case Q4_1_TYPE: gemv_rows<MC, Q4_1_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case Q5_0_TYPE: gemv_rows<MC, Q5_0_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case Q5_1_TYPE: gemv_rows<MC, Q5_1_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case gem4_kq::Q4_K: gemv_rows_k<MC, gem4_kq::Q4_K>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case gem4_kq::Q5_K: gemv_rows_k<MC, gem4_kq::Q5_K>(xc, f, w, y, ldy, n0, n1, sp); break;
+                default: gemv_rows_k<MC, gem4_kq::Q6_K>(xc, f, w, y, ldy, n0, n1, sp); break;
+            }
+        });
     }
 };
 
