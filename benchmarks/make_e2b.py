@@ -132,7 +132,12 @@ def random_bf16(n: int, g: torch.Generator) -> torch.Tensor:
     return (torch.randn(n, generator=g) * STD).to(torch.bfloat16).view(torch.uint8)
 
 
-RANDOM = {GGMLType.Q8_0: random_q8_0, GGMLType.Q4_0: random_q4_0, GGMLType.BF16: random_bf16}
+def random_f32(n: int, g: torch.Generator) -> torch.Tensor:
+    return (torch.randn(n, generator=g) * STD).view(torch.uint8)
+
+
+RANDOM = {GGMLType.Q8_0: random_q8_0, GGMLType.Q4_0: random_q4_0, GGMLType.BF16: random_bf16,
+          GGMLType.F32: random_f32}
 
 
 def vector(init: str, n: int, g: torch.Generator) -> np.ndarray:
@@ -150,10 +155,10 @@ def vector(init: str, n: int, g: torch.Generator) -> np.ndarray:
 def tensor_chunks(name: str, shape, ggml_type: GGMLType, init: str, seed: int):
     """Yield the tensor's bytes in row chunks; a generator per tensor, seeded by (seed, name)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    if ggml_type == GGMLType.F32:
+    if len(shape) == 1:
         yield vector(init, shape[0], g).tobytes()
         return
-    rows, cols = shape
+    rows, cols = int(np.prod(shape[:-1])), shape[-1]          # 3-D expert tensors: [E * rows, cols]
     step = max(1, CHUNK // cols)
     for r in range(0, rows, step):
         yield RANDOM[ggml_type](min(step, rows - r) * cols, g).numpy().tobytes()
@@ -208,6 +213,12 @@ def metadata(arch: Arch, qtype: GGMLType, seed: int, vocab: Path) -> list[bytes]
             enc_kv(a + "attention.shared_kv_layers", VT.UINT32, arch.shared),
             enc_kv(a + "embedding_length_per_layer_input", VT.UINT32, P),
             enc_kv(a + "final_logit_softcapping", VT.FLOAT32, SOFTCAP)]
+    return kvs + tokenizer_kvs(vocab)
+
+
+def tokenizer_kvs(vocab: Path) -> list[bytes]:
+    """The vocab file's tokenizer.* keys, encoded as they are stored."""
+    kvs = []
     with GGUFReader(vocab) as r:
         for key, value in r.metadata.items():
             if key.startswith("tokenizer."):
@@ -216,9 +227,9 @@ def metadata(arch: Arch, qtype: GGMLType, seed: int, vocab: Path) -> list[bytes]
     return kvs
 
 
-def write_gguf(path: Path, arch: Arch, qtype: GGMLType, seed: int, vocab: Path) -> None:
-    plan = tensor_plan(arch, qtype)
-    kvs = metadata(arch, qtype, seed, vocab)
+def write_gguf(path: Path, plan: list[tuple[str, tuple[int, ...], GGMLType, str]], kvs: list[bytes],
+               seed: int) -> None:
+    """plan (tensor_plan's form) and encoded metadata -> a GGUF at path, tensor bytes generated chunk by chunk."""
     tmp = path.with_suffix(".gguf.part")
     t0 = time.perf_counter()
     with open(tmp, "wb") as f:
@@ -326,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"{stem}.gguf"
     t0 = time.perf_counter()
     print(f"writing {path} ({args.layers} layers, {arch.shared} KV-shared, seed {args.seed})", flush=True)
-    write_gguf(path, arch, TYPES[args.type], args.seed, vocab)
+    qtype = TYPES[args.type]
+    write_gguf(path, tensor_plan(arch, qtype), metadata(arch, qtype, args.seed, vocab), args.seed)
     print(f"wrote {path}: {path.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.hf:
         hf = args.out / f"{stem}-hf"

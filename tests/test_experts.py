@@ -7,6 +7,7 @@ import torch
 
 import gem4
 from gem4 import Engine, SamplingParams
+from gem4.model import experts
 from gem4.model.experts import ExpertCacheError, ExpertFile, ExpertTensor, SlotCache, GB
 from model_fixtures import build_hf, prompt_ids
 
@@ -116,10 +117,13 @@ def test_batched_requests_decode_the_same_tokens_streamed(moe):
             assert model.expert_cache.stats.hits > 0
 
 
-def test_memory_limit_sizes_the_slots(moe):
-    """memory_limit (GB) minus the other weights, divided among the layers' slots; too little is refused
-    with the numbers."""
+def test_memory_limit_sizes_the_slots(moe, monkeypatch):
+    """memory_limit (GB) minus the runtime, the other weights and the working reserve, divided among the
+    layers' slots; too little is refused with the numbers."""
     _, files = moe
+    runtime = 300_000_000
+    monkeypatch.setattr(experts, "process_rss", lambda: runtime)
+    reserve = runtime + experts.WORKING_RESERVE
     probe = gem4.load(files["q8_0"], dtype="bfloat16", expert_cache_slots=E)
     cache = probe.expert_cache
     slab = sum(b.nbytes for layer in probe.layers for b in (layer.experts.gate_up_proj, layer.experts.down_proj))
@@ -127,13 +131,13 @@ def test_memory_limit_sizes_the_slots(moe):
     resident = sum(t.nbytes for name, t in list(probe.named_parameters()) + list(probe.named_buffers())
                    if ".experts." not in name and not t.is_meta)
     for slots in (TOP_K, 5):
-        limit = (resident + slots * cache.slot_bytes * LAYERS + cache.slot_bytes) / GB   # a bit over: floors to slots
+        limit = (reserve + resident + slots * cache.slot_bytes * LAYERS + cache.slot_bytes) / GB   # floors to slots
         model = gem4.load(files["q8_0"], dtype="bfloat16", memory_limit=limit)
         assert model.expert_cache.slots == slots
     assert gem4.load(files["q8_0"], dtype="bfloat16", memory_limit=100).expert_cache.slots == E
     with pytest.raises(ExpertCacheError, match=r"room for 1 expert slots per layer.*top_k = 2"):
         gem4.load(files["q8_0"], dtype="bfloat16",
-                  memory_limit=(resident + 1.5 * cache.slot_bytes * LAYERS) / GB)
+                  memory_limit=(reserve + resident + 1.5 * cache.slot_bytes * LAYERS) / GB)
 
 
 def test_streaming_refusals(moe, tmp_path):
@@ -202,6 +206,31 @@ def test_lfu_eviction_with_recency_tie_break(tmp_path):
     with pytest.raises(OSError, match="past the end of the file"):
         short.load([1])                                  # expert 1 of this view lies past the end
     assert short.held.count(-1) == 1 and short.slot_of[1] == -1 and short.slot(0) >= 0   # never a hit on it
+    file.close()
+
+
+def test_expert_reads_give_the_file_bytes_direct_or_buffered(tmp_path, monkeypatch):
+    """Reads at any offset and length (across and inside the O_DIRECT pages, up to the end of the file) give
+    the file's bytes; a file system that refuses direct reads (EINVAL) gets buffered reads from then on."""
+    import errno
+    data = torch.randint(0, 256, (3 * 4096 + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(data.numpy().tobytes())
+    cases = [(0, 10), (5, 4096), (4095, 2), (4096, 4096), (100, len(data) - 100), (len(data) - 7, 7)]
+    file = ExpertFile(path)
+    for offset, n in cases:
+        got = file.read(offset, n)
+        assert got.shape == (n,) and torch.equal(got, data[offset:offset + n]), (offset, n)
+    with pytest.raises(OSError, match="past the end of the file"):
+        file.read(len(data) - 5, 10)
+
+    def refuse(*args):
+        raise OSError(errno.EINVAL, "direct I/O refused")
+    monkeypatch.setattr(ExpertFile, "_read_direct", refuse)
+    file.use_direct = True                               # as where the descriptor opened but reads are refused
+    for offset, n in cases:
+        assert torch.equal(file.read(offset, n), data[offset:offset + n]), (offset, n)
+    assert not file.use_direct
     file.close()
 
 

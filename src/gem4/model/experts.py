@@ -26,6 +26,7 @@ one pread per expert weight is already one sequential read).
 """
 from __future__ import annotations
 
+import errno
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,31 +61,68 @@ class ExpertStats:
     bytes_read: int = 0
 
 
+DIRECT_ALIGN = 4096         # O_DIRECT: file offsets, lengths and buffer addresses in multiples of this
+
+
 class ExpertFile:
-    """The GGUF opened once for all layers' slot caches, the read pool, and the counters they share."""
+    """The GGUF opened once for all layers' slot caches, the read pool, and the counters they share.
+
+    Reads bypass the page cache (O_DIRECT) where the file system allows it: under a memory cap that counts
+    the page cache (a cgroup), buffered reads of a step's misses pushed the runtime's own file pages (the
+    shared libraries' code) out and decode ran 2.8x slower; without a cap both read at the same speed
+    (benchmarks/RESULTS.md E). Elsewhere (tmpfs, some network file systems) reads are buffered."""
 
     def __init__(self, path: str | os.PathLike, threads: int = READ_THREADS):
         self.path = Path(path)
         self.fd = os.open(self.path, os.O_RDONLY)
+        self.direct = -1                                       # an O_DIRECT descriptor, or -1: buffered reads
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                pass
+        self.use_direct = self.direct >= 0
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gem4-experts")
         self.stats = ExpertStats()
 
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        """nbytes at offset -> a new uint8 tensor [nbytes] (short reads retried; EOF is an error)."""
+        """nbytes at offset -> a uint8 tensor [nbytes] of its own memory (short reads retried; EOF is an error)."""
+        if self.use_direct:
+            try:
+                return self._read_direct(offset, nbytes)
+            except OSError as e:                               # EINVAL: this file system refuses direct reads
+                if e.errno != errno.EINVAL:
+                    raise
+                self.use_direct = False
         out = torch.empty(nbytes, dtype=torch.uint8)
-        view, done = memoryview(out.numpy()), 0
-        while done < nbytes:
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"{self.path}: expert bytes [{offset}, {offset + nbytes}) run past the end of the file")
-            done += n
+        self._fill(self.fd, out, offset, nbytes)
         return out
+
+    def _read_direct(self, offset: int, nbytes: int) -> torch.Tensor:
+        """The aligned pages around [offset, offset + nbytes) into an aligned buffer; -> the bytes asked for."""
+        start = offset // DIRECT_ALIGN * DIRECT_ALIGN
+        end = -(-(offset + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+        raw = torch.empty(end - start + DIRECT_ALIGN, dtype=torch.uint8)
+        pad = -raw.data_ptr() % DIRECT_ALIGN
+        pages = raw[pad:pad + end - start]
+        self._fill(self.direct, pages, start, offset + nbytes - start)      # the last page may end at EOF
+        return pages[offset - start:offset - start + nbytes]
+
+    def _fill(self, fd: int, out: torch.Tensor, offset: int, need: int) -> None:
+        """Read at least `need` bytes of out (uint8, contiguous) from fd at offset."""
+        view, done = memoryview(out.numpy()), 0
+        while done < need:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"{self.path}: expert bytes [{offset}, {offset + need}) run past the end of the file")
+            done += n
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for name in ("fd", "direct"):
+            if getattr(self, name) >= 0:
+                os.close(getattr(self, name))
+                setattr(self, name, -1)
 
     def __del__(self):
         try:
@@ -197,6 +235,22 @@ class SlotCache:
 
 
 GB = 10 ** 9                # memory_limit's unit (decimal, as file sizes are quoted)
+# memory_limit is the process's budget: besides the weights it holds the runtime already in memory when the
+# load starts (Python, torch, the compiled kernels: process_rss) and this working reserve -- a prefill chunk's
+# activations, the read buffers of a step's misses, the KV cache of a short context
+WORKING_RESERVE = GB // 2
+
+
+def process_rss() -> int:
+    """The process's resident memory now (VmRSS), in bytes; 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 class ExpertCacheError(ValueError):
@@ -219,14 +273,16 @@ def _converter(ggml_type, rows: int, k: int, packed: bool, dtype: torch.dtype):
 
 
 def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: torch.dtype,
-                   slots: int | None = None, memory_limit: float | None = None, resident_bytes: int = 0) -> ExpertFile:
+                   slots: int | None = None, memory_limit: float | None = None, resident_bytes: int = 0,
+                   runtime_bytes: int = 0) -> ExpertFile:
     """Load time: every MoE layer's Experts gets a SlotCache over the GGUF at `path`.
 
     entries: canonical name ("layers.i.experts.gate_up_proj" / ...down_proj) -> TensorEntry (with `offset`);
     packed: name -> kept in the kernels' x16 layout (the loader's choice for the resident path). The slot
-    count is `slots` (top_k <= slots; more than E is E) or what `memory_limit` GB leaves after the
-    `resident_bytes` of the other weights, divided among the layers (the KV cache and activations come on
-    top). Returns the shared ExpertFile (`slots`, `stats`, `slot_bytes`)."""
+    count is `slots` (top_k <= slots; more than E is E) or what `memory_limit` GB -- the whole process --
+    leaves after the runtime (`runtime_bytes`, the process's memory before the weights), the
+    `resident_bytes` of the other weights and WORKING_RESERVE, divided among the layers; a long context's
+    KV cache comes on top. Returns the shared ExpertFile (`slots`, `stats`, `slot_bytes`)."""
     from gem4.weights.quants import GGMLType
 
     moe = model.config.moe
@@ -257,14 +313,16 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
         sample = {name: t.convert(file.read(t.offset, t.nbytes)) for name, t in per_layer[0][1].items()}
         slot_bytes = sum(s.nbytes for s in sample.values())
         if slots is None:
-            room = memory_limit * GB - resident_bytes
+            reserve = runtime_bytes + WORKING_RESERVE
+            room = memory_limit * GB - resident_bytes - reserve
             slots = int(max(room, 0) // (slot_bytes * len(layers)))
             if slots < moe.top_k:
-                need = (resident_bytes + moe.top_k * slot_bytes * len(layers)) / GB
+                need = (reserve + resident_bytes + moe.top_k * slot_bytes * len(layers)) / GB
                 raise ExpertCacheError(
                     f"memory_limit {memory_limit:g} GB leaves room for {slots} expert slots per layer "
-                    f"(the other weights take {resident_bytes / GB:.2f} GB, one expert {slot_bytes / 1e6:.2f} MB "
-                    f"x {len(layers)} layers); top_k = {moe.top_k} need at least {need:.2f} GB")
+                    f"(the other weights take {resident_bytes / GB:.2f} GB, the runtime and working memory "
+                    f"{reserve / GB:.2f} GB, one expert {slot_bytes / 1e6:.2f} MB x {len(layers)} layers); "
+                    f"top_k = {moe.top_k} need at least {need:.2f} GB")
         elif slots < moe.top_k:
             raise ExpertCacheError(f"expert_cache_slots {slots} is fewer than the {moe.top_k} experts a token "
                                    f"uses (top_k): give at least {moe.top_k}")

@@ -132,7 +132,9 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     config = ckpt.config
     stream = expert_cache_slots is not None or memory_limit is not None
     if stream:
+        from gem4.model.experts import process_rss, stream_experts
         _check_streamable(ckpt, device, expert_cache_slots, memory_limit)
+        runtime = process_rss()                            # memory_limit counts the runtime loaded so far
     with torch.device("meta"):
         model = Model(config, torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -166,12 +168,11 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
         else:
             state[name] = entry.dense().to(device=device, dtype=_weight_dtype(name, expected[name], torch_dtype))
     if stream:
-        from gem4.model.experts import stream_experts
         resident = (sum(t.nbytes for t in state.values())
                     + sum(b.nbytes for b in model.buffers() if not b.is_meta))
         packed = {name: _block_storage(name, entry, packed_kernels) == "experts" for name, entry in streamed.items()}
         model.expert_cache = stream_experts(model, ckpt.path, streamed, packed, torch_dtype, expert_cache_slots,
-                                            memory_limit, resident)
+                                            memory_limit, resident, runtime)
     model.load_state_dict(state, strict=True, assign=True)
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
