@@ -12,8 +12,8 @@ as Q4_0 by gem4's writer. Reports:
   counts (torch.equal), fast mode;
 - decode ms/token: resident (each layer one kernels.decode_layer call), resident through the Python layer
   ("resident-py", the path streamed layers take), streamed with 8, 12 and every expert in slots;
-- a miss's cost: bytes read and converted per second (preadv + repack on the read pool), and one expert
-  weight's read and its repack timed apart.
+- a miss's cost: bytes read into the slots per second (on the read pool, from the repacked copy in the fast
+  mode).
 Runs are interleaved (A, B, C, A, B, C, ...; median of 3): the machine's cores may be shared.
 """
 from __future__ import annotations
@@ -91,27 +91,17 @@ def main() -> None:
             line += (f" | hits {s.hits}, misses {s.misses} ({100 * s.hits / (s.hits + s.misses):.0f}% hit), "
                      f"{s.bytes_read / 1e6:.0f} MB read")
         print(line, flush=True)
-    # a miss's cost: one layer's top_k experts read and converted, cold slots each time
+    # a miss's cost: one layer's top_k experts read into cold slots each time, from the store's source (the
+    # repacked copy in the fast mode, else the GGUF with a conversion)
     cache = models["slots=8"].layers[0].experts.store
     t0, n = time.perf_counter(), 0
     for start in range(0, args.experts - 8 + 1, 8):
         cache.load(list(range(start, start + 8)))
         n += 8
     dt = time.perf_counter() - t0
-    per = sum(t.nbytes for t in cache.tensors.values())
-    for name, t in cache.tensors.items():
-        read, convert = [], []
-        for e in range(args.experts):
-            t0 = time.perf_counter()
-            raw = cache.file.read(t.offset + e * t.nbytes, t.nbytes)
-            t1 = time.perf_counter()
-            t.convert(raw)
-            read.append(t1 - t0)
-            convert.append(time.perf_counter() - t1)
-        print(f"{name}: {t.nbytes / 1e6:.2f} MB per expert, read {statistics.median(read) * 1000:.2f} ms, "
-              f"repack {statistics.median(convert) * 1000:.2f} ms (medians, one thread each)")
-    print(f"miss: {n} experts of {per / 1e6:.2f} MB in {dt * 1000:.0f} ms = {n * per / dt / 1e9:.2f} GB/s "
-          f"({dt / n * 1000:.2f} ms per expert; page cache warm)")
+    per = cache.source.nbytes
+    print(f"miss ({type(cache.source).__name__}): {n} experts of {per / 1e6:.2f} MB in {dt * 1000:.0f} ms = "
+          f"{n * per / dt / 1e9:.2f} GB/s ({dt / n * 1000:.2f} ms per expert)")
 
 
 if __name__ == "__main__":

@@ -2,17 +2,28 @@
 eviction, the same logits as the resident experts for every slot count from top_k to E."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import gem4
 from gem4 import Engine, SamplingParams
-from gem4.model import experts
-from gem4.model.experts import ExpertCacheError, ExpertFile, ExpertTensor, SlotCache, GB
+from gem4.model import experts, kernels
+from gem4.model.experts import (GB, ExpertCacheError, ExpertFile, ExpertTensor, GGUFSource, RawFile, SlotCache,
+                                SlotLayout)
 from model_fixtures import build_hf, prompt_ids
 
 E, TOP_K, LAYERS = 8, 2, 6          # the tiny "moe" variant (model_fixtures.VARIANTS)
 MODES = [("f32", "float32"), ("q8_0", "bfloat16"), ("q4_0", "bfloat16")]
+
+
+@pytest.fixture(autouse=True)
+def repack_root(tmp_path_factory, monkeypatch):
+    """Repacked expert files go to a directory of this test session, not the user's cache."""
+    root = tmp_path_factory.getbasetemp() / "repacked-experts"
+    monkeypatch.setattr(experts, "repack_root", lambda: root)
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +57,7 @@ def check_counters(model):
     stores = [layer.experts.store for layer in model.layers]
     uses = sum(sum(s.uses) for s in stores)
     distinct = sum(sum(u > 0 for u in s.uses) for s in stores)
-    per_expert = sum(t.nbytes for t in stores[0].tensors.values())
+    per_expert = stores[0].source.nbytes
     assert stats.hits + stats.misses == uses
     assert stats.bytes_read == stats.misses * per_expert
     assert stats.misses >= distinct
@@ -76,8 +87,10 @@ def test_streamed_experts_give_the_resident_logits(moe, gguf, dtype):
         # the slot slabs hold the resident layout: Experts.pack's x16 rows with the compiled kernels, else dense
         ours, theirs = model.layers[0].experts, resident.layers[0].experts
         assert ours.packed_types == theirs.packed_types
-        assert ours.gate_up_proj.dtype == theirs.gate_up_proj.dtype
-        assert ours.gate_up_proj.shape[1:] == theirs.gate_up_proj.shape[1:]
+        for name in ("gate_up_proj", "down_proj"):
+            mine, resident_w = getattr(ours, name), getattr(theirs, name)
+            assert mine.dtype == resident_w.dtype and mine.shape[0] == slots
+            assert mine.shape[1:] == resident_w.view(E, -1, resident_w.shape[-1]).shape[1:]
 
 
 def test_a_prefill_chunk_reads_each_expert_once_in_bounded_tiles(moe):
@@ -126,8 +139,8 @@ def test_memory_limit_sizes_the_slots(moe, monkeypatch):
     reserve = runtime + experts.WORKING_RESERVE
     probe = gem4.load(files["q8_0"], dtype="bfloat16", expert_cache_slots=E)
     cache = probe.expert_cache
-    slab = sum(b.nbytes for layer in probe.layers for b in (layer.experts.gate_up_proj, layer.experts.down_proj))
-    assert slab == cache.slot_bytes * E * LAYERS
+    slabs = sum(layer.experts.store.slab.nbytes for layer in probe.layers)
+    assert slabs == cache.slot_bytes * E * LAYERS
     resident = sum(t.nbytes for name, t in list(probe.named_parameters()) + list(probe.named_buffers())
                    if ".experts." not in name and not t.is_meta)
     for slots in (TOP_K, 5):
@@ -170,8 +183,9 @@ def test_lfu_eviction_with_recency_tie_break(tmp_path):
     path.write_bytes(b"\0" * 16 + experts.numpy().tobytes())
     file = ExpertFile(path)
     tensor = ExpertTensor(16, 2 * 3 * 4, lambda raw: raw.view(torch.float32).reshape(2, 3))
-    slab = torch.zeros(2, 2, 3)
-    store = SlotCache(file, {"w": tensor}, 6, 2, {"w": slab})
+    layout = SlotLayout.of({"w": torch.zeros(2, 3)})
+    store = SlotCache(file, GGUFSource(file, {"w": tensor}), 6, 2, layout)
+    slab = store.views["w"]                              # [slots, 2, 3]
 
     def held():
         return sorted(e for e in store.held if e >= 0)
@@ -201,7 +215,7 @@ def test_lfu_eviction_with_recency_tie_break(tmp_path):
     assert list(store.tiles([1, 3])) == [[1, 3]] and store.pending is None
     for slot, e in enumerate(store.held):
         assert torch.equal(slab[slot], experts[e])
-    short = SlotCache(file, {"w": ExpertTensor(16 + 5 * 24, 24, tensor.convert)}, 6, 2, {"w": slab})
+    short = SlotCache(file, GGUFSource(file, {"w": ExpertTensor(16 + 5 * 24, 24, tensor.convert)}), 6, 2, layout)
     short.load([0])
     with pytest.raises(OSError, match="past the end of the file"):
         short.load([1])                                  # expert 1 of this view lies past the end
@@ -209,29 +223,90 @@ def test_lfu_eviction_with_recency_tie_break(tmp_path):
     file.close()
 
 
-def test_expert_reads_give_the_file_bytes_direct_or_buffered(tmp_path, monkeypatch):
-    """Reads at any offset and length (across and inside the O_DIRECT pages, up to the end of the file) give
-    the file's bytes; a file system that refuses direct reads (EINVAL) gets buffered reads from then on."""
+def test_raw_reads_give_the_file_bytes_direct_or_buffered(tmp_path, monkeypatch):
+    """Reads at any offset and length (across and inside the O_DIRECT pages, up to the end of the file), and
+    reads into aligned and unaligned buffers, give the file's bytes; a file system that refuses direct reads
+    (EINVAL) gets buffered reads from then on."""
     import errno
     data = torch.randint(0, 256, (3 * 4096 + 123,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     path = tmp_path / "bytes.bin"
     path.write_bytes(data.numpy().tobytes())
     cases = [(0, 10), (5, 4096), (4095, 2), (4096, 4096), (100, len(data) - 100), (len(data) - 7, 7)]
-    file = ExpertFile(path)
-    for offset, n in cases:
-        got = file.read(offset, n)
-        assert got.shape == (n,) and torch.equal(got, data[offset:offset + n]), (offset, n)
-    with pytest.raises(OSError, match="past the end of the file"):
-        file.read(len(data) - 5, 10)
 
-    def refuse(*args):
-        raise OSError(errno.EINVAL, "direct I/O refused")
-    monkeypatch.setattr(ExpertFile, "_read_direct", refuse)
-    file.use_direct = True                               # as where the descriptor opened but reads are refused
-    for offset, n in cases:
-        assert torch.equal(file.read(offset, n), data[offset:offset + n]), (offset, n)
-    assert not file.use_direct
+    def check(file):
+        for offset, n in cases:
+            got = file.read(offset, n)
+            assert got.shape == (n,) and torch.equal(got, data[offset:offset + n]), (offset, n)
+        for offset, n in ((4096, 8192), (0, 4096), (8, 4096), (4096, 100)):
+            out = experts.aligned_bytes(n + 8)[8 if offset == 8 else 0:][:n]    # one buffer off the alignment
+            file.read_into(out, offset)
+            assert torch.equal(out, data[offset:offset + n]), (offset, n)
+        with pytest.raises(OSError, match="past the end of the file"):
+            file.read(len(data) - 5, 10)
+
+    file = RawFile(path)
+    check(file)
+    real = os.preadv
+    refused = []
+
+    def preadv(fd, buffers, offset):
+        if fd == file.direct:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "direct I/O refused")
+        return real(fd, buffers, offset)
+    monkeypatch.setattr(os, "preadv", preadv)
+    if file.direct < 0:                                  # as where the descriptor opened but reads are refused
+        file.direct = os.open(path, os.O_RDONLY)
+    file.use_direct = True
+    check(file)
+    assert refused and not file.use_direct
     file.close()
+
+
+def test_packed_experts_are_read_from_a_repacked_copy_built_once(moe, repack_root, monkeypatch):
+    """The fast mode repacks the experts once into per-layer files of slot records (manifest with sizes and
+    SHA-256) and reads misses straight into the slots: the resident logits; a second load reuses the files; a
+    changed source or a damaged file makes new ones; no room on disk reads the GGUF instead."""
+    import json
+    import shutil
+    _, files = moe
+    want = steps(gem4.load(files["q4_0"], dtype="bfloat16"))
+    model = gem4.load(files["q4_0"], dtype="bfloat16", expert_cache_slots=TOP_K)
+    directory = model.expert_cache.repacked
+    if not kernels.available():                                  # GEM4_NO_KERNELS: dense experts, the GGUF
+        assert directory is None and isinstance(model.layers[0].experts.store.source, GGUFSource)
+        assert torch.equal(steps(model), want)
+        return
+    assert directory is not None and directory.parent == repack_root
+    assert isinstance(model.layers[0].experts.store.source, experts.RepackedSource)
+    assert torch.equal(steps(model), want)
+    check_counters(model)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert len(manifest["files"]) == LAYERS and manifest["source"] == str(files["q4_0"].resolve())
+    for entry in manifest["files"]:
+        f = directory / entry["file"]
+        assert f.stat().st_size == entry["bytes"] == E * manifest["stride"]
+        assert experts._sha256_file(f) == entry["sha256"]
+    stamp = (directory / "layer-00.bin").stat().st_mtime_ns
+    again = gem4.load(files["q4_0"], dtype="bfloat16", expert_cache_slots=E)
+    assert again.expert_cache.repacked == directory and (directory / "layer-00.bin").stat().st_mtime_ns == stamp
+    assert torch.equal(steps(again), want)
+    with open(directory / "layer-01.bin", "r+b") as f:           # a damaged (short) file is rebuilt
+        f.truncate(100)
+    rebuilt = gem4.load(files["q4_0"], dtype="bfloat16", expert_cache_slots=TOP_K)
+    assert rebuilt.expert_cache.repacked == directory and torch.equal(steps(rebuilt), want)
+    copy = files["q4_0"].with_name("copy.gguf")                 # another source: its own directory
+    shutil.copy(files["q4_0"], copy)
+    other = gem4.load(copy, dtype="bfloat16", expert_cache_slots=TOP_K)
+    assert other.expert_cache.repacked not in (None, directory)
+    monkeypatch.setattr(experts.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
+    copy.touch()                                                 # a new mtime: would need a new copy, no room
+    plain = gem4.load(copy, dtype="bfloat16", expert_cache_slots=TOP_K)
+    assert plain.expert_cache.repacked is None
+    assert isinstance(plain.layers[0].experts.store.source, GGUFSource)
+    assert torch.equal(steps(plain), want)
+    f32 = gem4.load(files["f32"], dtype="float32", expert_cache_slots=TOP_K)     # dense experts: the GGUF
+    assert f32.expert_cache.repacked is None
 
 
 def test_metrics_and_stats_line_report_the_cache(moe):
@@ -248,9 +323,9 @@ def test_metrics_and_stats_line_report_the_cache(moe):
     s = model.expert_cache.stats
     assert s.hits > 0 and s.misses > 0
     text = metrics.render()
-    assert f'gem4:expert_cache_hits_total{{model_name="moe"}} {float(s.hits)}' in text
-    assert f'gem4:expert_cache_misses_total{{model_name="moe"}} {float(s.misses)}' in text
-    assert f'gem4:expert_cache_bytes_read_total{{model_name="moe"}} {float(s.bytes_read)}' in text
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    for name, value in (("hits", s.hits), ("misses", s.misses), ("bytes_read", s.bytes_read)):
+        assert float(samples[f'gem4:expert_cache_{name}_total{{model_name="moe"}}']) == value, name
     line = _stats_line(events[-1], model.expert_cache)
     assert f"experts: {s.hits} hits, {s.misses} misses ({round(100 * s.hits / (s.hits + s.misses))}% hit)" in line
     plain = Metrics("plain", 1, lambda: SimpleNamespace(model=gem4.load(files["q8_0"], dtype="bfloat16")))

@@ -1,33 +1,48 @@
 """26B-A4B's routed experts behind one interface: resident (every expert loaded at bind) or slot-cached
-(streamed from the GGUF on demand, issue 17).
+(streamed from disk on demand, issue 17).
 
-`Experts` (gemma4.py) holds the weights as a slab of slots -- gate_up_proj and down_proj in the layout the
-resident path uses (Experts.pack's [slots * rows, ...] x16 rows in the fast mode, dense [slots, rows, k]
-otherwise) -- and asks its store which slot holds expert e. The layer's forward hands the store the sorted
-list of experts a step uses; `tiles(used)` yields them in groups that are all in slots before any of them is
-computed:
+`Experts` (gemma4.py) holds gate_up_proj and down_proj in the layout the kernels read (Experts.pack's x16
+rows in the fast mode, dense [rows, k] in the weight dtype otherwise) and asks its store which slot holds
+expert e. The layer's forward hands the store the sorted list of experts a step uses; `tiles(used)` yields
+them in groups that are all in slots before any of them is computed:
 
 - `Resident`: slot = expert, one group (the whole file bound at load, as without the options).
-- `SlotCache`: N slots per layer. A group holds at most N experts; its misses are read from the file with
-  os.preadv (one descriptor for the model, `ExpertFile`; the misses of a group read and converted in
-  parallel on a small thread pool -- preadv and the repack release the GIL) into the slots of evicted
-  experts. Eviction is LFU with recency as the tie-break: the victim is the slot whose expert has been used
-  in the fewest steps so far (counts kept per expert across evictions, so popular experts win back their
-  slot), the least recently used among equals, never an expert of the group being loaded. Groups come in
-  ascending expert order, so the sum over experts runs in the resident path's order: logits are
-  bit-identical for every slot count from top_k up. With fewer slots than a prefill chunk's experts, the
-  chunk runs in several groups (bounded tiles), each expert read at most once per chunk. The layer calls
-  `prefetch` with the router's choice before its dense branch, so a step's reads (when its experts fit in
-  the slots) overlap that branch.
+- `SlotCache`: N slots per layer, one byte slab [N, stride] whose records hold both weights of one expert
+  (`SlotLayout`). A group holds at most N experts; its misses are read into the slots of evicted experts in
+  parallel on a small thread pool (preadv and the repack release the GIL). Eviction is LFU with recency as
+  the tie-break: the victim is the slot whose expert has been used in the fewest steps so far (counts kept
+  per expert across evictions, so popular experts win back their slot), the least recently used among
+  equals, never an expert of the group being loaded. Groups come in ascending expert order, so the sum over
+  experts runs in the resident path's order: logits are bit-identical for every slot count from top_k up.
+  With fewer slots than a prefill chunk's experts, the chunk runs in several groups (bounded tiles), each
+  expert read at most once per chunk. The layer calls `prefetch` with the router's choice before its dense
+  branch, so a step's reads (when its experts fit in the slots) overlap that branch.
 
-Where each expert lies: a GGUF expert tensor [E, rows, k] stores expert e as the contiguous byte range
-[offset + e * rows * row_bytes, +rows * row_bytes), read straight from the file (no repacked copy on disk:
-one pread per expert weight is already one sequential read).
+Where a miss is read from (the choice measured in benchmarks/RESULTS.md E):
+
+- `RepackedSource` (the fast mode, packed experts): a one-time copy of the experts in slot layout,
+  `$GEM4_CACHE/experts/<key>/layer-NN.bin` (`repacked_layers`), each expert one page-aligned record read
+  straight into its slot with O_DIRECT -- no repack, no copy. On the 26B-A4B-shaped file in an 8 GB cgroup a
+  token took 463 ms reading the GGUF (the repack and the copy into the slot cost 215 ms of CPU a token on
+  two cores) and 328 ms with the reads alone. The copy is built on first use (12.9 GB for 26B-A4B Q4_0,
+  about a minute here), named by the GGUF's path, size and mtime and the layout, and listed in a manifest
+  with each layer file's size and SHA-256 (checked against a re-read when built; sizes and identity checked
+  at every load). Without room on disk for it, misses are read from the GGUF.
+- `GGUFSource` (float32 / dense experts, or no room for the copy): a GGUF expert tensor [E, rows, k] stores
+  expert e as one contiguous byte range, read and converted into the slot.
+
+Reads bypass the page cache (O_DIRECT, `RawFile`) where the file system allows it: under a memory cap that
+counts the page cache (a cgroup), buffered reads of a step's misses pushed the runtime's own file pages (the
+shared libraries' code) out and decode ran 2.8x slower; without a cap both read at the same speed.
 """
 from __future__ import annotations
 
 import errno
+import hashlib
+import json
 import os
+import shutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +52,8 @@ import torch
 
 EXPERT_NAMES = ("gate_up_proj", "down_proj")
 READ_THREADS = 4            # misses of one group read at once (a decode step's top_k of one layer: 8)
+DIRECT_ALIGN = 4096         # O_DIRECT: file offsets, lengths and buffer addresses in multiples of this
+REPACK_VERSION = 1          # the repacked files' layout; a change makes new ones
 
 
 class Resident:
@@ -57,56 +74,63 @@ class Resident:
 @dataclass
 class ExpertStats:
     hits: int = 0           # (layer, step group, expert) uses found in a slot
-    misses: int = 0         # ... read from the file
+    misses: int = 0         # ... read from disk
     bytes_read: int = 0
 
 
-DIRECT_ALIGN = 4096         # O_DIRECT: file offsets, lengths and buffer addresses in multiples of this
+def aligned_bytes(n: int) -> torch.Tensor:
+    """A uint8 tensor [n] whose first byte lies on a DIRECT_ALIGN boundary (not zeroed)."""
+    raw = torch.empty(n + DIRECT_ALIGN, dtype=torch.uint8)
+    pad = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[pad:pad + n]
 
 
-class ExpertFile:
-    """The GGUF opened once for all layers' slot caches, the read pool, and the counters they share.
+class RawFile:
+    """A file read at byte offsets, bypassing the page cache (O_DIRECT) where the file system allows it and
+    buffered elsewhere (tmpfs, some network file systems refuse direct reads: EINVAL)."""
 
-    Reads bypass the page cache (O_DIRECT) where the file system allows it: under a memory cap that counts
-    the page cache (a cgroup), buffered reads of a step's misses pushed the runtime's own file pages (the
-    shared libraries' code) out and decode ran 2.8x slower; without a cap both read at the same speed
-    (benchmarks/RESULTS.md E). Elsewhere (tmpfs, some network file systems) reads are buffered."""
-
-    def __init__(self, path: str | os.PathLike, threads: int = READ_THREADS):
+    def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.fd = os.open(self.path, os.O_RDONLY)
-        self.direct = -1                                       # an O_DIRECT descriptor, or -1: buffered reads
+        self.direct = -1                                       # an O_DIRECT descriptor, or -1
         if hasattr(os, "O_DIRECT"):
             try:
                 self.direct = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
             except OSError:
                 pass
         self.use_direct = self.direct >= 0
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gem4-experts")
-        self.stats = ExpertStats()
 
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        """nbytes at offset -> a uint8 tensor [nbytes] of its own memory (short reads retried; EOF is an error)."""
-        if self.use_direct:
-            try:
-                return self._read_direct(offset, nbytes)
-            except OSError as e:                               # EINVAL: this file system refuses direct reads
-                if e.errno != errno.EINVAL:
-                    raise
-                self.use_direct = False
+        """nbytes at offset -> a uint8 tensor [nbytes] of its own memory (short reads retried; EOF is an error).
+        Direct: the aligned pages around the range into an aligned buffer, the bytes asked for a view of it."""
+        start = offset // DIRECT_ALIGN * DIRECT_ALIGN
+        end = -(-(offset + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+        pages = aligned_bytes(end - start)
+        if self._read_direct(pages, start, offset + nbytes - start):       # the last page may end at EOF
+            return pages[offset - start:offset - start + nbytes]
         out = torch.empty(nbytes, dtype=torch.uint8)
         self._fill(self.fd, out, offset, nbytes)
         return out
 
-    def _read_direct(self, offset: int, nbytes: int) -> torch.Tensor:
-        """The aligned pages around [offset, offset + nbytes) into an aligned buffer; -> the bytes asked for."""
-        start = offset // DIRECT_ALIGN * DIRECT_ALIGN
-        end = -(-(offset + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
-        raw = torch.empty(end - start + DIRECT_ALIGN, dtype=torch.uint8)
-        pad = -raw.data_ptr() % DIRECT_ALIGN
-        pages = raw[pad:pad + end - start]
-        self._fill(self.direct, pages, start, offset + nbytes - start)      # the last page may end at EOF
-        return pages[offset - start:offset - start + nbytes]
+    def read_into(self, out: torch.Tensor, offset: int) -> None:
+        """out.numel() bytes at offset into out (uint8, contiguous): direct where out, offset and length are
+        aligned (slot records are), else buffered."""
+        aligned = (out.data_ptr() | offset | out.numel()) % DIRECT_ALIGN == 0
+        if not (aligned and self._read_direct(out, offset, out.numel())):
+            self._fill(self.fd, out, offset, out.numel())
+
+    def _read_direct(self, out: torch.Tensor, offset: int, need: int) -> bool:
+        """Try a direct read; False where this file is read buffered (the file system said EINVAL)."""
+        if not self.use_direct:
+            return False
+        try:
+            self._fill(self.direct, out, offset, need)
+            return True
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            self.use_direct = False
+            return False
 
     def _fill(self, fd: int, out: torch.Tensor, offset: int, need: int) -> None:
         """Read at least `need` bytes of out (uint8, contiguous) from fd at offset."""
@@ -118,9 +142,8 @@ class ExpertFile:
             done += n
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
         for name in ("fd", "direct"):
-            if getattr(self, name) >= 0:
+            if getattr(self, name, -1) >= 0:
                 os.close(getattr(self, name))
                 setattr(self, name, -1)
 
@@ -131,23 +154,106 @@ class ExpertFile:
             pass
 
 
+class ExpertFile:
+    """The GGUF (and the repacked layer files, `layer_files`) opened once for all layers' slot caches, the
+    read pool, and the counters they share."""
+
+    def __init__(self, path: str | os.PathLike, threads: int = READ_THREADS):
+        self.path = Path(path)
+        self.gguf = RawFile(self.path)
+        self.layer_files: list[RawFile] = []
+        self.repacked: Path | None = None                      # the repacked copy's directory, if read from
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gem4-experts")
+        self.stats = ExpertStats()
+
+    def read(self, offset: int, nbytes: int) -> torch.Tensor:
+        return self.gguf.read(offset, nbytes)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        for f in [self.gguf, *self.layer_files]:
+            f.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 @dataclass(frozen=True)
 class ExpertTensor:
-    """One expert weight of one layer in the file: [E, rows, k] at `offset`, expert e `nbytes` long at
+    """One expert weight of one layer in the GGUF: [E, rows, k] at `offset`, expert e `nbytes` long at
     offset + e * nbytes; `convert` turns those bytes into the slot's layout ([rows, ...])."""
     offset: int
     nbytes: int
     convert: Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class SlotLayout:
+    """One expert's weights in a slot record: name -> (byte offset, shape, dtype), each part and the record
+    (`stride` bytes) starting on a DIRECT_ALIGN boundary, so a record is read straight into its slot."""
+    parts: dict[str, tuple[int, tuple[int, ...], torch.dtype]]
+    stride: int
+
+    @staticmethod
+    def of(sample: dict[str, torch.Tensor]) -> "SlotLayout":
+        """From one expert's converted weights (name -> tensor in the slot layout)."""
+        parts, offset = {}, 0
+        for name, t in sample.items():
+            parts[name] = (offset, tuple(t.shape), t.dtype)
+            offset += -(-t.nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+        return SlotLayout(parts, offset)
+
+    def views(self, records: torch.Tensor) -> dict[str, torch.Tensor]:
+        """records uint8 [n, stride] -> name -> [n, *shape] in its dtype (views)."""
+        out = {}
+        for name, (offset, shape, dtype) in self.parts.items():
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            out[name] = records[:, offset:offset + nbytes].view(dtype).view(records.shape[0], *shape)
+        return out
+
+    def describe(self) -> dict:
+        return {"stride": self.stride,
+                "parts": {name: [o, list(shape), str(dtype)] for name, (o, shape, dtype) in self.parts.items()}}
+
+
+class GGUFSource:
+    """Misses read from the GGUF's expert tensors, one range per weight, converted into the slot."""
+
+    def __init__(self, file: ExpertFile, tensors: dict[str, ExpertTensor]):
+        self.file, self.tensors = file, tensors
+        self.nbytes = sum(t.nbytes for t in tensors.values())
+
+    def jobs(self, e: int, slot: dict[str, torch.Tensor], record: torch.Tensor) -> list[Callable[[], None]]:
+        def fill(name: str) -> None:
+            t = self.tensors[name]
+            slot[name].copy_(t.convert(self.file.read(t.offset + e * t.nbytes, t.nbytes)))
+        return [lambda name=name: fill(name) for name in self.tensors]
+
+
+class RepackedSource:
+    """Misses read from a repacked layer file (`repacked_layers`): expert e's record at e * stride, read
+    straight into the slot's record."""
+
+    def __init__(self, file: RawFile, stride: int):
+        self.file, self.stride, self.nbytes = file, stride, stride
+
+    def jobs(self, e: int, slot: dict[str, torch.Tensor], record: torch.Tensor) -> list[Callable[[], None]]:
+        return [lambda: self.file.read_into(record, e * self.stride)]
+
+
 class SlotCache:
-    """One layer's N slots (see the module docstring). `slabs` name -> the slot slab Experts computes from."""
+    """One layer's N slots (see the module docstring): `slab` uint8 [N, stride], `views` name -> [N, *shape]
+    (what Experts computes from), misses filled from `source`."""
 
     streamed = True
 
-    def __init__(self, file: ExpertFile, tensors: dict[str, ExpertTensor], num_experts: int, slots: int,
-                 slabs: dict[str, torch.Tensor]):
-        self.file, self.tensors, self.slabs = file, tensors, slabs
+    def __init__(self, file: ExpertFile, source, num_experts: int, slots: int, layout: SlotLayout):
+        self.file, self.source = file, source
+        self.slab = aligned_bytes(slots * layout.stride).view(slots, layout.stride)      # committed as filled
+        self.views = layout.views(self.slab)
         self.num_experts, self.slots = num_experts, slots
         self.slot_of = [-1] * num_experts          # expert -> slot, -1 if not held
         self.held = [-1] * slots                   # slot -> expert, -1 if empty
@@ -220,18 +326,9 @@ class SlotCache:
             self.held[s], self.slot_of[e], self.last[s] = e, s, self.clock
             fills.append((e, s))
         stats.misses += len(fills)
-        stats.bytes_read += len(fills) * sum(t.nbytes for t in self.tensors.values())
-        return [((e, s), self.file.pool.submit(self._fill, e, s, name)) for e, s in fills for name in self.tensors]
-
-    def _fill(self, e: int, s: int, name: str) -> None:
-        t = self.tensors[name]
-        slot = t.convert(self.file.read(t.offset + e * t.nbytes, t.nbytes))       # [rows, ...]
-        slab = self.slabs[name]
-        rows = slot.shape[0]
-        if slab.dim() == slot.dim():                                             # packed: [slots * rows, ...]
-            slab[s * rows:(s + 1) * rows].copy_(slot)
-        else:                                                                    # dense: [slots, rows, k]
-            slab[s].copy_(slot)
+        stats.bytes_read += len(fills) * self.source.nbytes
+        return [((e, s), self.file.pool.submit(job)) for e, s in fills
+                for job in self.source.jobs(e, {name: v[s] for name, v in self.views.items()}, self.slab[s])]
 
 
 GB = 10 ** 9                # memory_limit's unit (decimal, as file sizes are quoted)
@@ -272,10 +369,104 @@ def _converter(ggml_type, rows: int, k: int, packed: bool, dtype: torch.dtype):
     return dense
 
 
+def repack_root() -> Path:
+    """Where repacked expert files go: `$GEM4_CACHE/experts` (default ~/.cache/gem4/experts)."""
+    from gem4.demo import cache_root               # the one owner of GEM4_CACHE
+    return cache_root() / "experts"
+
+
+def _sha256_file(path: Path) -> str:
+    h, f = hashlib.sha256(), RawFile(path)
+    try:
+        size = path.stat().st_size
+        for offset in range(0, size, 64 << 20):
+            h.update(f.read(offset, min(64 << 20, size - offset)).numpy().data)
+    finally:
+        f.close()
+    return h.hexdigest()
+
+
+def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: SlotLayout, num_experts: int,
+                    gguf: RawFile) -> Path | None:
+    """The experts of every MoE layer in slot records, one file per layer (`layer-NN.bin`, expert e at
+    e * stride), in a directory of repack_root() named by the GGUF's identity (resolved path, size, mtime)
+    and the layout; built here the first time (each file's SHA-256 taken as written and checked against a
+    re-read), reused after a check of the manifest and the file sizes. -> the directory, or None where there
+    is no room for it on disk (the caller reads the GGUF then)."""
+    st = path.stat()
+    ident = {"version": REPACK_VERSION, "source": str(path.resolve()), "size": st.st_size,
+             "mtime_ns": st.st_mtime_ns, "experts": num_experts, "layers": len(layers), **layout.describe()}
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
+    root = repack_root()
+    directory = root / key
+    size = num_experts * layout.stride
+    if _repacked_ok(directory, ident, size):
+        return directory
+    root.mkdir(parents=True, exist_ok=True)
+    need = size * len(layers)
+    free = shutil.disk_usage(root).free
+    if free < need + (1 << 30):
+        print(f"gem4: no room to repack the experts into {root} ({need / GB:.1f} GB needed, {free / GB:.1f} GB free): "
+              f"reading them from {path.name}", file=sys.stderr, flush=True)
+        return None
+    print(f"gem4: repacking the experts of {path.name} once into {directory} ({need / GB:.1f} GB)",
+          file=sys.stderr, flush=True)
+    tmp = root / f"{key}.part-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        record = aligned_bytes(layout.stride)
+        record.zero_()                                       # the padding between parts stays zero
+        slot = {name: v[0] for name, v in layout.views(record.view(1, -1)).items()}
+        files = []
+        for i, tensors in enumerate(layers):
+            name = f"layer-{i:02d}.bin"
+            h = hashlib.sha256()
+            with open(tmp / name, "wb") as f:
+                for e in range(num_experts):
+                    for part, t in tensors.items():
+                        slot[part].copy_(t.convert(gguf.read(t.offset + e * t.nbytes, t.nbytes)))
+                    data = record.numpy().data
+                    f.write(data)
+                    h.update(data)
+                f.flush()
+                os.fsync(f.fileno())
+            digest = h.hexdigest()
+            if _sha256_file(tmp / name) != digest:
+                raise OSError(f"{tmp / name}: the file read back differs from what was written")
+            files.append({"file": name, "bytes": size, "sha256": digest})
+        (tmp / "manifest.json").write_text(json.dumps(dict(ident, files=files), indent=1) + "\n")
+        stale = root / f"{key}.stale-{os.getpid()}"
+        if directory.exists() and not _repacked_ok(directory, ident, size):    # damaged: set aside, removed below
+            os.rename(directory, stale)
+        try:
+            os.rename(tmp, directory)
+        except OSError:                                  # another process built it meanwhile
+            if not _repacked_ok(directory, ident, size):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(root / f"{key}.stale-{os.getpid()}", ignore_errors=True)
+    return directory
+
+
+def _repacked_ok(directory: Path, ident: dict, size: int) -> bool:
+    """The manifest names this source and layout, and every layer file is there at its size."""
+    try:
+        manifest = json.loads((directory / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    files = manifest.pop("files", [])
+    return (manifest == ident and len(files) == ident["layers"]
+            and all((directory / f["file"]).is_file() and (directory / f["file"]).stat().st_size == size == f["bytes"]
+                    for f in files))
+
+
 def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: torch.dtype,
                    slots: int | None = None, memory_limit: float | None = None, resident_bytes: int = 0,
                    runtime_bytes: int = 0) -> ExpertFile:
-    """Load time: every MoE layer's Experts gets a SlotCache over the GGUF at `path`.
+    """Load time: every MoE layer's Experts gets a SlotCache over the GGUF at `path` (or its repacked copy:
+    packed experts, room on disk).
 
     entries: canonical name ("layers.i.experts.gate_up_proj" / ...down_proj) -> TensorEntry (with `offset`);
     packed: name -> kept in the kernels' x16 layout (the loader's choice for the resident path). The slot
@@ -310,8 +501,8 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
                     types[name] = ggml_type
             per_layer.append((layer, tensors, types))
         # one expert's slot layout (shape, dtype, bytes) from expert 0 of the first layer
-        sample = {name: t.convert(file.read(t.offset, t.nbytes)) for name, t in per_layer[0][1].items()}
-        slot_bytes = sum(s.nbytes for s in sample.values())
+        layout = SlotLayout.of({name: t.convert(file.read(t.offset, t.nbytes)) for name, t in per_layer[0][1].items()})
+        slot_bytes = layout.stride
         if slots is None:
             reserve = runtime_bytes + WORKING_RESERVE
             room = memory_limit * GB - resident_bytes - reserve
@@ -327,13 +518,17 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
             raise ExpertCacheError(f"expert_cache_slots {slots} is fewer than the {moe.top_k} experts a token "
                                    f"uses (top_k): give at least {moe.top_k}")
         slots = min(int(slots), moe.num_experts)
-        for layer, tensors, types in per_layer:
-            slabs = {}
-            for name, s in sample.items():
-                shape = (slots * s.shape[0], *s.shape[1:]) if name in types else (slots, *s.shape)
-                slabs[name] = torch.zeros(shape, dtype=s.dtype)
-            store = SlotCache(file, tensors, moe.num_experts, slots, slabs)
-            layer.experts.stream(store, slabs, types)
+        all_packed = all(len(types) == len(EXPERT_NAMES) for _, _, types in per_layer)
+        if all_packed:
+            file.repacked = repacked_layers(Path(path), [t for _, t, _ in per_layer], layout, moe.num_experts,
+                                            file.gguf)
+        if file.repacked is not None:
+            file.layer_files = [RawFile(file.repacked / f"layer-{i:02d}.bin") for i in range(len(per_layer))]
+        for i, (layer, tensors, types) in enumerate(per_layer):
+            source = (RepackedSource(file.layer_files[i], layout.stride) if file.repacked is not None
+                      else GGUFSource(file, tensors))
+            store = SlotCache(file, source, moe.num_experts, slots, layout)
+            layer.experts.stream(store, store.views, types)
     except BaseException:
         file.close()
         raise
@@ -344,4 +539,5 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
 def expert_cache_summary(cache: ExpertFile) -> str:
     """One line for the CLI and the server's log: slots and the memory they take."""
     return (f"expert cache: {cache.slots} slots per layer x {cache.layers} layers, "
-            f"{cache.slot_bytes * cache.slots * cache.layers / GB:.2f} GB of slots, experts read from {cache.path.name}")
+            f"{cache.slot_bytes * cache.slots * cache.layers / GB:.2f} GB of slots, experts read from "
+            f"{cache.repacked if cache.repacked is not None else cache.path.name}")

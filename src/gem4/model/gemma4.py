@@ -137,11 +137,12 @@ class Experts(nn.Module):
         self.register_buffer(name, packed, persistent=False)
         self.packed_types[name] = GGMLType(ggml_type)
 
-    def stream(self, store, slabs: dict[str, torch.Tensor], packed_types: dict[str, GGMLType]) -> None:
-        """Load time: the weights become `store`'s slot slabs (packed as `pack` lays them out, or dense)."""
-        for name, slab in slabs.items():
+    def stream(self, store, slots: dict[str, torch.Tensor], packed_types: dict[str, GGMLType]) -> None:
+        """Load time: the weights become views of `store`'s slots, [slots, rows, ...] each (one expert as
+        `pack` lays it out, or dense)."""
+        for name, view in slots.items():
             delattr(self, name)
-            self.register_buffer(name, slab, persistent=False)
+            self.register_buffer(name, view, persistent=False)
         self.packed_types = dict(packed_types)
         self.store = store
 
@@ -151,7 +152,8 @@ class Experts(nn.Module):
         if name not in self.packed_types:
             return lambda e, xs: F.linear(xs.to(w.dtype), w[slot(e)]).to(xs.dtype)
         (rows, k), ggml_type = self.dims[name], self.packed_types[name]
-        return lambda e, xs: packed_linear(xs, w[slot(e) * rows:(slot(e) + 1) * rows], rows, k, ggml_type)
+        per_slot = w.view(-1, rows, w.shape[-1])          # resident [E * rows, ...] or slots [slots, rows, ...]
+        return lambda e, xs: packed_linear(xs, per_slot[slot(e)], rows, k, ggml_type)
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return experts_forward(x, self._product("gate_up_proj"), self._product("down_proj"), idx, weights, self.fused,
