@@ -74,9 +74,11 @@ def child_gem4(a) -> dict:
     ids = torch.tensor([2] + torch.randint(3, 262144, (a.prompt - 1,), generator=g).tolist())
     feed = torch.randint(3, 262144, (a.gen,), generator=g)    # decode inputs: random tokens, as llama-bench's tg
     cache = model.new_cache()
+    stats = model.expert_cache.stats if model.expert_cache is not None else None
     t0 = time.perf_counter()
     model.extend(ids, cache)[-1].argmax()
     prefill = time.perf_counter() - t0
+    after_prefill = None if stats is None else (stats.hits, stats.misses, stats.bytes_read)
     times = []
     for tok in feed.split(1):
         t1 = time.perf_counter()
@@ -84,11 +86,11 @@ def child_gem4(a) -> dict:
         times.append(time.perf_counter() - t1)
     r = dict(load=load, prefill_tps=a.prompt / prefill, decode_tps=a.gen / sum(times),
              decode_tps_late=(a.gen - a.gen // 2) / sum(times[a.gen // 2:]))
-    ec = model.expert_cache
-    if ec is not None:
-        s = ec.stats
-        r.update(slots=ec.slots, hits=s.hits, misses=s.misses, gb_read=s.bytes_read / GB,
-                 hit_rate=s.hits / max(1, s.hits + s.misses))
+    if stats is not None:                             # the decode steps' share of the counters
+        hits, misses, nbytes = (now - then for now, then in zip((stats.hits, stats.misses, stats.bytes_read),
+                                                                 after_prefill))
+        r.update(slots=model.expert_cache.slots, prefill_gb_read=after_prefill[2] / GB, hits=hits, misses=misses,
+                 hit_rate=hits / max(1, hits + misses), gb_per_token=nbytes / GB / a.gen)
     with open("/proc/self/status") as f:
         r["vm_hwm"] = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")) / GB
     return r
@@ -209,14 +211,13 @@ def main(argv: list[str]) -> int:
             runs.setdefault(name, []).append(r)
             print(f"[{rep + 1}/{a.repeats}] {name}: " + json.dumps(r), flush=True)
     rows = ["| run | prefill tok/s | decode tok/s | decode, 2nd half | cgroup peak GB | OOM kills | load s | "
-            "expert hit rate | GB read/token |", "|---|---|---|---|---|---|---|---|---|"]
+            "slots | decode hit rate | decode GB read/token |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
-        per_token = [dict(x=r["gb_read"] / (a.gen + 1)) for r in ok if "gb_read" in r]
         rows.append(f"| {name} | {fmt(ok, 'prefill_tps', '{:.1f}')} | {fmt(ok, 'decode_tps')} | "
                     f"{fmt(ok, 'decode_tps_late')} | {fmt(ok, 'cgroup_peak')} | "
                     f"{sum(r.get('oom_kills', 0) for r in rs)} | {fmt(ok, 'load', '{:.0f}')} | "
-                    f"{fmt(ok, 'hit_rate', '{:.2f}')} | {fmt(per_token, 'x')} |"
+                    f"{fmt(ok, 'slots', '{:.0f}')} | {fmt(ok, 'hit_rate', '{:.2f}')} | {fmt(ok, 'gb_per_token')} |"
                     + (f" {len(rs) - len(ok)} failed" if len(ok) < len(rs) else ""))
     print("\n" + "\n".join(rows))
     out = a.json or HERE / "out" / f"capped-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -319,15 +319,20 @@ def test_gelu_mul_and_softcap_kernels_equal_reference():
 
 def test_keep_heap_serves_large_blocks_from_the_heap(tmp_path):
     """After keep_heap() a 24 MiB tensor lies in the [heap] mapping; by default glibc maps it fresh
-    (and prefill faults such blocks in again on every call). Each case in its own process."""
+    (and prefill faults such blocks in again on every call), and so after keep_heap(False). Each case in its
+    own process."""
     import subprocess
     import sys
     script = tmp_path / "where.py"
     script.write_text(
         "import sys, torch\n"
         "from gem4.model import kernels\n"
-        "if sys.argv[1] == 'keep':\n"
+        "if sys.argv[1] in ('keep', 'give'):\n"
         "    assert kernels.keep_heap()\n"
+        "if sys.argv[1] == 'give':\n"
+        "    big = torch.empty(24 << 20, dtype=torch.uint8)\n"
+        "    del big\n"
+        "    assert kernels.keep_heap(False)\n"
         "block = torch.empty(24 << 20, dtype=torch.uint8)\n"
         "ptr = block.data_ptr()\n"
         "for line in open('/proc/self/maps'):\n"
@@ -335,8 +340,8 @@ def test_keep_heap_serves_large_blocks_from_the_heap(tmp_path):
         "    if lo <= ptr < hi:\n"
         "        print('heap' if line.rstrip().endswith('[heap]') else 'mapping')\n")
     where = {case: subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, check=True).stdout.strip()
-             for case in ("default", "keep")}
-    assert where == {"default": "mapping", "keep": "heap"}
+             for case in ("default", "keep", "give")}
+    assert where == {"default": "mapping", "keep": "heap", "give": "mapping"}
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "bf16"])

@@ -74,7 +74,7 @@ SPECULATIVE_HELP = ('speculative decoding, vLLM\'s form: \'{"method": "ngram", "
 EXPERT_SLOTS_HELP = ("26B-A4B from a GGUF: keep N routed experts per layer in slots read from the file on demand "
                      "(LFU; N >= the model's top_k) instead of the whole file in memory")
 MEMORY_LIMIT_HELP = ("26B-A4B from a GGUF: keep the process within this many GB (1e9 bytes) -- runtime, resident "
-                     "weights, 0.5 GB of working memory and as many expert slots per layer as fit; a long "
+                     "weights, 1 GB of working memory and as many expert slots per layer as fit; a long "
                      "context's KV cache comes on top")
 
 

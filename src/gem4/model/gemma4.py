@@ -332,13 +332,14 @@ class Model(nn.Module):
         cache.commit(ids.numel())
         return out
 
-    def use_kernels(self) -> None:
+    def use_kernels(self, keep_heap: bool = True) -> None:
         """Fast mode (bfloat16 on CPU with the compiled kernels), set once at load: every module that has
         a compiled alternative (class attribute `fused`) switches to it -- norms, q/k norm + RoPE, attention
         (decode rows and prefill chunks), gelu gates, the softcap. The same float32 math as the reference, up to rounding.
         A decode step then runs each decoder layer kernels.decode_layer covers as one call (the same kernels
-        in the same order). The process's heap keeps freed prefill temporaries from then on (kernels.keep_heap)."""
-        kernels.keep_heap()
+        in the same order). The process's heap keeps freed prefill temporaries from then on (kernels.keep_heap),
+        or with keep_heap=False (streamed experts: a bounded process) hands them back."""
+        kernels.keep_heap(keep_heap)
         for module in self.modules():
             if hasattr(type(module), "fused"):
                 module.fused = True

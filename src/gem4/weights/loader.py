@@ -177,7 +177,7 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
     if packed_kernels:
-        model.use_kernels()
+        model.use_kernels(keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
     model.eval()
     return model
 

@@ -355,9 +355,11 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
 @functools.lru_cache(maxsize=None)
-def keep_heap() -> bool:
+def keep_heap(keep: bool = True) -> bool:
     """Let this process's heap keep the memory a prefill frees, so the next one reuses it (glibc only;
-    False elsewhere, with no effect).
+    False elsewhere, with no effect). keep=False hands it back (blocks from 128 KiB mapped fresh and unmapped
+    on free, the heap top trimmed past 128 KiB): what a process within a memory limit wants, where a
+    26B-A4B 512-token prefill otherwise leaves ~2 GB of temporaries in the heap.
 
     By default glibc hands large blocks back to the kernel on free (fresh mmaps, a trimmed heap top),
     and every prefill page-faults its temporaries in again: ~200k faults, 0.1-0.25 s of a 512-token
@@ -366,10 +368,15 @@ def keep_heap() -> bool:
     cost is resident memory the size of a prefill's temporaries that stays with the process.
     """
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20) and mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    mmap_threshold, trim_threshold = (32 << 20, 1 << 30) if keep else (128 << 10, 128 << 10)
+    done = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    if not keep:
+        malloc_trim(0)                                   # what the heap kept so far goes back now
+    return done
 
 
 def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
