@@ -10,6 +10,7 @@ Runs, interleaved per repeat (A B C ... A B C ...), each a fresh process:
 - `gem4 <cap>`:     gem4.load(memory_limit=<cap>) -- the whole process's budget -- inside the cgroup
 - `llama <cap>`:    llama-bench (mmap, its default) inside the cgroup
 - `gem4 free` / `llama free` (with --uncapped): no cgroup, gem4 with every expert resident
+- `base ...` (engine `base`): gem4 imported from another source tree (`--gem4-base`), for A/B runs
 
 Before each run the page cache is dropped (`/proc/sys/vm/drop_caches`): pages already cached outside the
 cgroup would not be charged to it, and the cap would hold nothing. So every run starts from a cold file; the
@@ -74,7 +75,8 @@ def child_gem4(a) -> dict:
     ids = torch.tensor([2] + torch.randint(3, 262144, (a.prompt - 1,), generator=g).tolist())
     feed = torch.randint(3, 262144, (a.gen,), generator=g)    # decode inputs: random tokens, as llama-bench's tg
     cache = model.new_cache()
-    stats = model.expert_cache.stats if model.expert_cache is not None else None
+    ec = getattr(model, "expert_cache", None)                 # None: resident (or a gem4 before streaming)
+    stats = ec.stats if ec is not None else None
     t0 = time.perf_counter()
     model.extend(ids, cache)[-1].argmax()
     prefill = time.perf_counter() - t0
@@ -89,7 +91,7 @@ def child_gem4(a) -> dict:
     if stats is not None:                             # the decode steps' share of the counters
         hits, misses, nbytes = (now - then for now, then in zip((stats.hits, stats.misses, stats.bytes_read),
                                                                  after_prefill))
-        r.update(slots=model.expert_cache.slots, prefill_gb_read=after_prefill[2] / GB, hits=hits, misses=misses,
+        r.update(slots=ec.slots, prefill_gb_read=after_prefill[2] / GB, hits=hits, misses=misses,
                  hit_rate=hits / max(1, hits + misses), gb_per_token=nbytes / GB / a.gen)
     with open("/proc/self/status") as f:
         r["vm_hwm"] = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")) / GB
@@ -127,7 +129,7 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3")
 
 
-def run(cmd: list[str], cap: float | None, timeout: int) -> tuple[subprocess.CompletedProcess, dict]:
+def run(cmd: list[str], cap: float | None, timeout: int, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     drop_caches()
     oom0 = 0
     if cap is not None:
@@ -139,7 +141,7 @@ def run(cmd: list[str], cap: float | None, timeout: int) -> tuple[subprocess.Com
         pre = None
     t = time.perf_counter()
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
-                       preexec_fn=pre, check=False)
+                       preexec_fn=pre, check=False, env=env)
     info = dict(wall=time.perf_counter() - t)
     if cap is not None:
         c = cgroup_read()
@@ -147,12 +149,14 @@ def run(cmd: list[str], cap: float | None, timeout: int) -> tuple[subprocess.Com
     return p, info
 
 
-def gem4_run(a, cap: float | None) -> dict:
+def gem4_run(a, cap: float | None, src: Path | None = None) -> dict:
+    """gem4 in a child; `src`: import gem4 from that source tree instead (a baseline checkout)."""
+    env = None if src is None else dict(os.environ, PYTHONPATH=str(src))
     cmd = [sys.executable, str(Path(__file__).resolve()), "_child", "--model", str(a.gguf), "--prompt",
            str(a.prompt), "--gen", str(a.gen), "--threads", str(a.threads), "--zipf", str(a.zipf)]
     if cap is not None:
         cmd += ["--memory-limit", str(cap)]
-    p, info = run(cmd, cap, a.timeout)
+    p, info = run(cmd, cap, a.timeout, env)
     lines = [l for l in p.stdout.splitlines() if l.startswith(RESULT)]
     if p.returncode or not lines:
         return dict(info, error=f"exit {p.returncode}: {p.stderr[-600:]}")
@@ -187,7 +191,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--gguf", type=Path, required=True)
     ap.add_argument("--caps", type=float, nargs="+", default=[8.0, 6.0], help="cgroup limits, GB (1e9 bytes)")
     ap.add_argument("--uncapped", action="store_true", help="also run both engines without a cgroup")
-    ap.add_argument("--engines", default="gem4,llama")
+    ap.add_argument("--engines", default="gem4,llama", help="of gem4, llama, base (gem4 from --gem4-base)")
+    ap.add_argument("--gem4-base", type=Path, default=None, help="a gem4 source tree (its src/) for the base engine")
     ap.add_argument("--llama-bench", type=Path, default=None)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompt", type=int, default=128)
@@ -200,6 +205,8 @@ def main(argv: list[str]) -> int:
     engines = a.engines.split(",")
     if "llama" in engines and a.llama_bench is None:
         ap.error("--llama-bench is needed for the llama engine")
+    if "base" in engines and a.gem4_base is None:
+        ap.error("--gem4-base is needed for the base engine")
     caps: list[float | None] = list(a.caps) + ([None] if a.uncapped else [])
     configs = [(e, c) for c in caps for e in engines]
     runs: dict[str, list[dict]] = {}
@@ -207,7 +214,8 @@ def main(argv: list[str]) -> int:
     for rep in range(a.repeats):
         for engine, cap in configs:
             name = f"{engine} {'free' if cap is None else f'{cap:g} GB'}"
-            r = (gem4_run if engine == "gem4" else llama_run)(a, cap)
+            r = (gem4_run(a, cap) if engine == "gem4" else gem4_run(a, cap, a.gem4_base) if engine == "base"
+                 else llama_run(a, cap))
             runs.setdefault(name, []).append(r)
             print(f"[{rep + 1}/{a.repeats}] {name}: " + json.dumps(r), flush=True)
     rows = ["| run | prefill tok/s | decode tok/s | decode, 2nd half | cgroup peak GB | OOM kills | load s | "
