@@ -22,8 +22,10 @@ read. llama-bench runs `-p PROMPT -n GEN -r 1` (its own warm-up run first): pref
 tg tests, decode from an empty context; under a cap with `--repack 0` (its default repack copies all 14 GB of
 weights into anonymous memory, and the cgroup kills it), so its weights stay mapped from the file.
 
-`--zipf S` (gem4 only) biases the router towards a fixed Zipf(S) order of experts per layer (a log-prior added
-to the router logits), the locality real routers have; the random file itself routes about uniformly.
+`--zipf S` (gem4 only) biases the router towards a fixed order of experts per layer (-S log(rank), in units of
+each token's router-logit spread, added to the logits), the locality real routers have; the random file
+itself routes without such an order. The decode hit rate and the top-slots share (of a decode step's
+experts, the share that the `slots` most used experts of the layer took) say how local a run was.
 """
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ GB = 1e9
 # ---- child: gem4 in one process ----
 
 def zipf_router(model, s: float, seed: int = 0) -> None:
-    """Add log(Zipf(s) weight of each expert's rank) to every MoE layer's router logits; ranks permuted per
-    layer by a seeded generator."""
+    """Bias every MoE layer's router towards a fixed order of its experts: -s * log(rank) (ranks permuted per
+    layer by a seeded generator) in units of the token's own router-logit spread (their standard deviation),
+    added to the logits -- top-k then still varies from token to token, with popular experts ahead."""
     import torch
     for layer in model.layers:
         router = getattr(layer, "router", None)
@@ -58,7 +61,10 @@ def zipf_router(model, s: float, seed: int = 0) -> None:
         bias = -s * torch.log(rank)                                   # [E]
         proj = router.proj
         forward = proj.forward
-        proj.forward = lambda x, forward=forward, bias=bias: forward(x) + bias.to(x.dtype)
+        def biased(x, forward=forward, bias=bias):
+            logits = forward(x)                                       # [T, E]
+            return logits + bias.to(logits.dtype) * logits.std(-1, keepdim=True)
+        proj.forward = biased
 
 
 def child_gem4(a) -> dict:
@@ -81,6 +87,8 @@ def child_gem4(a) -> dict:
     model.extend(ids, cache)[-1].argmax()
     prefill = time.perf_counter() - t0
     after_prefill = None if stats is None else (stats.hits, stats.misses, stats.bytes_read)
+    stores = [layer.experts.store for layer in model.layers if stats is not None and hasattr(layer, "experts")]
+    uses_before = [list(store.uses) for store in stores]
     times = []
     for tok in feed.split(1):
         t1 = time.perf_counter()
@@ -91,8 +99,13 @@ def child_gem4(a) -> dict:
     if stats is not None:                             # the decode steps' share of the counters
         hits, misses, nbytes = (now - then for now, then in zip((stats.hits, stats.misses, stats.bytes_read),
                                                                  after_prefill))
+        top = total = 0                               # locality: the slots most used experts' share of uses
+        for store, before in zip(stores, uses_before):
+            used = sorted((u - b for u, b in zip(store.uses, before)), reverse=True)
+            top, total = top + sum(used[:ec.slots]), total + sum(used)
         r.update(slots=ec.slots, prefill_gb_read=after_prefill[2] / GB, hits=hits, misses=misses,
-                 hit_rate=hits / max(1, hits + misses), gb_per_token=nbytes / GB / a.gen)
+                 hit_rate=hits / max(1, hits + misses), gb_per_token=nbytes / GB / a.gen,
+                 top_slots_share=top / max(1, total))
     with open("/proc/self/status") as f:
         r["vm_hwm"] = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")) / GB
     return r
@@ -189,7 +202,7 @@ def fmt(runs: list[dict], key: str, spec: str = "{:.2f}") -> str:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", type=Path, required=True)
-    ap.add_argument("--caps", type=float, nargs="+", default=[8.0, 6.0], help="cgroup limits, GB (1e9 bytes)")
+    ap.add_argument("--caps", type=float, nargs="*", default=[8.0, 6.0], help="cgroup limits, GB (1e9 bytes); none: --uncapped only")
     ap.add_argument("--uncapped", action="store_true", help="also run both engines without a cgroup")
     ap.add_argument("--engines", default="gem4,llama", help="of gem4, llama, base (gem4 from --gem4-base)")
     ap.add_argument("--gem4-base", type=Path, default=None, help="a gem4 source tree (its src/) for the base engine")
@@ -219,13 +232,15 @@ def main(argv: list[str]) -> int:
             runs.setdefault(name, []).append(r)
             print(f"[{rep + 1}/{a.repeats}] {name}: " + json.dumps(r), flush=True)
     rows = ["| run | prefill tok/s | decode tok/s | decode, 2nd half | cgroup peak GB | OOM kills | load s | "
-            "slots | decode hit rate | decode GB read/token |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "slots | top-slots share | decode hit rate | decode GB read/token |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         rows.append(f"| {name} | {fmt(ok, 'prefill_tps', '{:.1f}')} | {fmt(ok, 'decode_tps')} | "
                     f"{fmt(ok, 'decode_tps_late')} | {fmt(ok, 'cgroup_peak')} | "
                     f"{sum(r.get('oom_kills', 0) for r in rs)} | {fmt(ok, 'load', '{:.0f}')} | "
-                    f"{fmt(ok, 'slots', '{:.0f}')} | {fmt(ok, 'hit_rate', '{:.2f}')} | {fmt(ok, 'gb_per_token')} |"
+                    f"{fmt(ok, 'slots', '{:.0f}')} | {fmt(ok, 'top_slots_share')} | {fmt(ok, 'hit_rate', '{:.2f}')} | "
+                    f"{fmt(ok, 'gb_per_token')} |"
                     + (f" {len(rs) - len(ok)} failed" if len(ok) < len(rs) else ""))
     print("\n" + "\n".join(rows))
     out = a.json or HERE / "out" / f"capped-{time.strftime('%Y%m%d-%H%M%S')}.json"

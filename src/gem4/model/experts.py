@@ -413,7 +413,7 @@ def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: S
         return None
     print(f"gem4: repacking the experts of {path.name} once into {directory} ({need / GB:.1f} GB)",
           file=sys.stderr, flush=True)
-    tmp = root / f"{key}.part-{os.getpid()}"
+    tmp, stale = root / f"{key}.part-{os.getpid()}", root / f"{key}.stale-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -438,7 +438,6 @@ def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: S
                 raise OSError(f"{tmp / name}: the file read back differs from what was written")
             files.append({"file": name, "bytes": size, "sha256": digest})
         (tmp / "manifest.json").write_text(json.dumps(dict(ident, files=files), indent=1) + "\n")
-        stale = root / f"{key}.stale-{os.getpid()}"
         if directory.exists() and not _repacked_ok(directory, ident, size):    # damaged: set aside, removed below
             os.rename(directory, stale)
         try:
@@ -448,7 +447,7 @@ def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: S
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(root / f"{key}.stale-{os.getpid()}", ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True)
     return directory
 
 
