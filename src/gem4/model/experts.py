@@ -260,6 +260,7 @@ class SlotCache:
         self.uses = [0] * num_experts              # LFU: steps that used each expert (kept across evictions)
         self.last = [-1] * slots                   # recency tie-break: clock of the slot's last use
         self.clock = 0
+        self.misses = 0                            # this layer's share of file.stats.misses
         self.pending: tuple[list[int], list] | None = None        # prefetch: (group, its reads in flight)
 
     def slot(self, e: int) -> int:
@@ -326,6 +327,7 @@ class SlotCache:
             self.held[s], self.slot_of[e], self.last[s] = e, s, self.clock
             fills.append((e, s))
         stats.misses += len(fills)
+        self.misses += len(fills)
         stats.bytes_read += len(fills) * self.source.nbytes
         return [((e, s), self.file.pool.submit(job)) for e, s in fills
                 for job in self.source.jobs(e, {name: v[s] for name, v in self.views.items()}, self.slab[s])]
@@ -388,24 +390,25 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: SlotLayout, num_experts: int,
+def repacked_layers(path: Path, layers: list[tuple[dict[str, ExpertTensor], SlotLayout]], num_experts: int,
                     gguf: RawFile) -> Path | None:
-    """The experts of every MoE layer in slot records, one file per layer (`layer-NN.bin`, expert e at
-    e * stride), in a directory of repack_root() named by the GGUF's identity (resolved path, size, mtime)
-    and the layout; built here the first time (each file's SHA-256 taken as written and checked against a
-    re-read), reused after a check of the manifest and the file sizes. -> the directory, or None where there
-    is no room for it on disk (the caller reads the GGUF then)."""
+    """The experts of every MoE layer (its GGUF tensors and slot layout: types may differ between layers) in
+    slot records, one file per layer (`layer-NN.bin`, expert e at e * stride), in a directory of
+    repack_root() named by the GGUF's identity (resolved path, size, mtime) and the layouts; built here the
+    first time (each file's SHA-256 taken as written and checked against a re-read), reused after a check of
+    the manifest and the file sizes. -> the directory, or None where there is no room for it on disk (the
+    caller reads the GGUF then)."""
     st = path.stat()
     ident = {"version": REPACK_VERSION, "source": str(path.resolve()), "size": st.st_size,
-             "mtime_ns": st.st_mtime_ns, "experts": num_experts, "layers": len(layers), **layout.describe()}
+             "mtime_ns": st.st_mtime_ns, "experts": num_experts,
+             "layouts": [layout.describe() for _, layout in layers]}
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:20]
     root = repack_root()
     directory = root / key
-    size = num_experts * layout.stride
-    if _repacked_ok(directory, ident, size):
+    if _repacked_ok(directory, ident):
         return directory
     root.mkdir(parents=True, exist_ok=True)
-    need = size * len(layers)
+    need = sum(num_experts * layout.stride for _, layout in layers)
     free = shutil.disk_usage(root).free
     if free < need + (1 << 30):
         print(f"gem4: no room to repack the experts into {root} ({need / GB:.1f} GB needed, {free / GB:.1f} GB free): "
@@ -417,11 +420,11 @@ def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: S
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        record = aligned_bytes(layout.stride)
-        record.zero_()                                       # the padding between parts stays zero
-        slot = {name: v[0] for name, v in layout.views(record.view(1, -1)).items()}
         files = []
-        for i, tensors in enumerate(layers):
+        for i, (tensors, layout) in enumerate(layers):
+            record = aligned_bytes(layout.stride)
+            record.zero_()                                   # the padding between parts stays zero
+            slot = {name: v[0] for name, v in layout.views(record.view(1, -1)).items()}
             name = f"layer-{i:02d}.bin"
             h = hashlib.sha256()
             with open(tmp / name, "wb") as f:
@@ -436,14 +439,14 @@ def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: S
             digest = h.hexdigest()
             if _sha256_file(tmp / name) != digest:
                 raise OSError(f"{tmp / name}: the file read back differs from what was written")
-            files.append({"file": name, "bytes": size, "sha256": digest})
+            files.append({"file": name, "bytes": num_experts * layout.stride, "sha256": digest})
         (tmp / "manifest.json").write_text(json.dumps(dict(ident, files=files), indent=1) + "\n")
-        if directory.exists() and not _repacked_ok(directory, ident, size):    # damaged: set aside, removed below
+        if directory.exists() and not _repacked_ok(directory, ident):    # damaged: set aside, removed below
             os.rename(directory, stale)
         try:
             os.rename(tmp, directory)
         except OSError:                                  # another process built it meanwhile
-            if not _repacked_ok(directory, ident, size):
+            if not _repacked_ok(directory, ident):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -451,16 +454,18 @@ def repacked_layers(path: Path, layers: list[dict[str, ExpertTensor]], layout: S
     return directory
 
 
-def _repacked_ok(directory: Path, ident: dict, size: int) -> bool:
-    """The manifest names this source and layout, and every layer file is there at its size."""
+def _repacked_ok(directory: Path, ident: dict) -> bool:
+    """The manifest names this source and these layouts, and every layer file is there at its size."""
     try:
         manifest = json.loads((directory / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
     files = manifest.pop("files", [])
-    return (manifest == ident and len(files) == ident["layers"]
-            and all((directory / f["file"]).is_file() and (directory / f["file"]).stat().st_size == size == f["bytes"]
-                    for f in files))
+    sizes = [ident["experts"] * layout["stride"] for layout in ident["layouts"]]
+    return (manifest == ident and len(files) == len(sizes)
+            and all(f["file"] == f"layer-{i:02d}.bin" and f["bytes"] == size
+                    and (directory / f["file"]).is_file() and (directory / f["file"]).stat().st_size == size
+                    for i, (f, size) in enumerate(zip(files, sizes))))
 
 
 def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: torch.dtype,
@@ -474,7 +479,8 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
     count is `slots` (top_k <= slots; more than E is E) or what `memory_limit` GB -- the whole process --
     leaves after the runtime (`runtime_bytes`, the process's memory before the weights), the
     `resident_bytes` of the other weights and WORKING_RESERVE, divided among the layers; a long context's
-    KV cache comes on top. Returns the shared ExpertFile (`slots`, `stats`, `slot_bytes`)."""
+    KV cache comes on top. Returns the shared ExpertFile (`slots`, `stats`, `slot_bytes`: one slot in every
+    layer)."""
     from gem4.weights.quants import GGMLType
 
     moe = model.config.moe
@@ -500,32 +506,33 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
                                              _converter(ggml_type, rows, k, is_packed, dtype))
                 if is_packed:
                     types[name] = ggml_type
-            per_layer.append((layer, tensors, types))
-        # one expert's slot layout (shape, dtype, bytes) from expert 0 of the first layer
-        layout = SlotLayout.of({name: t.convert(file.read(t.offset, t.nbytes)) for name, t in per_layer[0][1].items()})
-        slot_bytes = layout.stride
+            # the layer's slot layout (shapes, dtypes, bytes) from its expert 0: types may differ between
+            # layers (llama.cpp's Q4_K_M keeps some layers' down_proj in Q8_0, the others in Q5_0)
+            layout = SlotLayout.of({name: t.convert(file.read(t.offset, t.nbytes)) for name, t in tensors.items()})
+            per_layer.append((layer, tensors, types, layout))
+        slot_bytes = sum(layout.stride for *_, layout in per_layer)             # one slot in every layer
         if slots is None:
             reserve = runtime_bytes + WORKING_RESERVE
             room = memory_limit * GB - resident_bytes - reserve
-            slots = int(max(room, 0) // (slot_bytes * len(layers)))
+            slots = int(max(room, 0) // slot_bytes)
             if slots < moe.top_k:
-                need = (reserve + resident_bytes + moe.top_k * slot_bytes * len(layers)) / GB
+                need = (reserve + resident_bytes + moe.top_k * slot_bytes) / GB
                 raise ExpertCacheError(
                     f"memory_limit {memory_limit:g} GB leaves room for {slots} expert slots per layer "
                     f"(the other weights take {resident_bytes / GB:.2f} GB, the runtime and working memory "
-                    f"{reserve / GB:.2f} GB, one expert {slot_bytes / 1e6:.2f} MB x {len(layers)} layers); "
+                    f"{reserve / GB:.2f} GB, one slot in each of the {len(layers)} layers {slot_bytes / 1e6:.1f} MB); "
                     f"top_k = {moe.top_k} need at least {need:.2f} GB")
         elif slots < moe.top_k:
             raise ExpertCacheError(f"expert_cache_slots {slots} is fewer than the {moe.top_k} experts a token "
                                    f"uses (top_k): give at least {moe.top_k}")
         slots = min(int(slots), moe.num_experts)
-        all_packed = all(len(types) == len(EXPERT_NAMES) for _, _, types in per_layer)
+        all_packed = all(len(types) == len(EXPERT_NAMES) for _, _, types, _ in per_layer)
         if all_packed:
-            file.repacked = repacked_layers(Path(path), [t for _, t, _ in per_layer], layout, moe.num_experts,
-                                            file.gguf)
+            file.repacked = repacked_layers(Path(path), [(t, layout) for _, t, _, layout in per_layer],
+                                            moe.num_experts, file.gguf)
         if file.repacked is not None:
             file.layer_files = [RawFile(file.repacked / f"layer-{i:02d}.bin") for i in range(len(per_layer))]
-        for i, (layer, tensors, types) in enumerate(per_layer):
+        for i, (layer, tensors, types, layout) in enumerate(per_layer):
             source = (RepackedSource(file.layer_files[i], layout.stride) if file.repacked is not None
                       else GGUFSource(file, tensors))
             store = SlotCache(file, source, moe.num_experts, slots, layout)
@@ -540,5 +547,5 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
 def expert_cache_summary(cache: ExpertFile) -> str:
     """One line for the CLI and the server's log: slots and the memory they take."""
     return (f"expert cache: {cache.slots} slots per layer x {cache.layers} layers, "
-            f"{cache.slot_bytes * cache.slots * cache.layers / GB:.2f} GB of slots, experts read from "
+            f"{cache.slot_bytes * cache.slots / GB:.2f} GB of slots, experts read from "
             f"{cache.repacked if cache.repacked is not None else cache.path.name}")
