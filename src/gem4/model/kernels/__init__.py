@@ -354,12 +354,12 @@ def _ops():
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-@functools.lru_cache(maxsize=None)
 def keep_heap(keep: bool = True) -> bool:
     """Let this process's heap keep the memory a prefill frees, so the next one reuses it (glibc only;
     False elsewhere, with no effect). keep=False hands it back (blocks from 128 KiB mapped fresh and unmapped
     on free, the heap top trimmed past 128 KiB): what a process within a memory limit wants, where a
-    26B-A4B 512-token prefill otherwise leaves ~2 GB of temporaries in the heap.
+    26B-A4B 512-token prefill otherwise leaves ~2 GB of temporaries in the heap. Each call sets the process's
+    allocator anew (a model loaded later decides for all).
 
     By default glibc hands large blocks back to the kernel on free (fresh mmaps, a trimmed heap top),
     and every prefill page-faults its temporaries in again: ~200k faults, 0.1-0.25 s of a 512-token
