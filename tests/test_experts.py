@@ -299,7 +299,11 @@ def test_packed_experts_are_read_from_a_repacked_copy_built_once(moe, repack_roo
     copy = files["q4_0"].with_name("copy.gguf")                 # another source: its own directory
     shutil.copy(files["q4_0"], copy)
     other = gem4.load(copy, dtype="bfloat16", expert_cache_slots=TOP_K)
-    assert other.expert_cache.repacked not in (None, directory)
+    first = other.expert_cache.repacked
+    assert first not in (None, directory)
+    os.utime(copy, ns=(1, 1))                                    # the same path changed: a new copy, the old one gone
+    newer = gem4.load(copy, dtype="bfloat16", expert_cache_slots=TOP_K).expert_cache.repacked
+    assert newer not in (None, first, directory) and not first.exists() and directory.exists()
     monkeypatch.setattr(experts.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
     copy.touch()                                                 # a new mtime: would need a new copy, no room
     plain = gem4.load(copy, dtype="bfloat16", expert_cache_slots=TOP_K)

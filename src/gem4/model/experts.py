@@ -23,11 +23,12 @@ Where a miss is read from (the choice measured in benchmarks/RESULTS.md E):
 - `RepackedSource` (the fast mode, packed experts): a one-time copy of the experts in slot layout,
   `$GEM4_CACHE/experts/<key>/layer-NN.bin` (`repacked_layers`), each expert one page-aligned record read
   straight into its slot with O_DIRECT -- no repack, no copy. On the 26B-A4B-shaped file in an 8 GB cgroup a
-  token took 463 ms reading the GGUF (the repack and the copy into the slot cost 215 ms of CPU a token on
-  two cores) and 328 ms with the reads alone. The copy is built on first use (12.9 GB for 26B-A4B Q4_0,
-  about a minute here), named by the GGUF's path, size and mtime and the layout, and listed in a manifest
-  with each layer file's size and SHA-256 (checked against a re-read when built; sizes and identity checked
-  at every load). Without room on disk for it, misses are read from the GGUF.
+  decode step took 463 ms reading the GGUF (the repack and the copy into the slot cost 215 ms of CPU a step
+  on two cores) and 366 ms reading the copy. The copy is built on first use (15.6 GB for 26B-A4B Q4_0: the
+  x16 rows are padded to whole groups of 16 blocks; 82 s here), named by the GGUF's path, size and mtime and
+  the layouts, and listed in a manifest with each layer file's size and SHA-256 (checked against a re-read
+  when built; sizes and identity checked at every load); a new copy of a path removes the path's older ones.
+  Without room on disk for it, misses are read from the GGUF.
 - `GGUFSource` (float32 / dense experts, or no room for the copy): a GGUF expert tensor [E, rows, k] stores
   expert e as one contiguous byte range, read and converted into the slot.
 
@@ -103,11 +104,12 @@ class RawFile:
     def read(self, offset: int, nbytes: int) -> torch.Tensor:
         """nbytes at offset -> a uint8 tensor [nbytes] of its own memory (short reads retried; EOF is an error).
         Direct: the aligned pages around the range into an aligned buffer, the bytes asked for a view of it."""
-        start = offset // DIRECT_ALIGN * DIRECT_ALIGN
-        end = -(-(offset + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
-        pages = aligned_bytes(end - start)
-        if self._read_direct(pages, start, offset + nbytes - start):       # the last page may end at EOF
-            return pages[offset - start:offset - start + nbytes]
+        if self.use_direct:
+            start = offset // DIRECT_ALIGN * DIRECT_ALIGN
+            end = -(-(offset + nbytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+            pages = aligned_bytes(end - start)
+            if self._read_direct(pages, start, offset + nbytes - start):   # the last page may end at EOF
+                return pages[offset - start:offset - start + nbytes]
         out = torch.empty(nbytes, dtype=torch.uint8)
         self._fill(self.fd, out, offset, nbytes)
         return out
@@ -451,7 +453,22 @@ def repacked_layers(path: Path, layers: list[tuple[dict[str, ExpertTensor], Slot
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(stale, ignore_errors=True)
+    _remove_superseded(root, directory, ident["source"])
     return directory
+
+
+def _remove_superseded(root: Path, current: Path, source: str) -> None:
+    """Copies of the same GGUF path made for an older file (another size or mtime) or layout: removed once a
+    new one is in place (a process still reading one keeps its open files)."""
+    for other in root.iterdir():
+        if other == current or not other.is_dir():
+            continue
+        try:
+            named = json.loads((other / "manifest.json").read_text()).get("source")
+        except (OSError, ValueError):
+            continue
+        if named == source:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def _repacked_ok(directory: Path, ident: dict) -> bool:
