@@ -10,6 +10,7 @@ import torch
 import gem4
 from gem4 import Engine, SamplingParams
 from gem4.model import experts, kernels
+from gem4.weights import expert_files
 from gem4.model.experts import (GB, ExpertCacheError, ExpertFile, ExpertTensor, GGUFSource, RawFile, SlotCache,
                                 SlotLayout)
 from model_fixtures import build_hf, prompt_ids
@@ -23,7 +24,7 @@ MODES = [("f32", "float32"), ("q8_0", "bfloat16"), ("q4_0", "bfloat16"),
 def repack_root(tmp_path_factory, monkeypatch):
     """Repacked expert files go to a directory of this test session, not the user's cache."""
     root = tmp_path_factory.getbasetemp() / "repacked-experts"
-    monkeypatch.setattr(experts, "repack_root", lambda: root)
+    monkeypatch.setattr(expert_files, "repack_root", lambda: root)
     return root
 
 
@@ -239,7 +240,7 @@ def test_raw_reads_give_the_file_bytes_direct_or_buffered(tmp_path, monkeypatch)
             got = file.read(offset, n)
             assert got.shape == (n,) and torch.equal(got, data[offset:offset + n]), (offset, n)
         for offset, n in ((4096, 8192), (0, 4096), (8, 4096), (4096, 100)):
-            out = experts.aligned_bytes(n + 8)[8 if offset == 8 else 0:][:n]    # one buffer off the alignment
+            out = expert_files.aligned_bytes(n + 8)[8 if offset == 8 else 0:][:n]    # one buffer off the alignment
             file.read_into(out, offset)
             assert torch.equal(out, data[offset:offset + n]), (offset, n)
         with pytest.raises(OSError, match="past the end of the file"):
@@ -287,7 +288,7 @@ def test_packed_experts_are_read_from_a_repacked_copy_built_once(moe, repack_roo
     for entry, layout in zip(manifest["files"], manifest["layouts"]):
         f = directory / entry["file"]
         assert f.stat().st_size == entry["bytes"] == E * layout["stride"]
-        assert experts._sha256_file(f) == entry["sha256"]
+        assert expert_files._sha256_file(f) == entry["sha256"]
     stamp = (directory / "layer-00.bin").stat().st_mtime_ns
     again = gem4.load(files["q4_0"], dtype="bfloat16", expert_cache_slots=E)
     assert again.expert_cache.repacked == directory and (directory / "layer-00.bin").stat().st_mtime_ns == stamp
@@ -304,7 +305,7 @@ def test_packed_experts_are_read_from_a_repacked_copy_built_once(moe, repack_roo
     os.utime(copy, ns=(1, 1))                                    # the same path changed: a new copy, the old one gone
     newer = gem4.load(copy, dtype="bfloat16", expert_cache_slots=TOP_K).expert_cache.repacked
     assert newer not in (None, first, directory) and not first.exists() and directory.exists()
-    monkeypatch.setattr(experts.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
+    monkeypatch.setattr(expert_files.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 0))
     copy.touch()                                                 # a new mtime: would need a new copy, no room
     plain = gem4.load(copy, dtype="bfloat16", expert_cache_slots=TOP_K)
     assert plain.expert_cache.repacked is None

@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from gem4.config import FULL, SLIDING, ModelConfig
+from gem4.procfs import proc_bytes
 
 BLOCK_SIZE = 16          # rows per block, both layer types
 
@@ -308,14 +309,7 @@ class PoolSize:
 
 def available_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 # Sliding blocks per running sequence beyond its own window, kept for the prefix cache: room for each

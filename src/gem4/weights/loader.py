@@ -190,8 +190,8 @@ def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: b
     kernels on CPUs that run them. "float32" is the reference mode (matches transformers to ~1e-5).
 
     26B-A4B in a memory cap: `expert_cache_slots=N` (top_k <= N) keeps N routed experts per layer in slots
-    filled from the GGUF on demand (LFU), `memory_limit=GB` computes N from the weights' budget; the
-    other weights stay resident. The logits are the same as without.
+    filled from disk on demand (LFU), `memory_limit=GB` computes N from the whole process's budget
+    (model/experts.py stream_experts); the other weights stay resident. The logits are the same as without.
 
     Python's garbage collector is paused while loading: parsing and binding make many small objects and no
     reference cycles worth collecting, and its passes over them took ~14% of a Q4_K_M load (perf).
