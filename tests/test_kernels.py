@@ -11,6 +11,7 @@ from gem4.weights.quants import GGMLType, dequantize, quantize
 from model_fixtures import VARIANTS
 
 PACKED = [GGMLType.Q8_0, GGMLType.Q4_0]
+PANEL_TYPES = {GGMLType.Q8_0, GGMLType.Q4_0}      # packed in 16-row panels (panels.h); the others in x16 rows
 
 
 def test_kernels_build_on_this_machine():
@@ -85,9 +86,16 @@ def test_repacked_layout_round_trips_every_row_length(ggml_type, k_in):
     # 1, 16, 17 and 48 blocks per row: a partial last group, exactly one group, one block over, several
     g = torch.Generator().manual_seed(k_in)
     layer, dense = packed_linear(torch.randn(24, k_in, generator=g), ggml_type)
-    assert layer.layout == "packed" and layer.packed.shape[1] % 64 == 0          # cache-line aligned rows
-    assert torch.equal(kernels.dequant(layer.packed, k_in, ggml_type, torch.float32), dense)
-    assert torch.equal(kernels.dequant(layer.packed, k_in, ggml_type, torch.bfloat16), dense.bfloat16())
+    assert layer.layout == "packed"
+    if ggml_type in PANEL_TYPES:           # 16-row panels, cache-line aligned; the last one padded with zero rows
+        assert layer.packed.shape[0] == 32 and layer.packed.shape[1] * 16 % 64 == 0
+    else:                                  # cache-line aligned rows
+        assert layer.packed.shape[0] == 24 and layer.packed.shape[1] % 64 == 0
+    rows = kernels.dequant(layer.packed, k_in, ggml_type, torch.float32)
+    assert torch.equal(rows[:24], dense) and not rows[24:].any()
+    assert torch.equal(kernels.dequant(layer.packed, k_in, ggml_type, torch.bfloat16)[:24], dense.bfloat16())
+    ids = torch.tensor([23, 0, 17, 5, 17])
+    assert torch.equal(kernels.dequant(layer.packed, k_in, ggml_type, torch.float32, rows=ids), dense[ids])
     x = torch.randn(3, k_in, generator=g)
     ref = x @ dense.T
     torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
@@ -429,6 +437,31 @@ def test_gemv_rows_do_not_depend_on_their_batch_mates():
     x = torch.randn(DECODE_ROWS, 320, generator=g)
     together = kernels.gemv_bf16(x, w)
     assert all(torch.equal(together[i], kernels.gemv_bf16(x[i:i + 1], w)[0]) for i in range(DECODE_ROWS))
+
+
+@pytest.mark.parametrize("ggml_type", PACKED, ids=lambda t: t.name)
+def test_panel_gemv_is_the_same_on_amx_and_vnni(ggml_type):
+    """Q8_0 / Q4_0 panels: passes of 2..8 rows run on AMX tiles where the CPU grants them, on VNNI otherwise;
+    both give the same floats bit for bit (odd block counts, a partial last panel, 1..20 rows)."""
+    g = torch.Generator().manual_seed(12)
+    was = kernels.set_amx()
+    try:
+        for n, k in ((40, 32), (24, 544), (48, 1536)):             # 1, 17 and 48 blocks a row; 40, 24 rows
+            layer, dense = packed_linear(torch.randn(n, k, generator=g), ggml_type)
+            x = torch.randn(20, k, generator=g)
+            x[3, :32] = 0.0                                           # a zero block: scale 0
+            for m in (1, 2, 3, 4, 5, 8, 9, 20):
+                kernels.set_amx(False)
+                vnni = kernels.gemv(x[:m].contiguous(), layer.packed, n, k, ggml_type)
+                amx = kernels.set_amx(True)
+                tiles = kernels.gemv(x[:m].contiguous(), layer.packed, n, k, ggml_type)
+                assert torch.equal(tiles, vnni), (n, k, m, amx)
+                ref = x[:m] @ dense.T
+                torch.testing.assert_close(tiles, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    finally:
+        kernels.set_amx(was)
+    cpu_has_amx = {"amx_tile", "amx_int8"} <= kernels._cpu_flags()
+    assert kernels.set_amx() in ((False,) if not cpu_has_amx else (True, False))   # never on without the CPU's AMX
 
 
 @pytest.mark.parametrize("preset, expect", [(None, "1000"), ("7", "7")])

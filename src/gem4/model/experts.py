@@ -1,7 +1,7 @@
 """26B-A4B's routed experts behind one interface: resident (every expert loaded at bind) or slot-cached
 (streamed from disk on demand, issue 17).
 
-`Experts` (gemma4.py) holds gate_up_proj and down_proj in the layout the kernels read (Experts.pack's x16
+`Experts` (gemma4.py) holds gate_up_proj and down_proj in the layout the kernels read (Experts.pack's packed
 rows in the fast mode, dense [rows, k] in the weight dtype otherwise) and asks its store which slot holds
 expert e. The layer's forward hands the store the sorted list of experts a step uses; `tiles(used)` yields
 them in groups that are all in slots before any of them is computed:
@@ -24,8 +24,9 @@ Where a miss is read from (the choice measured in benchmarks/RESULTS.md E):
   `$GEM4_CACHE/experts/<key>/layer-NN.bin` (`repacked_layers`), each expert one page-aligned record read
   straight into its slot with O_DIRECT -- no repack, no copy. On the 26B-A4B-shaped file in an 8 GB cgroup a
   decode step took 463 ms reading the GGUF (the repack and the copy into the slot cost 215 ms of CPU a step
-  on two cores) and 366 ms reading the copy. The copy is built on first use (15.6 GB for 26B-A4B Q4_0: the
-  x16 rows are padded to whole groups of 16 blocks; 82 s here), named by the GGUF's path, size and mtime and
+  on two cores) and 366 ms reading the copy. The copy is built on first use (15.6 GB for 26B-A4B Q4_0 when
+  its rows were padded to whole groups of 16 blocks -- Q8_0 / Q4_0 are not padded along k since their 16-row
+  panels; 82 s here), named by the GGUF's path, size and mtime and
   the layouts, and listed in a manifest with each layer file's size and SHA-256 (checked against a re-read
   when built; sizes and identity checked at every load); a new copy of a path removes the path's older ones.
   Without room on disk for it, misses are read from the GGUF.
@@ -235,7 +236,7 @@ class ExpertCacheError(ValueError):
 
 
 def _converter(ggml_type, rows: int, k: int, packed: bool, dtype: torch.dtype):
-    """One expert's file bytes -> its slot layout, as the resident path binds it: Experts.pack's x16 rows
+    """One expert's file bytes -> its slot layout, as the resident path binds it: Experts.pack's packed rows
     (packed) or the dense weight in `dtype` (loader: entry.dense().to(dtype))."""
     from gem4.model import kernels
     from gem4.weights.quants import dequantize, ggml_dtype_view
@@ -256,7 +257,7 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
     packed experts, room on disk).
 
     entries: canonical name ("layers.i.experts.gate_up_proj" / ...down_proj) -> TensorEntry (with `offset`);
-    packed: name -> kept in the kernels' x16 layout (the loader's choice for the resident path). The slot
+    packed: name -> kept in the kernels' packed layout (the loader's choice for the resident path). The slot
     count is `slots` (top_k <= slots; more than E is E) or what `memory_limit` GB -- the whole process --
     leaves after the runtime (`runtime_bytes`, the process's memory before the weights), the
     `resident_bytes` of the other weights and WORKING_RESERVE, divided among the layers; a long context's

@@ -134,14 +134,15 @@ class QuantLinear(nn.Module):
         """Rows `ids` of W as float32 [len(ids), in]: W used as a lookup table (token embeddings).
 
         Only these rows are converted, so a table in blocks (the 262144 x 8960 E2B per-layer
-        embedding) is never materialised. Gathered with index_select: the same rows as W[ids], ~8x faster
-        for thousands of rows (the assistant's centroid head: 4096 rows of its [262144, 256] table).
+        embedding) is never materialised. Gathered with index_select (packed: the kernels' dequant of the row
+        ids): the same rows as W[ids], ~8x faster for thousands of rows (the assistant's centroid head: 4096
+        rows of its [262144, 256] table).
         """
         ids = ids.reshape(-1)
         if self.layout == "dense":
             return self.weight.index_select(0, ids).float()
         if self.layout == "packed":
-            return kernels.dequant(self.packed.index_select(0, ids), self.in_features, self.ggml_type, torch.float32)
+            return kernels.dequant(self.packed, self.in_features, self.ggml_type, torch.float32, rows=ids)
         return dequantize(self.raw.index_select(0, ids), self.ggml_type, (ids.numel(), self.in_features))
 
     @property

@@ -1,11 +1,13 @@
 """Compiled CPU kernels of the fast mode, built once per machine on first use.
 
-- `repack(raw, n_out, k_in, ggml_type)`: Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K GGML blocks -> the kernels' "x16"
-  layout (once at load, lossless; same size give or take the padding of a row's last 16 blocks and, for
-  Q4_K / Q5_K, their unpacked 6-bit scales; Q5_0 / Q5_1 high bits as Q5_K's; `ggml_gemv.cpp` and `kquants.h`
-  describe it).
-  `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode); `gemv_multi` (Q, K, V from one
-  input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's GEMM
+- `repack(raw, n_out, k_in, ggml_type)`: GGML blocks -> the kernels' layout, once at load, lossless: Q8_0 / Q4_0
+  in panels of 16 rows (`panels.h`; the same size, the row count padded to a multiple of 16), Q4_1 / Q5_0 /
+  Q5_1 / Q4_K / Q5_K / Q6_K in "x16" rows (the same size give or take the padding of a row's last 16 blocks
+  and, for Q4_K / Q5_K, their unpacked 6-bit scales; Q5_0 / Q5_1 high bits as Q5_K's; `ggml_gemv.cpp` and
+  `kquants.h` describe it).
+  `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode; on Q8_0 / Q4_0 panels passes of 2-8 rows
+  of x run on AMX tiles where the CPU grants them, bit-identical to the VNNI kernel: `set_amx`); `gemv_multi`
+  (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's GEMM
   (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
 - `gemv_bf16(x, w)`: the same product for bf16 weights as they are stored (`bf16_gemv.cpp`).
 - `rms_norm`, `rms_norm_rope`, `attend`, `gelu_mul`, `softcap`: the decode step's small operations,
@@ -27,8 +29,9 @@ Build (choices and why):
 - Explicit instruction sets (`ISA`), not -march=native: exactly the extensions the sources' intrinsics use
   (AVX-512 F/BW/VL, VNNI, BF16) plus those every AVX-512 CPU has that the compiler may use around them
   (AVX-512 DQ, AVX2, FMA, F16C, BMI1/2, LZCNT, POPCNT), tuned for `TUNE`. -march=native would enable
-  whatever the CPU reports, AMX included on hosts whose VM does not enable it (those instructions trap);
-  here AMX is never enabled. The same list is checked against /proc/cpuinfo before anything is built.
+  whatever the CPU reports, AMX included on hosts whose VM does not enable it (those instructions trap).
+  AMX is compiled into the panel kernel alone (a function target attribute) and run only after the CPU
+  reports AMX-TILE and AMX-INT8 and Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). The same list is checked against /proc/cpuinfo before anything is built.
 - Never hangs on a dead build: the builder holds an flock on `build.lock` (released by the kernel when its
   holder dies, even by SIGKILL); another process waits for a live holder with a message (`WAIT_LIMIT_S`
   at most). Each build runs in a fresh `build-*` directory (so torch's own `lock` baton file is always
@@ -61,7 +64,7 @@ import torch
 from gem4.weights.quants import GGMLType
 
 SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "kquants.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "kquants.h", "panels.h")]
 # compiler flag -m<key> -> the /proc/cpuinfo flag of the same extension
 ISA = {
     "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl",     # the intrinsics' base
@@ -401,11 +404,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_ty
     return _ops().linear_x16(x.contiguous(), packed, n_out, k_in, int(ggml_type))
 
 
-def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of a packed x16 weight [R, packed_row_bytes] -> [R, k_in] in float32 (exact) or bfloat16."""
+def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.dtype,
+            rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A packed weight -> its rows [R, k_in] in float32 (exact) or bfloat16: all the packed tensor's rows (Q8_0 /
+    Q4_0 panels: padded to a multiple of 16 with zero rows), or those with the ids `rows` [R]."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequant gives float32 or bfloat16, not {dtype}")
-    return _ops().dequant_x16(packed.contiguous(), packed.shape[0], k_in, int(ggml_type), dtype == torch.bfloat16)
+    ids = None if rows is None else rows.to(torch.int64).contiguous()
+    return _ops().dequant_x16(packed.contiguous(), k_in, int(ggml_type), dtype == torch.bfloat16, ids)
+
+
+def set_amx(enable: bool | None = None) -> bool:
+    """Whether GEMV passes of 2-8 rows over Q8_0 / Q4_0 weights run on AMX tiles (on by default where the CPU
+    and kernel grant AMX, unless GEM4_NO_AMX is set); enable=True / False switches (True only where granted).
+    The two kernels give the same results bit for bit; the switch is for tests and benchmarks."""
+    return bool(_ops().set_amx(-1 if enable is None else int(enable)))
 
 
 def gemv_multi(x: torch.Tensor, packed: list[torch.Tensor], n_outs: list[int], k_in: int,

@@ -12,11 +12,12 @@
 //   norms:    input, q, k, post-attention, pre-feedforward, post-feedforward, post-per-layer-input, layer scalar
 //   linears:  q, k, v, o, gate, up, down, per-layer-input gate, per-layer projection
 // dims: n_heads, n_kv_heads, head_dim, owns_kv, k_eq_v, then (n_out, k_in, type) of each linear. A linear is
-// Q8_0 / Q4_0 in the x16 layout (type 8 / 2) or bf16 [n_out, k_in] as stored (type 30, GGML's BF16); Q/K/V
-// and gate/up take one fused pass when they are x16 of one type, one call each otherwise (as in Python).
+// packed (its GGML type: Q8_0 / Q4_0 panels, the other types x16 rows; ggml_gemv.cpp) or bf16 [n_out, k_in] as
+// stored (type 30, GGML's BF16); Q/K/V and gate/up take one fused pass when they are packed of one type, one
+// call each otherwise (as in Python).
 // 26B-A4B layers append to weights: the norms pre-feedforward-2, post-feedforward-1, post-feedforward-2, the
 // router's scale, projection [E, H] (float32) and per-expert scale, the experts' gate_up and down; and to
-// dims: E, top_k, then each expert weight's type (8 / 2: x16 as [E * rows, ...]; 0: dense [E, rows, k]).
+// dims: E, top_k, then each expert weight's type (packed as [E * rows, ...]; 0: dense [E, rows, k]).
 #include <torch/extension.h>
 #include <cmath>
 #include <utility>
@@ -48,7 +49,7 @@ struct Layer {
     torch::Tensor apply(Linear l, const torch::Tensor& x) const {
         return type(l) == BF16_TYPE ? gemv_bf16(x, packed(l)) : gemv_x16(x, packed(l), n_out(l), k_in(l), type(l));
     }
-    // layers.project: x through several linears, one pass when all are x16 of one type
+    // layers.project: x through several linears, one pass when all are packed of one type
     std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<Linear>& ls) const {
         bool one_pass = ls.size() > 1 && type(ls[0]) != BF16_TYPE;
         for (Linear l : ls) one_pass = one_pass && type(l) == type(ls[0]);
@@ -87,7 +88,7 @@ struct Layer {
         return {idx, top * moe_weight(EXPERT_SCALE).index({idx})};
     }
 
-    // expert e's xs @ W_e.T for an expert weight [E, rows, k] (dense) or its x16 rows [E * rows, ...]
+    // expert e's xs @ W_e.T for an expert weight [E, rows, k] (dense) or its packed rows [E * rows, ...]
     torch::Tensor expert(MoeWeight m, MoeDim type_dim, int64_t e, const torch::Tensor& xs) const {
         const torch::Tensor& w = moe_weight(m);
         const int64_t type = moe_dim(type_dim);

@@ -1,5 +1,6 @@
-// Products with Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights (AVX-512 + VNNI), in a load-time
-// layout made for them.
+// Products with Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K weights (AVX-512 + VNNI, AMX where the CPU
+// grants it), in a load-time layout made for them: Q8_0 / Q4_0 in panels of 16 rows (panels.h: a VNNI and an
+// AMX kernel that agree bit for bit), the others in the "x16" layout below.
 //
 // GGML block (32 weights):  Q8_0: fp16 d | int8 q[32]                           w = d * q
 //                           Q4_0: fp16 d | u8 qs[16] (lo nibble: j, hi: j + 16)   w = d * (q - 8)
@@ -9,11 +10,11 @@
 // nibble order for the low 4 bits of q, plus high-bit vectors and unpacked sub-block scales per group
 // (lossless: dequant_x16 gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
 //
-// The "x16" layout (repack_x16, once at load): each row's blocks in groups of 16, the last group padded
+// The "x16" layout (repack_x16, once at load; every type but Q8_0 / Q4_0): each row's blocks in groups of 16, the last group padded
 // with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
 // quant bytes], so that every 64-byte load is cache-line aligned (unaligned loads cost a fifth of the
 // Q4_0 speed) and a row is read front to back. A group's quant bytes are Q/4 vectors of 64 bytes
-// (Q = 32 for Q8_0, 16 for Q4_0): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b at
+// (Q = 16 for the nibbles, more with high bits): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b at
 // bytes 4b..4b+3. So a 32-bit lane of any vector belongs to one block, and so does that lane of the
 // integer accumulator: a group needs one float conversion and one scale multiply, not 16. The buffer
 // asks for transparent huge pages: it is streamed once per decoded token.
@@ -32,6 +33,7 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <sys/mman.h>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -39,6 +41,7 @@
 
 #include "kquants.h"
 #include "ops.h"
+#include "panels.h"
 #include "simd.h"
 
 namespace gem4_ops {
@@ -64,8 +67,12 @@ struct Format {
     int64_t meta_bytes;    // scales per x16 group (Q8_0 / Q4_0: 16 fp16 d; K-quants: kquants.h)
     int64_t groups;        // x16 groups per row
     int64_t quants_at;     // offset of the first group's quants in an x16 row (the scales come first)
-    int64_t row_bytes;     // x16 row
+    int64_t row_bytes;     // x16 row (panel types: a 16th of a panel)
+    bool panel;            // Q8_0 / Q4_0: the panel layout (panels.h); the fields above but row_bytes unused
 };
+
+// Rows of the packed tensor of an [n_out, k_in] weight: panels hold whole multiples of 16.
+int64_t packed_rows(const Format& f, int64_t n_out) { return f.panel ? (n_out + 15) / 16 * 16 : n_out; }
 
 Format format_of(int64_t ggml_type, int64_t k_in) {
     const bool k = gem4_kq::is_k(ggml_type);
@@ -73,13 +80,17 @@ Format format_of(int64_t ggml_type, int64_t k_in) {
                 "only Q8_0 (8), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13) and Q6_K (14) have kernels");
     const int64_t block = k ? gem4_kq::QK_K : QK;
     TORCH_CHECK(k_in > 0 && k_in % block == 0, "k_in must be a positive multiple of ", block, " for this type");
-    const int64_t q = ggml_type == Q8_0_TYPE ? 32 : 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : legacy_high(ggml_type));
+    if (gem4_panels::is_panel_type(ggml_type)) {
+        const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);
+        return {ggml_type, 2 + P.qb, QK, P.qb, 0, 0, 0, P.panel_bytes / gem4_panels::PANEL, true};
+    }
+    const int64_t q = 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : legacy_high(ggml_type));
     const int64_t G = groups_of(k_in);
     const int64_t meta = k ? gem4_kq::meta_bytes(ggml_type) : GROUP * 2 * (legacy_min(ggml_type) ? 2 : 1);
     const int64_t quants_at = (G * meta + 63) / 64 * 64;
     const int64_t block_bytes = k ? gem4_kq::super_bytes(ggml_type)
-                                  : 2 + 32 / (ggml_type == Q8_0_TYPE ? 1 : 2) + 2 * legacy_min(ggml_type) + 4 * legacy_high(ggml_type);
-    return {ggml_type, block_bytes, block, q, meta, G, quants_at, quants_at + G * GROUP * q};
+                                  : 2 + 16 + 2 * legacy_min(ggml_type) + 4 * legacy_high(ggml_type);
+    return {ggml_type, block_bytes, block, q, meta, G, quants_at, quants_at + G * GROUP * q, false};
 }
 
 // GGML [N, K / block weights] -> x16 [N, groups * group_bytes]
@@ -88,7 +99,7 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
     const int64_t nb = k_in / f.block_elems;               // GGML blocks per row
     TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
                 "w must be the contiguous GGML bytes of an [n_out, k_in] weight");
-    auto out = torch::empty({n_out, f.row_bytes}, w.options());
+    auto out = f.panel ? torch::zeros({packed_rows(f, n_out), f.row_bytes}, w.options()) : torch::empty({n_out, f.row_bytes}, w.options());
     uint8_t* dst = out.data_ptr<uint8_t>();
     // Huge pages for the weight stream (asked before the first touch): on 4 KiB pages every decoded token
     // takes ~300k TLB misses and a prefetcher restart per page (E2B Q4_0 decode step 47-50 -> 41-45 ms).
@@ -96,6 +107,13 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
                     end = (reinterpret_cast<uintptr_t>(dst) + out.nbytes()) / huge * huge;
     if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
     const uint8_t* src = w.data_ptr<uint8_t>();
+    if (f.panel) {
+        const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, n_out, k_in);
+        at::parallel_for(0, P.panels, 4, [&](int64_t p0, int64_t p1) {
+            for (int64_t p = p0; p < p1; ++p) gem4_panels::repack_panel(src, P, p, dst + p * P.panel_bytes);
+        });
+        return out;
+    }
     const int64_t group_bytes = GROUP * f.quant_bytes;
     at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {
         std::memset(dst + n0 * f.row_bytes, 0, (n1 - n0) * f.row_bytes);      // padding blocks: d = 0
@@ -117,7 +135,7 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
                 std::memcpy(meta + 2 * lane, blk, 2);                                               // d
                 if (legacy_min(f.type)) std::memcpy(meta + 32 + 2 * lane, blk + 2, 2);              // m
                 const int64_t qh_at = 2 + 2 * legacy_min(f.type), qs_at = qh_at + 4 * legacy_high(f.type);
-                for (int64_t v = 0; v < (f.type == Q8_0_TYPE ? 8 : 4); ++v)
+                for (int64_t v = 0; v < 4; ++v)
                     std::memcpy(grp + v * 64 + 4 * lane, blk + qs_at + 4 * v, 4);
                 if (legacy_high(f.type)) {                                                          // bit e of qh: weight e
                     uint32_t qh, word = 0;
@@ -133,15 +151,10 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
 
 // Where activation element `e` of block `lane` sits in a group's stream of 512 int16 (the order in
 // which gemv_x16 multiplies them). A 32-bit weight lane holds bytes (4v, 4v+1 | 4v+2, 4v+3) of its
-// block; the kernel splits it into int16 weights in these steps e:
-//   Q8_0 (v = 0..7):  e0: bytes 0, 2 (sign-extended)   e1: bytes 1, 3
-//   Q4_0 (v = 0..3):  e0: lo nibbles of bytes 0, 2    e1: of bytes 1, 3    e2, e3: the same for hi nibbles
-// Byte r of vector v is weight 4v + r (Q8_0); its lo nibble weight 4v + r, its hi nibble 16 + 4v + r (Q4_0).
-inline int64_t stream_pos(int64_t ggml_type, int64_t lane, int64_t elem) {
-    if (ggml_type == Q8_0_TYPE) {
-        const int64_t v = elem / 4, r = elem % 4;                         // r = e + 2t
-        return (v * 2 + r % 2) * 32 + 2 * lane + r / 2;
-    }
+// block; the kernel splits it into int16 weights in these steps e (v = 0..3):
+//   e0: lo nibbles of bytes 0, 2    e1: of bytes 1, 3    e2, e3: the same for hi nibbles
+// The lo nibble of byte r of vector v is weight 4v + r, its hi nibble 16 + 4v + r (high bits: kquants.h).
+inline int64_t stream_pos(int64_t lane, int64_t elem) {
     const int64_t hi = elem / 16, v = (elem % 16) / 4, r = elem % 4;
     return (v * 4 + hi * 2 + r % 2) * 32 + 2 * lane + r / 2;
 }
@@ -162,7 +175,7 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int64_t mc, int64
     const int64_t nb = K / QK;
     alignas(64) int16_t order[QK];                            // order[2k + t] = element in half t of step k
     for (int64_t e = 0; e < QK; ++e) {
-        const int64_t pos = stream_pos(ggml_type, 0, e);      // step * 32 + half, for lane 0
+        const int64_t pos = stream_pos(0, e);                 // step * 32 + half, for lane 0
         order[pos / 32 * 2 + pos % 32] = static_cast<int16_t>(e);
     }
     const __m512i perm = _mm512_load_si512(order);
@@ -181,8 +194,8 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int64_t mc, int64
                                 _mm512_permutexvar_epi16(perm, q), 4);
         dx[at] = scale;
         const int32_t lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
-        if (ggml_type == Q4_0_TYPE || ggml_type == Q5_0_TYPE) {
-            corr[at] = (ggml_type == Q4_0_TYPE ? -8 : -16) * (lo + hi);
+        if (ggml_type == Q5_0_TYPE) {
+            corr[at] = -16 * (lo + hi);
         } else if (ggml_type == gem4_kq::Q6_K) {
             corr[at] = -32 * lo;
             corr2[at] = -32 * hi;
@@ -223,8 +236,8 @@ struct Span {
 };
 
 // y[i, n] for rows n in [n0, n1) of W and MC rows of x.
-// Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1: y += dot_b (d_b dx_b) [+ m_b xsum_b], dot_b from Q4_0's / Q5_0's
-// -8 / -16 * sum (corr) or 0; Q5_0 / Q5_1 merge their high bits as Q5_K does (gemv_rows_k).
+// Q4_1 / Q5_0 / Q5_1: y += dot_b (d_b dx_b) [+ m_b xsum_b], dot_b from Q5_0's -16 * sum (corr) or 0; Q5_0 / Q5_1
+// merge their high bits as Q5_K does (gemv_rows_k).
 // Each row of x takes the same operations in the same order whatever MC is (batch invariance).
 template <int MC, int64_t TYPE>
 void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1, const Span& sp) {
@@ -232,9 +245,8 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
     const float *dx = x.dx, *xsum = x.xsum;
     const int32_t* corr = x.corr;
     constexpr bool H5 = legacy_high(TYPE), M = legacy_min(TYPE);
-    constexpr int64_t QB = TYPE == Q8_0_TYPE ? 32 : H5 ? 20 : 16, GB = GROUP * QB;
-    constexpr int NV = TYPE == Q8_0_TYPE ? 8 : 4;             // 64-byte vectors of nibbles / int8
-    constexpr int steps = TYPE == Q8_0_TYPE ? 2 : 4;          // int16 weight vectors per 64 quant bytes
+    constexpr int64_t QB = H5 ? 20 : 16, GB = GROUP * QB;
+    constexpr int NV = 4, steps = 4;          // 64-byte vectors of nibbles; int16 weight vectors per vector
     const int64_t G = f.groups;
     const __m512i low4 = _mm512_set1_epi16(0x000F), hmask = _mm512_set1_epi32(0x00100010);
     for (int64_t n = n0; n < n1; ++n) {
@@ -248,8 +260,7 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
             const int64_t at = g * MC * GROUP;                      // row i's per-block values at at + i * GROUP
             __m512i dot[MC];
             for (int i = 0; i < MC; ++i)
-                dot[i] = (TYPE == Q4_0_TYPE || TYPE == Q5_0_TYPE) ? _mm512_load_si512(corr + at + i * GROUP)
-                                                                  : _mm512_setzero_si512();
+                dot[i] = TYPE == Q5_0_TYPE ? _mm512_load_si512(corr + at + i * GROUP) : _mm512_setzero_si512();
             __m512i h0 = _mm512_setzero_si512();
             if constexpr (H5) {
                 _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + 256), _MM_HINT_T0);
@@ -260,15 +271,10 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
                 _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + v * 64), _MM_HINT_T0);
                 const __m512i raw = _mm512_loadu_si512(grp + v * 64);
                 __m512i e[4];
-                if constexpr (TYPE == Q8_0_TYPE) {
-                    e[0] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);          // bytes 0, 2 of each lane
-                    e[1] = _mm512_srai_epi16(raw, 8);                                 // bytes 1, 3
-                } else {
-                    e[0] = _mm512_and_si512(raw, low4);                               // lo nibbles of bytes 0, 2
-                    e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);         // lo nibbles of bytes 1, 3
-                    e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);         // hi nibbles of bytes 0, 2
-                    e[3] = _mm512_srli_epi16(raw, 12);                                // hi nibbles of bytes 1, 3
-                }
+                e[0] = _mm512_and_si512(raw, low4);                                   // lo nibbles of bytes 0, 2
+                e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);             // lo nibbles of bytes 1, 3
+                e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);             // hi nibbles of bytes 0, 2
+                e[3] = _mm512_srli_epi16(raw, 12);                                    // hi nibbles of bytes 1, 3
 #pragma GCC unroll 4
                 for (int s = 0; s < steps; ++s) {
                     if constexpr (H5)
@@ -381,8 +387,8 @@ void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, i
 
 
 void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
-    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == n_out
-                && w.size(1) == f.row_bytes, "w must be the x16 layout of an [n_out, k_in] weight");
+    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == packed_rows(f, n_out)
+                && w.size(1) == f.row_bytes, "w must be the packed layout of an [n_out, k_in] weight");
 }
 
 // x [M, k_in] prepared once (activation stream, scales, Q4_0 corrections) for any number of weights of
@@ -392,7 +398,7 @@ void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
 template <typename T>
 struct Aligned {
     T* data = nullptr;
-    explicit Aligned(int64_t n) : data(static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64))) {
+    explicit Aligned(int64_t n) : data(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(64, (n * sizeof(T) + 63) / 64 * 64)))) {
         TORCH_CHECK(data != nullptr, "out of memory");
     }
     ~Aligned() { std::free(data); }
@@ -422,19 +428,38 @@ void with_rows(int mc, Fn&& fn) {
     }
 }
 
+// Whether passes of 2..8 rows of x over Q8_0 / Q4_0 panels run on AMX tiles (set_amx; on where the CPU and
+// kernel grant AMX, unless GEM4_NO_AMX is set). Either way the results are the same, bit for bit.
+std::atomic<bool>& amx_on() {
+    static std::atomic<bool> on{gem4_panels::amx_granted() && std::getenv("GEM4_NO_AMX") == nullptr};
+    return on;
+}
+
 struct Prepared {
     Format f;
     int64_t type, M, per_row;             // per_row: stream elements of one row of x
-    Aligned<int16_t> stream;
+    bool amx;                             // panel types: passes of >= 2 rows on AMX
+    Aligned<int16_t> stream;              // x16: the interleaved stream (prepare_row); panels: the pair stream
     Aligned<float> dx;
     Aligned<int32_t> corr, corr2;
     Aligned<float> xsum;
+    Aligned<int8_t> planes;               // panels on AMX: the A tile rows (gem4_panels::prepare_panel_rows)
+
+    // per-block values of one row of x: x16 groups * 16 (the padding blocks' zero), panels k_in / 32
+    static int64_t blocks(const Format& f, int64_t k_in) { return f.panel ? k_in / QK : f.groups * GROUP; }
 
     Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
-        : f(format_of(ggml_type, k_in)), type(ggml_type), M(rows_of(x, k_in)), per_row(f.groups * GROUP_ELEMS),
-          stream(M * per_row), dx(M * f.groups * GROUP), corr(M * f.groups * GROUP), corr2(M * f.groups * GROUP),
-          xsum(M * f.groups * GROUP) {
-        const int64_t sg = f.groups * GROUP;
+        : f(format_of(ggml_type, k_in)), type(ggml_type), M(rows_of(x, k_in)),
+          per_row(f.panel ? k_in : f.groups * GROUP_ELEMS), amx(f.panel && M >= 2 && amx_on().load()),
+          stream(M * per_row), dx(M * blocks(f, k_in)), corr(M * blocks(f, k_in)), corr2(f.panel ? 0 : M * blocks(f, k_in)),
+          xsum(f.panel ? 0 : M * blocks(f, k_in)), planes(amx ? (k_in / QK + 1) / 2 * M * 256 : 0) {
+        const int64_t sg = blocks(f, k_in);
+        if (f.panel) {
+            if (amx) std::memset(planes.data, 0, (k_in / QK + 1) / 2 * M * 256);
+            gem4_panels::prepare_panel_rows(x.data_ptr<float>(), M, gem4_panels::panels_of(type, 1, k_in), stream.data,
+                                            dx.data, corr.data, amx ? planes.data : nullptr);
+            return;
+        }
         std::memset(stream.data, 0, M * per_row * sizeof(int16_t));
         for (float* a : {dx.data, xsum.data}) std::memset(a, 0, M * sg * sizeof(float));
         for (int32_t* a : {corr.data, corr2.data}) std::memset(a, 0, M * sg * sizeof(int32_t));
@@ -446,12 +471,36 @@ struct Prepared {
         }
     }
 
+    // Panel types: rows [n0, n1) of W (n0 a multiple of 16, n1 <= n_out) for every row of x, in passes of up to
+    // MAX_M rows, each over the panels once: AMX for passes of >= 2 rows when on, VNNI otherwise.
+    void panel_rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+        using namespace gem4_panels;
+        const Panels P = panels_of(type, n1, per_row);         // rows from n1 on are not written
+        const int64_t p0 = n0 / PANEL, p1 = (n1 + PANEL - 1) / PANEL, nb = P.nb;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+            const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
+            const PanelX xp{stream.data + m0 * per_row, dx.data + m0 * nb, corr.data + m0 * nb, planes.data, M, m0};
+            float* yo = y + m0 * ldy;
+            with_rows(mc, [&](auto rows) {
+                constexpr int MC = decltype(rows)::value;
+                if (amx && MC >= 2) {
+                    if (type == Q8_0_TYPE) amx_panels<MC, Q8_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
+                    else amx_panels<MC, Q4_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
+                } else {
+                    if (type == Q8_0_TYPE) vnni_panels<MC, Q8_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
+                    else vnni_panels<MC, Q4_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
+                }
+            });
+        }
+    }
+
     // y[m * ldy + n] for rows n in [n0, n1) of the x16 weight w, every row m of x: chunks of up to MAX_M rows
     // of x, each in one pass over W; when a chunk's activations would not stay in L1, W is taken TILE_N rows
     // at a time and each tile in spans of groups (Span).
     static constexpr int64_t TILE_N = 16;
     static constexpr int64_t X_L1 = 24 << 10;     // activation bytes per span (L1 is 32-48 KB)
     void rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+        if (f.panel) return panel_rows(w, y, ldy, n0, n1);
         const int64_t sg = f.groups * GROUP;
         alignas(64) float part[TILE_N * MAX_M * 16];
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
@@ -474,8 +523,6 @@ struct Prepared {
         with_rows(mc, [&](auto rows) {
             constexpr int MC = decltype(rows)::value;
             switch (type) {
-                case Q8_0_TYPE: gemv_rows<MC, Q8_0_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
-                case Q4_0_TYPE: gemv_rows<MC, Q4_0_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case Q4_1_TYPE: gemv_rows<MC, Q4_1_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case Q5_0_TYPE: gemv_rows<MC, Q5_0_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case Q5_1_TYPE: gemv_rows<MC, Q5_1_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
@@ -487,7 +534,14 @@ struct Prepared {
     }
 };
 
-constexpr int64_t GRAIN = 16;   // rows of W per task
+constexpr int64_t GRAIN = 16;   // rows of W per task: a panel
+
+// fn(n0, n1) over [0, n_out) split across torch's intra-op threads in whole tasks of GRAIN rows (a task of
+// the panel types then starts on a panel).
+template <typename Fn>
+void for_row_tasks(int64_t n_out, Fn&& fn) {
+    at::parallel_for(0, (n_out + GRAIN - 1) / GRAIN, 1, [&](int64_t t0, int64_t t1) { fn(t0 * GRAIN, std::min(n_out, t1 * GRAIN)); });
+}
 
 torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     // x: [M, k_in] float32; w: x16 [n_out, row_bytes] -> y: [M, n_out] float32
@@ -496,7 +550,7 @@ torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t 
     auto y = torch::empty({p.M, n_out}, x.options());
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, n_out, GRAIN, [&](int64_t n0, int64_t n1) { p.rows(wp, yp, n_out, n0, n1); });
+    for_row_tasks(n_out, [&](int64_t n0, int64_t n1) { p.rows(wp, yp, n_out, n0, n1); });
     return y;
 }
 
@@ -506,16 +560,17 @@ std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Te
     TORCH_CHECK(!ws.empty() && ws.size() == n_outs.size(), "one n_out per weight");
     const Prepared p(x, k_in, ggml_type);
     std::vector<torch::Tensor> ys;
-    std::vector<int64_t> start{0};                       // first row of each weight in the joint row range
+    std::vector<int64_t> start{0};                       // first task of each weight in the joint range of tasks
     for (size_t i = 0; i < ws.size(); ++i) {
         check_x16(ws[i], n_outs[i], p.f);
         ys.push_back(torch::empty({p.M, n_outs[i]}, x.options()));
-        start.push_back(start.back() + n_outs[i]);
+        start.push_back(start.back() + (n_outs[i] + GRAIN - 1) / GRAIN);
     }
-    at::parallel_for(0, start.back(), GRAIN, [&](int64_t a, int64_t b) {
+    at::parallel_for(0, start.back(), 1, [&](int64_t a, int64_t b) {
         for (size_t i = 0; i < ws.size(); ++i) {
-            const int64_t lo = std::max(a, start[i]), hi = std::min(b, start[i + 1]);
-            if (lo < hi) p.rows(ws[i].data_ptr<uint8_t>(), ys[i].data_ptr<float>(), n_outs[i], lo - start[i], hi - start[i]);
+            const int64_t lo = std::max(a, start[i]) - start[i], hi = std::min(b, start[i + 1]) - start[i];
+            if (lo < hi)
+                p.rows(ws[i].data_ptr<uint8_t>(), ys[i].data_ptr<float>(), n_outs[i], lo * GRAIN, std::min(n_outs[i], hi * GRAIN));
         }
     });
     return ys;
@@ -531,7 +586,7 @@ torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up
     std::vector<float> g(p.M * n_out);
     const uint8_t *gp = gate.data_ptr<uint8_t>(), *up_ = up.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, n_out, GRAIN, [&](int64_t n0, int64_t n1) {
+    for_row_tasks(n_out, [&](int64_t n0, int64_t n1) {
         p.rows(gp, g.data(), n_out, n0, n1);
         p.rows(up_, yp, n_out, n0, n1);
         for (int64_t m = 0; m < p.M; ++m)
@@ -571,10 +626,11 @@ inline void transpose_group(const uint8_t* grp, uint8_t* out) {
 // Rows [n0, n1) of an x16 weight -> out (row-major, k_in per row) as float32 or bf16 (w = d * q, or
 // d * (q - 8); exact in float32).
 void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
-                  uint8_t* op) {
+                  uint8_t* op, const int64_t* ids = nullptr) {
     const int64_t nb = k_in / QK, out_size = bf16 ? 2 : 4;
     const bool kq = gem4_kq::is_k(ggml_type);
-    const int64_t nibble_vectors = ggml_type == Q8_0_TYPE ? 8 : 4;
+    const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);      // panel types
+    const int64_t nibble_vectors = 4;
     // K-quants: where the high bits of weights 0..15 / 16..31 of a block sit in its 32-bit lane (kquants.h)
     alignas(64) int32_t at[32];
     for (int e = 0; e < 32; ++e) {
@@ -584,17 +640,23 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
     const __m512i at_lo = _mm512_load_si512(at), at_hi = _mm512_load_si512(at + 16);
     const __m512i mask4 = _mm512_set1_epi32(0x0F), hbits = _mm512_set1_epi32(ggml_type == gem4_kq::Q6_K ? 3 : 1);
     alignas(64) uint8_t blocks[2][GROUP * 16];              // a group's quant bytes back in block order
-    for (int64_t n = n0; n < n1; ++n)
+    for (int64_t i = n0; i < n1; ++i)
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* row = wp + n * f.row_bytes;
+            const int64_t n = ids ? ids[i] : i;
+            const uint8_t* row = wp + n * f.row_bytes;      // x16
             const uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
             const int64_t lane = b % GROUP;
-            if (lane == 0)                                   // vectors 4h..4h+3 -> bytes 16h..16h+15 of each block
-                for (int64_t h = 0; h < nibble_vectors / 4; ++h) transpose_group(grp + 4 * h * 64, blocks[h]);
             alignas(32) uint8_t q[32];                       // the block's quant bytes in GGML order
-            for (int64_t h = 0; h < nibble_vectors / 4; ++h)
-                _mm_store_si128(reinterpret_cast<__m128i*>(q + 16 * h),
-                                _mm_load_si128(reinterpret_cast<const __m128i*>(blocks[h] + 16 * lane)));
+            uint16_t panel_d = 0;
+            if (f.panel) {
+                panel_d = gem4_panels::block_of(wp, P, n, b, q);
+            } else {
+                if (lane == 0)                               // vectors 4h..4h+3 -> bytes 16h..16h+15 of each block
+                    for (int64_t h = 0; h < nibble_vectors / 4; ++h) transpose_group(grp + 4 * h * 64, blocks[h]);
+                for (int64_t h = 0; h < nibble_vectors / 4; ++h)
+                    _mm_store_si128(reinterpret_cast<__m128i*>(q + 16 * h),
+                                    _mm_load_si128(reinterpret_cast<const __m128i*>(blocks[h] + 16 * lane)));
+            }
             __m512 w0, w1;
             if (kq) {                                        // w = (d sc) q - (dmin min), or (d sc) (q - 32): as quants.py
                 const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
@@ -635,8 +697,8 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                 }
             } else {                                         // w = d q (Q8_0), d (q - 8 / 16), (d q) + m: as quants.py
                 const uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
-                uint16_t dbits;
-                std::memcpy(&dbits, meta + 2 * lane, 2);
+                uint16_t dbits = panel_d;
+                if (!f.panel) std::memcpy(&dbits, meta + 2 * lane, 2);
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
                 if (ggml_type == Q8_0_TYPE) {
                     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
@@ -667,7 +729,7 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                     }
                 }
             }
-            uint8_t* dst = op + ((n - n0) * k_in + b * QK) * out_size;
+            uint8_t* dst = op + ((i - n0) * k_in + b * QK) * out_size;
             if (bf16) {
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(w0));
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), (__m256i)_mm512_cvtneps_pbh(w1));
@@ -679,15 +741,30 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
 }
 
 // x16 [N, ...] -> [N, K] float32 or bf16
-torch::Tensor dequant_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type, bool bf16) {
+// x16 / panels [N, ...] -> [N, K] float32 or bf16 (N: the packed tensor's rows, a panel's padding included), or
+// only the rows `ids` [R] -> [R, K] (token tables)
+torch::Tensor dequant_x16(torch::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std::optional<torch::Tensor> ids) {
     const Format f = format_of(ggml_type, k_in);
-    check_x16(w, n_out, f);
-    auto out = torch::empty({n_out, k_in}, w.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+    check_x16(w, w.size(0), f);
+    const int64_t* idp = nullptr;
+    if (ids) {
+        TORCH_CHECK(ids->dtype() == torch::kInt64 && ids->dim() == 1 && ids->is_contiguous(), "ids must be contiguous int64 [R]");
+        idp = ids->data_ptr<int64_t>();
+        for (int64_t i = 0; i < ids->numel(); ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < w.size(0), "row ", idp[i], " out of range");
+    }
+    const int64_t R = ids ? ids->numel() : w.size(0);
+    auto out = torch::empty({R, k_in}, w.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
     const uint8_t* wp = w.data_ptr<uint8_t>();
     uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
     const int64_t row_out = k_in * (bf16 ? 2 : 4);
-    at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) { dequant_rows(wp, f, k_in, ggml_type, bf16, n0, n1, op + n0 * row_out); });
+    at::parallel_for(0, R, 16, [&](int64_t n0, int64_t n1) { dequant_rows(wp, f, k_in, ggml_type, bf16, n0, n1, op + n0 * row_out, idp); });
     return out;
+}
+
+// want 0 / 1: panel passes of >= 2 rows on VNNI / on AMX (where granted); -1: only ask. -> whether AMX is on.
+bool set_amx(int64_t want) {
+    if (want >= 0) amx_on().store(want == 1 && gem4_panels::amx_granted());
+    return amx_on().load();
 }
 
 constexpr int64_t TILE_BYTES = 4 << 20;   // bf16 weight rows per prefill tile: a few MB, so they stay in L3
@@ -724,6 +801,7 @@ TORCH_LIBRARY(gem4_kernels, m) {
     m.def("gemv_x16(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_x16);
     m.def("gemv_x16_multi(Tensor x, Tensor[] ws, int[] n_outs, int k_in, int ggml_type) -> Tensor[]", &gemv_x16_multi);
     m.def("gemv_x16_glu(Tensor x, Tensor gate, Tensor up, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_x16_glu);
-    m.def("dequant_x16(Tensor w, int n_out, int k_in, int ggml_type, bool bf16) -> Tensor", &dequant_x16);
+    m.def("dequant_x16(Tensor w, int k_in, int ggml_type, bool bf16, Tensor? ids) -> Tensor", &dequant_x16);
+    m.def("set_amx(int want) -> bool", &set_amx);
     m.def("linear_x16(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &linear_x16);
 }

@@ -1,0 +1,288 @@
+// The "n16" panel layout of Q8_0 / Q4_0 weights and its two GEMV kernels, VNNI and AMX, which compute the
+// same floats in the same order (bit-identical, whatever the number of rows of x).
+//
+// Layout (repack_panels, once at load): W's rows in panels of 16 (the last one padded with zero rows). A
+// panel is [scales | quants]: scales = fp16 d of (block b, row j) at 32 b + 2 j, padded to 64 bytes; quants
+// = for each block b, QB / 4 vectors of 64 bytes (QB = 32 quant bytes a block for Q8_0, 16 for Q4_0), where
+// vector r holds bytes 4r..4r+3 of block b of each of the 16 rows, row j at bytes 4j..4j+3. So a vector's
+// 32-bit lane is one row of W (Q8_0: weights 4r..4r+3; Q4_0: low nibbles weights 4r..4r+3, high nibbles
+// 16+4r..16+4r+3), and a block's vectors are, as they lie, the rows of an AMX B tile (Q8_0), or become one
+// after a nibble split (Q4_0). Nothing is padded along k (any multiple of 32 inputs).
+//
+// Arithmetic (both kernels): x is quantized per 32-block to int16 q (scale dx = amax / 32639, so that
+// q = 256 hi + lo with hi, lo in int8 for AMX); for each block, dot[m][n] = sum q * w (w = Q8_0's int8, or
+// Q4_0's nibble - 8) is an exact int32, then acc[m][n] = fma(float(dot), d[n] * dx[m], acc[m][n]), block
+// after block. VNNI: lanes over 16 rows of W, each x pair broadcast (vpdpwssd). AMX: per pair of blocks, one
+// int8 tile product whose A rows are (row of x, hi / lo, block of the pair) -- the other block's half of
+// the row zero -- against B = the two blocks' weights (16 x 64 bytes), then the same float steps.
+#pragma once
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace gem4_panels {
+
+constexpr int64_t QK = 32;          // weights per GGML block
+constexpr int64_t PANEL = 16;       // rows of W per panel
+constexpr int64_t Q8_0 = 8, Q4_0 = 2;
+constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream
+constexpr float Q_MAX = 32639.0f;   // largest |q|: 256 hi + lo with hi = (q + 128) >> 8 in int8
+
+struct Panels {
+    int64_t type, n_out, k_in;
+    int64_t nb;            // blocks per row
+    int64_t qb;            // quant bytes per block and row
+    int64_t scales;        // scale bytes per panel (padded to 64)
+    int64_t panel_bytes;
+    int64_t panels;        // ceil(n_out / 16)
+};
+
+inline bool is_panel_type(int64_t type) { return type == Q8_0 || type == Q4_0; }
+
+inline Panels panels_of(int64_t type, int64_t n_out, int64_t k_in) {
+    const int64_t nb = k_in / QK, qb = type == Q8_0 ? 32 : 16, scales = (nb * 32 + 63) / 64 * 64;
+    return {type, n_out, k_in, nb, qb, scales, scales + nb * PANEL * qb, (n_out + PANEL - 1) / PANEL};
+}
+
+// GGML blocks [n_out, nb] (Q8_0: fp16 d | int8 q[32]; Q4_0: fp16 d | u8 qs[16]) -> panels (dst zeroed).
+inline void repack_panel(const uint8_t* src, const Panels& P, int64_t p, uint8_t* panel) {
+    const int64_t bb = 2 + P.qb;
+    for (int64_t j = 0; j < PANEL && p * PANEL + j < P.n_out; ++j)
+        for (int64_t b = 0; b < P.nb; ++b) {
+            const uint8_t* blk = src + ((p * PANEL + j) * P.nb + b) * bb;
+            std::memcpy(panel + 32 * b + 2 * j, blk, 2);
+            uint8_t* q = panel + P.scales + b * PANEL * P.qb;
+            for (int64_t r = 0; r < P.qb / 4; ++r) std::memcpy(q + r * 64 + 4 * j, blk + 2 + 4 * r, 4);
+        }
+}
+
+// Row n's block b: its fp16 d, and its quant bytes in GGML order (qb of them) into q.
+inline uint16_t block_of(const uint8_t* w, const Panels& P, int64_t n, int64_t b, uint8_t* q) {
+    const uint8_t* panel = w + (n / PANEL) * P.panel_bytes;
+    const int64_t j = n % PANEL;
+    const uint8_t* src = panel + P.scales + b * PANEL * P.qb + 4 * j;
+    for (int64_t r = 0; r < P.qb / 4; ++r) std::memcpy(q + 4 * r, src + r * 64, 4);
+    uint16_t d;
+    std::memcpy(&d, panel + 32 * b + 2 * j, 2);
+    return d;
+}
+
+// Where element e of a block sits in the VNNI kernel's pair stream (16 int32 words a block, word s * ... as
+// the kernel multiplies them): Q8_0 vector r, step s in {bytes 0, 2; bytes 1, 3}: word 2r + s holds
+// elements 4r + s and 4r + s + 2; Q4_0 vector r, step s = 2 nibble + t: word 4r + s holds 16 nibble + 4r + t
+// and that + 2.
+inline int16_t pair_element(int64_t type, int word, int half) {
+    if (type == Q8_0) return static_cast<int16_t>(4 * (word / 2) + word % 2 + 2 * half);
+    const int r = word / 4, s = word % 4;
+    return static_cast<int16_t>(16 * (s / 2) + 4 * r + s % 2 + 2 * half);
+}
+
+// One block of 32 floats -> int16 q (32 values in register order), its scale and sum.
+inline __m512i quantize_block(const float* x, float& scale, int32_t& sum) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
+    scale = amax / Q_MAX;
+    const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    sum = _mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)), _mm512_cvtsepi32_epi16(q1), 1);
+}
+
+// x [M, K] prepared for the panel kernels: the VNNI pair stream (row m's block b at pairs + m K + 32 b), dx and
+// Q4_0's correction -8 sum(q) per (m, b); for AMX (planes != nullptr, zeroed) the int8 A rows: block pair j,
+// row m at planes + (j M + m) 256: rows (hi, block 2j), (hi, 2j + 1), (lo, 2j), (lo, 2j + 1) of 64 bytes, the
+// block's 32 bytes in its half of the row.
+inline void prepare_panel_rows(const float* x, int64_t M, const Panels& P, int16_t* pairs, float* dx, int32_t* corr,
+                               int8_t* planes) {
+    alignas(64) int16_t order[32];
+    for (int w = 0; w < 16; ++w)
+        for (int h = 0; h < 2; ++h) order[2 * w + h] = pair_element(P.type, w, h);
+    const __m512i perm = _mm512_load_si512(order);
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t b = 0; b < P.nb; ++b) {
+            float scale;
+            int32_t sum;
+            const __m512i q = quantize_block(x + m * P.k_in + b * QK, scale, sum);
+            _mm512_store_si512(pairs + m * P.k_in + b * QK, _mm512_permutexvar_epi16(perm, q));
+            dx[m * P.nb + b] = scale;
+            corr[m * P.nb + b] = P.type == Q4_0 ? -8 * sum : 0;
+            if (planes) {
+                const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(q, _mm512_set1_epi16(128)), 8);
+                const __m512i lo = _mm512_sub_epi16(q, _mm512_slli_epi16(hi, 8));
+                int8_t* row = planes + ((b / 2) * M + m) * 256 + (b % 2) * 96;          // row b % 2, half b % 2
+                _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm512_cvtepi16_epi8(hi));
+                _mm256_store_si256(reinterpret_cast<__m256i*>(row + 128), _mm512_cvtepi16_epi8(lo));
+            }
+        }
+}
+
+struct PanelX {
+    const int16_t* pairs;   // row 0 of the pass
+    const float* dx;
+    const int32_t* corr;
+    const int8_t* planes;   // the whole prepared x (AMX)
+    int64_t M, m0;          // rows of x in all; the pass's first
+};
+
+inline void store_rows(const __m512* acc, int mc, const Panels& P, int64_t p, float* y, int64_t ldy) {
+    const int64_t n = p * PANEL, left = P.n_out - n;
+    const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int i = 0; i < mc; ++i) _mm512_mask_storeu_ps(y + i * ldy + n, k, acc[i]);
+}
+
+// y[i, n] (i < MC rows of the pass, n in panels [p0, p1)), VNNI.
+template <int MC, int64_t TYPE>
+void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+    const int64_t nb = P.nb, K = P.k_in;
+    const int32_t* xp = reinterpret_cast<const int32_t*>(x.pairs);   // row i's block b: xp + i K / 2 + 16 b
+    const __m512i low4 = _mm512_set1_epi16(0x000F);
+    constexpr int NV = TYPE == Q8_0 ? 8 : 4, S = TYPE == Q8_0 ? 2 : 4;
+    for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* panel = w + p * P.panel_bytes;
+        __m512 acc[MC];
+        for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* q = panel + P.scales + b * PANEL * P.qb;
+            __m512i dot[MC];
+            for (int i = 0; i < MC; ++i) dot[i] = _mm512_set1_epi32(x.corr[i * nb + b]);
+#pragma GCC unroll 8
+            for (int r = 0; r < NV; ++r) {
+                _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
+                const __m512i raw = _mm512_load_si512(q + r * 64);
+                __m512i e[4];
+                if constexpr (TYPE == Q8_0) {
+                    e[0] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);          // bytes 0, 2 of each lane
+                    e[1] = _mm512_srai_epi16(raw, 8);                                 // bytes 1, 3
+                } else {
+                    e[0] = _mm512_and_si512(raw, low4);                               // lo nibbles of bytes 0, 2
+                    e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);         // lo nibbles of bytes 1, 3
+                    e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);         // hi nibbles of bytes 0, 2
+                    e[3] = _mm512_srli_epi16(raw, 12);                                // hi nibbles of bytes 1, 3
+                }
+#pragma GCC unroll 4
+                for (int s = 0; s < S; ++s)
+                    for (int i = 0; i < MC; ++i)
+                        dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_set1_epi32(xp[i * K / 2 + 16 * b + r * S + s]));
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
+            for (int i = 0; i < MC; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i * nb + b])), acc[i]);
+        }
+        store_rows(acc, MC, P, p, y, ldy);
+    }
+}
+
+// AMX: ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process; false where the CPU or kernel refuses.
+inline bool amx_granted() {
+    static const bool granted = [] {
+        unsigned a, b, c, d;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+        return tile && int8 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }();
+    return granted;
+}
+
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
+// y[i, n] as vnni_panels computes it, on AMX tiles: MC <= 8 rows of x in two A tiles (rows 0-3, 4-7 of x;
+// 4 tile rows each), B = a pair of blocks, C copied out per pair and scaled while the next pair multiplies.
+template <int MC, int64_t TYPE>
+__attribute__((target("amx-tile,amx-int8")))
+void amx_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+    static_assert(MC >= 1 && MC <= 8, "two A tiles of 4 rows of x");
+    const int64_t nb = P.nb, pairs = (nb + 1) / 2;
+    constexpr int R0 = 4 * std::min(MC, 4), R1 = 4 * std::max(MC - 4, 0);        // tile rows of the two halves
+    TileConfig cfg;
+    cfg.rows[0] = cfg.rows[2] = R0;                  // C0, A0
+    cfg.colsb[0] = cfg.colsb[2] = 64;
+    if (R1) {
+        cfg.rows[1] = cfg.rows[3] = R1;              // C1, A1
+        cfg.colsb[1] = cfg.colsb[3] = 64;
+    }
+    cfg.rows[4] = 16;                                // B: two blocks
+    cfg.colsb[4] = 64;
+    _tile_loadconfig(&cfg);
+    constexpr int AHEAD = 4;                         // Q4_0: block pairs split into int8 before their products
+    alignas(64) int32_t c[2][32 * 16];               // C of a pair (two slots): [C0 rows | C1 rows] x 16
+    alignas(64) int8_t bt[AHEAD * 1024];
+    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* panel = w + p * P.panel_bytes;
+        const uint8_t* quants = panel + P.scales;
+        __m512 acc[MC];
+        for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+        auto scale = [&](int64_t j) {                // the pair j's dots into acc: block 2j, then 2j + 1
+            const int32_t* cj = c[j & 1];
+            for (int h = 0; h < 2 && 2 * j + h < nb; ++h) {
+                const int64_t b = 2 * j + h;
+                const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
+                for (int i = 0; i < MC; ++i) {
+                    const int32_t* ci = cj + (i < 4 ? 4 * i : R0 + 4 * (i - 4)) * 16;
+                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 16 * h), 8),
+                                                         _mm512_load_si512(ci + 16 * (2 + h)));
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i * nb + b])), acc[i]);
+                }
+            }
+        };
+        for (int64_t j0 = 0; j0 < pairs; j0 += AHEAD) {
+            const int64_t nc = std::min<int64_t>(AHEAD, pairs - j0);
+            if constexpr (TYPE == Q4_0)
+                for (int64_t cb = 0; cb < 2 * nc; ++cb) {
+                    int8_t* dst = bt + cb * 512;
+                    if (2 * j0 + cb >= nb) {
+                        std::memset(dst, 0, 512);
+                        continue;
+                    }
+                    const uint8_t* q = quants + (2 * j0 + cb) * 256;
+                    for (int r = 0; r < 4; ++r) {
+                        _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
+                        const __m512i raw = _mm512_load_si512(q + r * 64);
+                        _mm512_store_si512(dst + r * 64, _mm512_sub_epi8(_mm512_and_si512(raw, low4), eight));
+                        _mm512_store_si512(dst + 256 + r * 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), eight));
+                    }
+                }
+            for (int64_t cc = 0; cc < nc; ++cc) {
+                const int64_t j = j0 + cc;
+                if constexpr (TYPE == Q8_0) {
+                    const uint8_t* q = quants + j * 1024;
+                    for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
+                    if (2 * j + 1 < nb) {
+                        _tile_loadd(4, q, 64);
+                    } else {                         // an odd last block: its pair's second half zero
+                        std::memcpy(bt, q, 512);
+                        std::memset(bt + 512, 0, 512);
+                        _tile_loadd(4, bt, 64);
+                    }
+                } else {
+                    _tile_loadd(4, bt + cc * 1024, 64);
+                }
+                const int8_t* a = x.planes + (j * x.M + x.m0) * 256;
+                int32_t* cs = c[j & 1];
+                _tile_loadd(2, a, 64);
+                _tile_zero(0);
+                _tile_dpbssd(0, 2, 4);
+                _tile_stored(0, cs, 64);
+                if constexpr (R1 > 0) {
+                    _tile_loadd(3, a + 4 * 256, 64);
+                    _tile_zero(1);
+                    _tile_dpbssd(1, 3, 4);
+                    _tile_stored(1, cs + R0 * 16, 64);
+                }
+                if (j > 0) scale(j - 1);
+            }
+        }
+        scale(pairs - 1);
+        store_rows(acc, MC, P, p, y, ldy);
+    }
+    _tile_release();
+}
+
+}  // namespace gem4_panels
