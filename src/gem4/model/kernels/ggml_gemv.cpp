@@ -99,7 +99,7 @@ torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t g
     const int64_t nb = k_in / f.block_elems;               // GGML blocks per row
     TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
                 "w must be the contiguous GGML bytes of an [n_out, k_in] weight");
-    auto out = f.panel ? torch::zeros({packed_rows(f, n_out), f.row_bytes}, w.options()) : torch::empty({n_out, f.row_bytes}, w.options());
+    auto out = torch::empty({packed_rows(f, n_out), f.row_bytes}, w.options());
     uint8_t* dst = out.data_ptr<uint8_t>();
     // Huge pages for the weight stream (asked before the first touch): on 4 KiB pages every decoded token
     // takes ~300k TLB misses and a prefetcher restart per page (E2B Q4_0 decode step 47-50 -> 41-45 ms).

@@ -47,9 +47,10 @@ inline Panels panels_of(int64_t type, int64_t n_out, int64_t k_in) {
     return {type, n_out, k_in, nb, qb, scales, scales + nb * PANEL * qb, (n_out + PANEL - 1) / PANEL};
 }
 
-// GGML blocks [n_out, nb] (Q8_0: fp16 d | int8 q[32]; Q4_0: fp16 d | u8 qs[16]) -> panels (dst zeroed).
+// GGML blocks [n_out, nb] (Q8_0: fp16 d | int8 q[32]; Q4_0: fp16 d | u8 qs[16]) -> panel p (rows past n_out zero).
 inline void repack_panel(const uint8_t* src, const Panels& P, int64_t p, uint8_t* panel) {
     const int64_t bb = 2 + P.qb;
+    std::memset(panel, 0, P.panel_bytes);
     for (int64_t j = 0; j < PANEL && p * PANEL + j < P.n_out; ++j)
         for (int64_t b = 0; b < P.nb; ++b) {
             const uint8_t* blk = src + ((p * PANEL + j) * P.nb + b) * bb;
