@@ -412,21 +412,8 @@ int64_t rows_of(const torch::Tensor& x, int64_t k_in) {
     return x.size(0);
 }
 
-// A pass's row count mc (1..MAX_M) as a compile-time constant: fn(std::integral_constant<int, mc>).
-static_assert(MAX_M == 8, "with_rows lists the row counts 1..8");
-template <typename Fn>
-void with_rows(int mc, Fn&& fn) {
-    switch (mc) {
-        case 1: fn(std::integral_constant<int, 1>{}); break;
-        case 2: fn(std::integral_constant<int, 2>{}); break;
-        case 3: fn(std::integral_constant<int, 3>{}); break;
-        case 4: fn(std::integral_constant<int, 4>{}); break;
-        case 5: fn(std::integral_constant<int, 5>{}); break;
-        case 6: fn(std::integral_constant<int, 6>{}); break;
-        case 7: fn(std::integral_constant<int, 7>{}); break;
-        default: fn(std::integral_constant<int, MAX_M>{}); break;
-    }
-}
+static_assert(MAX_M == 8, "gem4_panels::with_rows lists the row counts 1..8");
+using gem4_panels::with_rows;
 
 // Whether passes of 2..8 rows of x over Q8_0 / Q4_0 panels run on AMX tiles (set_amx; on where the CPU and
 // kernel grant AMX, unless GEM4_NO_AMX is set). Either way the results are the same, bit for bit.
@@ -451,13 +438,17 @@ struct Prepared {
     Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
         : f(format_of(ggml_type, k_in)), type(ggml_type), M(rows_of(x, k_in)),
           per_row(f.panel ? k_in : f.groups * GROUP_ELEMS), amx(f.panel && M >= 2 && amx_on().load()),
-          stream(M * per_row), dx(M * blocks(f, k_in)), corr(M * blocks(f, k_in)), corr2(f.panel ? 0 : M * blocks(f, k_in)),
-          xsum(f.panel ? 0 : M * blocks(f, k_in)), planes(amx ? (k_in / QK + 1) / 2 * M * 256 : 0) {
+          stream(amx ? 0 : M * per_row), dx(M * blocks(f, k_in)), corr(M * blocks(f, k_in)),
+          corr2(f.panel ? 0 : M * blocks(f, k_in)), xsum(f.panel ? 0 : M * blocks(f, k_in)),
+          planes(amx ? (k_in / QK + 1) / 2 * M * 256 : 0) {
         const int64_t sg = blocks(f, k_in);
-        if (f.panel) {
+        if (f.panel) {                                     // rows in parallel (prefill prepares hundreds)
             if (amx) std::memset(planes.data, 0, (k_in / QK + 1) / 2 * M * 256);
-            gem4_panels::prepare_panel_rows(x.data_ptr<float>(), M, gem4_panels::panels_of(type, 1, k_in), stream.data,
-                                            dx.data, corr.data, amx ? planes.data : nullptr);
+            const gem4_panels::Panels P = gem4_panels::panels_of(type, 1, k_in);
+            at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+                gem4_panels::prepare_panel_rows(x.data_ptr<float>(), M, P, amx ? nullptr : stream.data, dx.data, corr.data,
+                                                amx ? planes.data : nullptr, m0, m1);
+            });
             return;
         }
         std::memset(stream.data, 0, M * per_row * sizeof(int16_t));
@@ -471,25 +462,25 @@ struct Prepared {
         }
     }
 
-    // Panel types: rows [n0, n1) of W (n0 a multiple of 16, n1 <= n_out) for every row of x, in passes of up to
-    // MAX_M rows, each over the panels once: AMX for passes of >= 2 rows when on, VNNI otherwise.
+    // Panel types: rows [n0, n1) of W (n0 a multiple of 16, n1 <= n_out) for every row of x: on AMX in row
+    // blocks (gem4_panels::amx_rows), else in VNNI passes of up to MAX_M rows, each over the panels once.
     void panel_rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
         using namespace gem4_panels;
         const Panels P = panels_of(type, n1, per_row);         // rows from n1 on are not written
         const int64_t p0 = n0 / PANEL, p1 = (n1 + PANEL - 1) / PANEL, nb = P.nb;
+        if (amx) {
+            const PanelX xp{nullptr, dx.data, nullptr, planes.data, M, 0};
+            if (type == Q8_0_TYPE) amx_rows<Q8_0_TYPE>(xp, P, w, y, ldy, p0, p1);
+            else amx_rows<Q4_0_TYPE>(xp, P, w, y, ldy, p0, p1);
+            return;
+        }
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
-            const PanelX xp{stream.data + m0 * per_row, dx.data + m0 * nb, corr.data + m0 * nb, planes.data, M, m0};
-            float* yo = y + m0 * ldy;
+            const PanelX xp{stream.data + m0 * per_row, dx.data + m0 * nb, corr.data + m0 * nb, nullptr, M, m0};
             with_rows(mc, [&](auto rows) {
                 constexpr int MC = decltype(rows)::value;
-                if (amx && MC >= 2) {
-                    if (type == Q8_0_TYPE) amx_panels<MC, Q8_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
-                    else amx_panels<MC, Q4_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
-                } else {
-                    if (type == Q8_0_TYPE) vnni_panels<MC, Q8_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
-                    else vnni_panels<MC, Q4_0_TYPE>(xp, P, w, yo, ldy, p0, p1);
-                }
+                if (type == Q8_0_TYPE) vnni_panels<MC, Q8_0_TYPE>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
+                else vnni_panels<MC, Q4_0_TYPE>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
             });
         }
     }

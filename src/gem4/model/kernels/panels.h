@@ -60,12 +60,22 @@ inline void repack_panel(const uint8_t* src, const Panels& P, int64_t p, uint8_t
         }
 }
 
-// Row n's block b: its fp16 d, and its quant bytes in GGML order (qb of them) into q.
+inline int32_t load32(const uint8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+// Row n's block b: its fp16 d, and its quant bytes in GGML order (qb of them) into q (16-byte aligned),
+// gathered in registers and stored 16 bytes at a time (4-byte stores that a 16-byte load reads back stall
+// store forwarding: prefill's dequant ran 16% slower that way).
 inline uint16_t block_of(const uint8_t* w, const Panels& P, int64_t n, int64_t b, uint8_t* q) {
     const uint8_t* panel = w + (n / PANEL) * P.panel_bytes;
     const int64_t j = n % PANEL;
     const uint8_t* src = panel + P.scales + b * PANEL * P.qb + 4 * j;
-    for (int64_t r = 0; r < P.qb / 4; ++r) std::memcpy(q + 4 * r, src + r * 64, 4);
+    for (int64_t h = 0; h < P.qb / 16; ++h, src += 256)
+        _mm_store_si128(reinterpret_cast<__m128i*>(q + 16 * h),
+                        _mm_set_epi32(load32(src + 192), load32(src + 128), load32(src + 64), load32(src)));
     uint16_t d;
     std::memcpy(&d, panel + 32 * b + 2 * j, 2);
     return d;
@@ -92,22 +102,23 @@ inline __m512i quantize_block(const float* x, float& scale, int32_t& sum) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)), _mm512_cvtsepi32_epi16(q1), 1);
 }
 
-// x [M, K] prepared for the panel kernels: the VNNI pair stream (row m's block b at pairs + m K + 32 b), dx and
+// Rows [m_begin, m_end) of x [M, K] prepared for the panel kernels: the VNNI pair stream (if pairs; row m's block b at
+// pairs + m K + 32 b), dx and
 // Q4_0's correction -8 sum(q) per (m, b); for AMX (planes != nullptr, zeroed) the int8 A rows: block pair j,
 // row m at planes + (j M + m) 256: rows (hi, block 2j), (hi, 2j + 1), (lo, 2j), (lo, 2j + 1) of 64 bytes, the
 // block's 32 bytes in its half of the row.
 inline void prepare_panel_rows(const float* x, int64_t M, const Panels& P, int16_t* pairs, float* dx, int32_t* corr,
-                               int8_t* planes) {
+                               int8_t* planes, int64_t m_begin, int64_t m_end) {
     alignas(64) int16_t order[32];
     for (int w = 0; w < 16; ++w)
         for (int h = 0; h < 2; ++h) order[2 * w + h] = pair_element(P.type, w, h);
     const __m512i perm = _mm512_load_si512(order);
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = m_begin; m < m_end; ++m)
         for (int64_t b = 0; b < P.nb; ++b) {
             float scale;
             int32_t sum;
             const __m512i q = quantize_block(x + m * P.k_in + b * QK, scale, sum);
-            _mm512_store_si512(pairs + m * P.k_in + b * QK, _mm512_permutexvar_epi16(perm, q));
+            if (pairs) _mm512_store_si512(pairs + m * P.k_in + b * QK, _mm512_permutexvar_epi16(perm, q));
             dx[m * P.nb + b] = scale;
             corr[m * P.nb + b] = P.type == Q4_0 ? -8 * sum : 0;
             if (planes) {
@@ -187,103 +198,183 @@ inline bool amx_granted() {
     return granted;
 }
 
+// Q4_0 blocks [b0, b1) of a panel as AMX B rows: each block's nibbles split and centred (w - 8), low nibbles
+// (weights 4r..4r+3 of each row) in rows 0-3, high nibbles in rows 4-7; a block past nb zero.
+inline void unpack_q4_0(const Panels& P, const uint8_t* quants, int64_t b0, int64_t b1, int8_t* dst) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+    for (int64_t b = b0; b < b1; ++b, dst += 512) {
+        if (b >= P.nb) {
+            std::memset(dst, 0, 512);
+            continue;
+        }
+        const uint8_t* q = quants + b * 256;
+        for (int r = 0; r < 4; ++r) {
+            _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
+            const __m512i raw = _mm512_load_si512(q + r * 64);
+            _mm512_store_si512(dst + r * 64, _mm512_sub_epi8(_mm512_and_si512(raw, low4), eight));
+            _mm512_store_si512(dst + 256 + r * 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), eight));
+        }
+    }
+}
+
+// Where a pass finds block pair j's B tile (16 x 64 bytes), two ways (measured, one thread, Q4_0 6144 x 1536):
+// - PanelTiles, made once per panel and read by every pass (what several passes want: 32 rows 2.1 vs 2.4 ms):
+//   Q4_0 unpacked into `scratch`, Q8_0 where it lies but an odd last block, copied beside a zero block.
+//   scratch: (nb + 1) / 2 * 1024 bytes, 64-aligned.
+// - AheadTiles (Q4_0, a single pass: 8 rows 0.57 vs 0.79 ms): AHEAD pairs unpacked at a time into an L1 buffer,
+//   a few pairs before their products (a tile load right after the stores that wrote its bytes waits for them).
+struct PanelTiles {
+    const int8_t* base;    // pairs [0, full)
+    int64_t full;
+    const int8_t* tail;    // pairs from full on
+    const int8_t* operator()(int64_t j) const { return (j < full ? base : tail) + j * 1024; }
+};
+
+template <int64_t TYPE>
+PanelTiles panel_tiles(const Panels& P, const uint8_t* panel, int8_t* scratch) {
+    const uint8_t* quants = panel + P.scales;
+    if constexpr (TYPE == Q8_0) {
+        const int64_t full = P.nb / 2;
+        if (P.nb % 2) {
+            std::memcpy(scratch + full * 1024, quants + full * 1024, 512);
+            std::memset(scratch + full * 1024 + 512, 0, 512);
+        }
+        return {reinterpret_cast<const int8_t*>(quants), full, scratch};
+    } else {
+        unpack_q4_0(P, quants, 0, P.nb + P.nb % 2, scratch);
+        return {scratch, (P.nb + 1) / 2, scratch};
+    }
+}
+
+struct AheadTiles {
+    static constexpr int64_t AHEAD = 4;
+    const Panels& P;
+    const uint8_t* quants;
+    int8_t* buf;           // AHEAD * 1024 bytes, 64-aligned
+    const int8_t* operator()(int64_t j) const {
+        if (j % AHEAD == 0) unpack_q4_0(P, quants, 2 * j, 2 * (j + AHEAD), buf);
+        return buf + (j % AHEAD) * 1024;
+    }
+};
+
+// Tile shapes for a pass of MC <= 8 rows of x: two A tiles (rows 0-3, 4-7 of x; 4 tile rows each: hi / lo of
+// the pair's two blocks), their C tiles, B = a pair of blocks.
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
     uint8_t rows[16] = {};
+
+    explicit TileConfig(int mc) {
+        const int r0 = 4 * std::min(mc, 4), r1 = 4 * std::max(mc - 4, 0);
+        rows[0] = rows[2] = r0;                      // C0, A0
+        colsb[0] = colsb[2] = 64;
+        if (r1) {
+            rows[1] = rows[3] = r1;                  // C1, A1
+            colsb[1] = colsb[3] = 64;
+        }
+        rows[4] = 16;                                // B
+        colsb[4] = 64;
+    }
 };
 
-// y[i, n] as vnni_panels computes it, on AMX tiles: MC <= 8 rows of x in two A tiles (rows 0-3, 4-7 of x;
-// 4 tile rows each), B = a pair of blocks, C copied out per pair and scaled while the next pair multiplies.
-template <int MC, int64_t TYPE>
+// y[i, n] for the MC rows of a pass and the 16 rows of one panel, as vnni_panels computes them, on AMX tiles:
+// per pair of blocks one tile product per A tile, C copied out and scaled while the next pair multiplies.
+// The tile configuration must be TileConfig(MC).
+template <int MC, typename Tiles>
 __attribute__((target("amx-tile,amx-int8")))
-void amx_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+void amx_pass(const PanelX& x, const Panels& P, const uint8_t* panel, const Tiles& tiles, int64_t p, float* y,
+              int64_t ldy) {
     static_assert(MC >= 1 && MC <= 8, "two A tiles of 4 rows of x");
+    constexpr int R0 = 4 * std::min(MC, 4), R1 = 4 * std::max(MC - 4, 0);
     const int64_t nb = P.nb, pairs = (nb + 1) / 2;
-    constexpr int R0 = 4 * std::min(MC, 4), R1 = 4 * std::max(MC - 4, 0);        // tile rows of the two halves
-    TileConfig cfg;
-    cfg.rows[0] = cfg.rows[2] = R0;                  // C0, A0
-    cfg.colsb[0] = cfg.colsb[2] = 64;
-    if (R1) {
-        cfg.rows[1] = cfg.rows[3] = R1;              // C1, A1
-        cfg.colsb[1] = cfg.colsb[3] = 64;
-    }
-    cfg.rows[4] = 16;                                // B: two blocks
-    cfg.colsb[4] = 64;
-    _tile_loadconfig(&cfg);
-    constexpr int AHEAD = 4;                         // Q4_0: block pairs split into int8 before their products
     alignas(64) int32_t c[2][32 * 16];               // C of a pair (two slots): [C0 rows | C1 rows] x 16
-    alignas(64) int8_t bt[AHEAD * 1024];
-    const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-    for (int64_t p = p0; p < p1; ++p) {
-        const uint8_t* panel = w + p * P.panel_bytes;
-        const uint8_t* quants = panel + P.scales;
-        __m512 acc[MC];
-        for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
-        auto scale = [&](int64_t j) {                // the pair j's dots into acc: block 2j, then 2j + 1
-            const int32_t* cj = c[j & 1];
-            for (int h = 0; h < 2 && 2 * j + h < nb; ++h) {
-                const int64_t b = 2 * j + h;
-                const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
-                for (int i = 0; i < MC; ++i) {
-                    const int32_t* ci = cj + (i < 4 ? 4 * i : R0 + 4 * (i - 4)) * 16;
-                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 16 * h), 8),
-                                                         _mm512_load_si512(ci + 16 * (2 + h)));
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i * nb + b])), acc[i]);
-                }
-            }
-        };
-        for (int64_t j0 = 0; j0 < pairs; j0 += AHEAD) {
-            const int64_t nc = std::min<int64_t>(AHEAD, pairs - j0);
-            if constexpr (TYPE == Q4_0)
-                for (int64_t cb = 0; cb < 2 * nc; ++cb) {
-                    int8_t* dst = bt + cb * 512;
-                    if (2 * j0 + cb >= nb) {
-                        std::memset(dst, 0, 512);
-                        continue;
-                    }
-                    const uint8_t* q = quants + (2 * j0 + cb) * 256;
-                    for (int r = 0; r < 4; ++r) {
-                        _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
-                        const __m512i raw = _mm512_load_si512(q + r * 64);
-                        _mm512_store_si512(dst + r * 64, _mm512_sub_epi8(_mm512_and_si512(raw, low4), eight));
-                        _mm512_store_si512(dst + 256 + r * 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low4), eight));
-                    }
-                }
-            for (int64_t cc = 0; cc < nc; ++cc) {
-                const int64_t j = j0 + cc;
-                if constexpr (TYPE == Q8_0) {
-                    const uint8_t* q = quants + j * 1024;
-                    for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
-                    if (2 * j + 1 < nb) {
-                        _tile_loadd(4, q, 64);
-                    } else {                         // an odd last block: its pair's second half zero
-                        std::memcpy(bt, q, 512);
-                        std::memset(bt + 512, 0, 512);
-                        _tile_loadd(4, bt, 64);
-                    }
-                } else {
-                    _tile_loadd(4, bt + cc * 1024, 64);
-                }
-                const int8_t* a = x.planes + (j * x.M + x.m0) * 256;
-                int32_t* cs = c[j & 1];
-                _tile_loadd(2, a, 64);
-                _tile_zero(0);
-                _tile_dpbssd(0, 2, 4);
-                _tile_stored(0, cs, 64);
-                if constexpr (R1 > 0) {
-                    _tile_loadd(3, a + 4 * 256, 64);
-                    _tile_zero(1);
-                    _tile_dpbssd(1, 3, 4);
-                    _tile_stored(1, cs + R0 * 16, 64);
-                }
-                if (j > 0) scale(j - 1);
+    __m512 acc[MC];
+    for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
+    auto scale = [&](int64_t j) {                    // the pair j's dots into acc: block 2j, then 2j + 1
+        const int32_t* cj = c[j & 1];
+        for (int h = 0; h < 2 && 2 * j + h < nb; ++h) {
+            const int64_t b = 2 * j + h;
+            const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
+            for (int i = 0; i < MC; ++i) {
+                const int32_t* ci = cj + (i < 4 ? 4 * i : R0 + 4 * (i - 4)) * 16;
+                const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 16 * h), 8),
+                                                     _mm512_load_si512(ci + 16 * (2 + h)));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i * nb + b])), acc[i]);
             }
         }
-        scale(pairs - 1);
-        store_rows(acc, MC, P, p, y, ldy);
+    };
+    for (int64_t j = 0; j < pairs; ++j) {
+        const int8_t* bj = tiles(j);
+        for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(bj + PREFETCH + r * 64), _MM_HINT_T0);
+        _tile_loadd(4, bj, 64);
+        const int8_t* a = x.planes + (j * x.M + x.m0) * 256;
+        int32_t* cs = c[j & 1];
+        _tile_loadd(2, a, 64);
+        _tile_zero(0);
+        _tile_dpbssd(0, 2, 4);
+        _tile_stored(0, cs, 64);
+        if constexpr (R1 > 0) {
+            _tile_loadd(3, a + 4 * 256, 64);
+            _tile_zero(1);
+            _tile_dpbssd(1, 3, 4);
+            _tile_stored(1, cs + R0 * 16, 64);
+        }
+        if (j > 0) scale(j - 1);
     }
+    scale(pairs - 1);
+    store_rows(acc, MC, P, p, y, ldy);
+}
+
+// A pass's row count mc (1..8) as a compile-time constant: fn(std::integral_constant<int, mc>).
+template <typename Fn>
+void with_rows(int mc, Fn&& fn) {
+    switch (mc) {
+        case 1: fn(std::integral_constant<int, 1>{}); break;
+        case 2: fn(std::integral_constant<int, 2>{}); break;
+        case 3: fn(std::integral_constant<int, 3>{}); break;
+        case 4: fn(std::integral_constant<int, 4>{}); break;
+        case 5: fn(std::integral_constant<int, 5>{}); break;
+        case 6: fn(std::integral_constant<int, 6>{}); break;
+        case 7: fn(std::integral_constant<int, 7>{}); break;
+        default: fn(std::integral_constant<int, 8>{}); break;
+    }
+}
+
+constexpr int64_t ROW_BLOCK = 64;   // rows of x whose A tiles (4 KB a row for 1536 inputs) a panel's B tiles meet
+                                    // while both are in cache; W is read once per row block
+
+// y[m, n] for all M rows of x (x.m0 = 0) and panels [p0, p1) on AMX: per row block, each panel's B tiles made
+// once and met by every pass of up to 8 rows of the block (one pass: Q4_0's unpacked a few pairs ahead).
+template <int64_t TYPE>
+__attribute__((target("amx-tile,amx-int8")))
+void amx_rows(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+    const int64_t M = x.M, nb = P.nb;
+    int8_t* scratch = static_cast<int8_t*>(std::aligned_alloc(64, std::max<int64_t>((nb + 1) / 2, AheadTiles::AHEAD) * 1024));
+    int configured = 0;
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_BLOCK)
+        for (int64_t p = p0; p < p1; ++p) {
+            const uint8_t* panel = w + p * P.panel_bytes;
+            const bool ahead = TYPE == Q4_0 && M <= 8;
+            const PanelTiles tiles = ahead ? PanelTiles{} : panel_tiles<TYPE>(P, panel, scratch);
+            for (int64_t m0 = r0; m0 < std::min(M, r0 + ROW_BLOCK); m0 += 8) {
+                const int mc = static_cast<int>(std::min<int64_t>(8, M - m0));
+                if (mc != configured) {
+                    const TileConfig cfg(mc);
+                    // asm with the whole struct as its operand: through _tile_loadconfig GCC 12 dropped the stores of
+                    // the rows and widths as dead (only the palette reached memory: SIGILL on the first tile load)
+                    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+                    configured = mc;
+                }
+                const PanelX xp{nullptr, x.dx + m0 * nb, nullptr, x.planes, M, m0};
+                with_rows(mc, [&](auto rows) {
+                    constexpr int MC = decltype(rows)::value;
+                    if (ahead) amx_pass<MC>(xp, P, panel, AheadTiles{P, panel + P.scales, scratch}, p, y + m0 * ldy, ldy);
+                    else amx_pass<MC>(xp, P, panel, tiles, p, y + m0 * ldy, ldy);
+                });
+            }
+        }
     _tile_release();
+    std::free(scratch);
 }
 
 }  // namespace gem4_panels
