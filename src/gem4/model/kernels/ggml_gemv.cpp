@@ -614,13 +614,54 @@ inline void transpose_group(const uint8_t* grp, uint8_t* out) {
     _mm512_store_si512(out + 192, _mm512_permutex2var_epi64(c, pick_hi, d));    // blocks 12..15
 }
 
-// Rows [n0, n1) of an x16 weight -> out (row-major, k_in per row) as float32 or bf16 (w = d * q, or
-// d * (q - 8); exact in float32).
+// Rows [n0, n1) of a Q8_0 / Q4_0 panel weight -> out (row-major, k_in per row) as float32 or bf16 (w = d * q, or
+// d * (q - 8); exact in float32): per panel and block, the 16 rows' quant bytes transposed in registers.
+void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1, uint8_t* op) {
+    using gem4_panels::PANEL;
+    const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);
+    const int64_t out_size = bf16 ? 2 : 4;
+    const __m512i mask4 = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+    alignas(64) uint8_t rows[2][PANEL * 16];             // a block's 16 rows' quant bytes, 16 (Q8_0: 32) a row
+    alignas(64) float d[PANEL];
+    for (int64_t p = n0 / PANEL; p * PANEL < n1; ++p) {
+        const uint8_t* panel = wp + p * P.panel_bytes;
+        const int64_t j0 = std::max(n0, p * PANEL) - p * PANEL, j1 = std::min(n1, (p + 1) * PANEL) - p * PANEL;
+        for (int64_t b = 0; b < P.nb; ++b) {
+            const uint8_t* q = panel + P.scales + b * PANEL * P.qb;
+            for (int64_t h = 0; h < P.qb / 16; ++h) transpose_group(q + 256 * h, rows[h]);
+            _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b))));
+            for (int64_t j = j0; j < j1; ++j) {
+                const __m512 dj = _mm512_set1_ps(d[j]);
+                __m512 w0, w1;
+                if (ggml_type == Q8_0_TYPE) {
+                    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * j)))), dj);
+                    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[1] + 16 * j)))), dj);
+                } else {
+                    const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * j)));
+                    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask4), eight)), dj);
+                    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight)), dj);
+                }
+                uint8_t* dst = op + ((p * PANEL + j - n0) * k_in + b * QK) * out_size;
+                if (bf16) {
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(w0));
+                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), (__m256i)_mm512_cvtneps_pbh(w1));
+                } else {
+                    _mm512_storeu_ps(reinterpret_cast<float*>(dst), w0);
+                    _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16, w1);
+                }
+            }
+        }
+    }
+}
+
+// Rows [n0, n1) of a packed weight (rows ids[n0..n1) if ids) -> out (row-major, k_in per row) as float32 or bf16
+// (w = d * q, or d * (q - 8), ...: as quants.py, exact in float32). Contiguous rows of panels: dequant_panels.
 void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
                   uint8_t* op, const int64_t* ids = nullptr) {
+    if (f.panel && !ids) return dequant_panels(wp, k_in, ggml_type, bf16, n0, n1, op);
     const int64_t nb = k_in / QK, out_size = bf16 ? 2 : 4;
     const bool kq = gem4_kq::is_k(ggml_type);
-    const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);      // panel types
+    const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);      // panel types, by row ids
     const int64_t nibble_vectors = 4;
     // K-quants: where the high bits of weights 0..15 / 16..31 of a block sit in its 32-bit lane (kquants.h)
     alignas(64) int32_t at[32];
