@@ -116,24 +116,29 @@ def test_stop_inside_accepted_drafts_and_max_tokens(variants, tmp_path):
     assert engine.kv_cache_usage == 0
 
 
-def test_drafts_that_keep_missing_back_off(variants):
-    """A drafter that is always wrong: the output is still plain decoding's, and after each round that accepts
-    nothing the sequence drafts less often (1, 4, 16, 64 steps without drafts), so verification rounds become
-    rare; a right draft ends the back-off."""
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_drafts_that_keep_missing_back_off(variants, k):
+    """A drafter that is always wrong: the output is still plain decoding's, and the sequence drafts less
+    (K, then half as many, then one) and less often (after the second miss in a row 1, 4, 16, 64 steps without
+    drafts), so verification rounds are few and cheap; a right draft ends the back-off."""
     fx = variants["dense_plain"]
     model = load(fx, "float32")
-    params = SamplingParams(temperature=0, max_tokens=60)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     prompt = fx.ids[:16]
     want = [e.token_id for e in Engine(model, prefill_chunk=8).generate(prompt, params)]
-    wrong = Oracle({tuple(prompt): [(t + 1) % 512 for t in want]}, k=3)
+    wrong = Oracle({tuple(prompt): [(t + 1) % 512 for t in want]}, k=k)
     engine = with_drafter(model, wrong)
     assert [e.token_id for e in engine.generate(prompt, params)] == want
-    # 59 decode steps: rounds at steps 1, 3, 8 and 25 (after 1, 4 and 16 plain steps; the next pause is 64)
-    assert engine.spec_drafts == 4 and engine.spec_accepted_tokens == 0
-    right = Oracle({tuple(prompt): want}, k=3, wrong=5)
+    # 127 decode steps: rounds at steps 1, 2, 4, 9, 26 and 91 (after 0, 1, 4, 16 and 64 plain steps; the next
+    # would be at 156), of K, max(1, K // 2), 1, 1, 1, 1 drafts
+    assert engine.spec_drafts == 6 and engine.spec_accepted_tokens == 0
+    assert engine.spec_draft_tokens == k + max(1, k // 2) + 4
+    # every 5th round's last draft wrong: never two misses in a row, so no pause: every decode step drafts
+    # but the last (max_tokens leaves no room); the 2 prefill steps draft nothing
+    right = Oracle({tuple(prompt): want}, k=k, wrong=5)
     engine = with_drafter(model, right)
     assert [e.token_id for e in engine.generate(prompt, params)] == want
-    assert engine.spec_accepted_tokens > 30                         # mostly right: hardly any pause
+    assert engine.steps - 2 - engine.spec_drafts <= 1 and engine.spec_accepted_tokens > engine.spec_drafts // 2
 
 
 def test_speculative_config_is_checked():
