@@ -141,6 +141,36 @@ def test_drafts_that_keep_missing_back_off(variants, k):
     assert engine.steps - 2 - engine.spec_drafts <= 1 and engine.spec_accepted_tokens > engine.spec_drafts // 2
 
 
+def test_draft_count_shrinks_after_a_miss_and_grows_back_after_a_hit():
+    """The rule of Sequence.record_drafts on a scripted run, scheduler only: a round that accepts nothing
+    halves the next round's drafts (at least 1) and, from the second such round in a row, pauses drafting
+    1, 4, ... steps; a round that accepts any draft (all of them or some) brings back K drafts at once."""
+    from gem4.engine.block_manager import BlockManager
+    from gem4.engine.scheduler import Scheduler
+    from gem4.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(num_blocks=16, block_size=16, num_sliding_blocks=16, window=4), max_chunk=8,
+                      max_num_batched_tokens=8, num_speculative_tokens=7)
+    seq = Sequence("r", list(range(4)), SamplingParams(temperature=0), max_tokens=200, end_ids=())
+    sched.add(seq)
+    sched.postprocess(sched.schedule(), [[1]], 0.0)                      # the prompt, and the first token
+    accepted = iter([0, 0, 0, 1, 3, 0, 0, 1, 0, 0])                         # per round: drafts accepted
+    slots = []
+    while len(slots) < 16:
+        batch = sched.schedule()
+        (chunk,) = batch.chunks
+        slots.append(chunk.draft_slots)
+        a = next(accepted) if chunk.draft_slots else 0
+        sched.postprocess(batch, [[1] * (a + 1)], 0.0)
+        if chunk.draft_slots:
+            seq.record_drafts(chunk.draft_slots, a)
+    # drafts per decode step, and the round's outcome:
+    #        miss miss pause miss  4 paused  all  3 of 7 miss miss pause all miss miss
+    assert slots == [7, 3, 0, 1, 0, 0, 0, 0, 1, 7, 7, 3, 0, 1, 7, 3]
+    assert (seq.draft_misses, seq.draft_pause, seq.draft_limit) == (2, 1, 1)
+    assert seq.num_draft_tokens == 7 + 3 + 1 + 1 + 7 + 7 + 3 + 1 + 7 + 3 and seq.num_accepted_tokens == 1 + 3 + 1
+
+
 def test_speculative_config_is_checked():
     assert SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}').ngram().prompt_lookup_max == 5
     for bad, message in [({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
