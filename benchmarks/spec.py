@@ -20,7 +20,8 @@ which the compared cases run interleaved (A, B, A, B, ...):
    drafters (runner.drafter replaced) that propose the plain run's continuation with each token right with
    probability 1.0 / 0.9 / 0.7 / 0.5 at chosen Ks (--forced; seeded; a wrong draft is the right token + 1) or
    never right (--wrong-ks); the ngram and mtp methods (--method-ks). Plain runs are repeated between the
-   cases. Every speculative run's tokens are checked against the plain run's.
+   cases (--plain-every). Every speculative run's tokens are checked against the plain run's; per case the
+   verification steps and drafts of a run (a verification of d drafts runs d + 1 rows).
 """
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def run_once(engine: Engine, prompt: list[int], output: int) -> dict:
 
 
 def bench_e2e(model, prompt_len: int, output: int, forced: list[tuple[float, list[int]]], wrong_ks: list[int],
-              method_ks: list[int], assistant: str | None, repeats: int) -> dict:
+              method_ks: list[int], assistant: str | None, repeats: int, plain_every: int = 6) -> dict:
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1000, 200000, (prompt_len,), generator=g).tolist()
     common = dict(max_model_len=prompt_len + output + 16, enable_prefix_caching=False)
@@ -231,7 +232,7 @@ def bench_e2e(model, prompt_len: int, output: int, forced: list[tuple[float, lis
     order = 0                                                                     # each run's place in time
     for r in range(repeats):
         for i, (label, k, engine, drafter) in enumerate(cases):
-            if i and i % 6 == 0:                                                  # plain again, between cases
+            if i and i % plain_every == 0:                                        # plain again, between cases
                 results.setdefault("plain", []).append(_strip(run_once(plain, prompt, output), want, order))
                 order += 1
             if drafter is not None:
@@ -264,8 +265,8 @@ def report_e2e(results: dict) -> None:
     base = statistics.median(x["tps"] for x in results["plain"])
     print(f"\nplain: {base:.2f} tok/s over {len(results['plain'])} runs")
     print("\n| drafter | K | decode tok/s | x plain (the plain runs around each run) [rounds] | acceptance "
-          "(accepted / drafted) | tokens / step | all tokens equal plain |")
-    print("|---|---|---|---|---|---|---|")
+          "(accepted / drafted) | tokens / step | verifications, drafts per run | all tokens equal plain |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, runs in results.items():
         if name == "plain":
             continue
@@ -276,7 +277,8 @@ def report_e2e(results: dict) -> None:
         ratios = [_against_plain(x, results["plain"]) for x in runs]
         print(f"| {label} | {k} | {tps:.2f} | {statistics.median(ratios):.2f} "
               f"[{', '.join(f'{x:.2f}' for x in ratios)}] | {acc} | "
-              f"{(accepted + steps) / steps if steps else 1:.2f} | {all(x['equal'] for x in runs)} |")
+              f"{(accepted + steps) / steps if steps else 1:.2f} | {steps / len(runs):.1f}, {drafted / len(runs):.1f} | "
+              f"{all(x['equal'] for x in runs)} |")
 
 
 def main() -> None:
@@ -293,6 +295,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--plain-every", type=int, default=6,
+                    help="in part e2e, a plain run before every N-th case (1: before each; the ratios to plain "
+                         "use the plain runs next to each run)")
     ap.add_argument("--calls", type=int, default=5, help="calls per timing in part steps (the fastest counts)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
@@ -310,7 +315,7 @@ def main() -> None:
     if "e2e" in a.part:
         forced = [(float(p), [int(k) for k in ks.split(",")]) for p, ks in (f.split(":") for f in a.forced)]
         raw["e2e"] = bench_e2e(model, a.prompt, a.output, forced, a.wrong_ks, a.method_ks, str(assistant_dir),
-                               a.repeats)
+                               a.repeats, a.plain_every)
         report_e2e(raw["e2e"])
     if a.json:
         a.json.write_text(json.dumps(raw, indent=1, default=str))

@@ -116,24 +116,59 @@ def test_stop_inside_accepted_drafts_and_max_tokens(variants, tmp_path):
     assert engine.kv_cache_usage == 0
 
 
-def test_drafts_that_keep_missing_back_off(variants):
-    """A drafter that is always wrong: the output is still plain decoding's, and after each round that accepts
-    nothing the sequence drafts less often (1, 4, 16, 64 steps without drafts), so verification rounds become
-    rare; a right draft ends the back-off."""
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_drafts_that_keep_missing_back_off(variants, k):
+    """A drafter that is always wrong: the output is still plain decoding's, and the sequence drafts less
+    (K, then half as many, then one) and less often (after the second miss in a row 1, 4, 16, 64 steps without
+    drafts), so verification rounds are few and cheap; a right draft ends the back-off."""
     fx = variants["dense_plain"]
     model = load(fx, "float32")
-    params = SamplingParams(temperature=0, max_tokens=60)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     prompt = fx.ids[:16]
     want = [e.token_id for e in Engine(model, prefill_chunk=8).generate(prompt, params)]
-    wrong = Oracle({tuple(prompt): [(t + 1) % 512 for t in want]}, k=3)
+    wrong = Oracle({tuple(prompt): [(t + 1) % 512 for t in want]}, k=k)
     engine = with_drafter(model, wrong)
     assert [e.token_id for e in engine.generate(prompt, params)] == want
-    # 59 decode steps: rounds at steps 1, 3, 8 and 25 (after 1, 4 and 16 plain steps; the next pause is 64)
-    assert engine.spec_drafts == 4 and engine.spec_accepted_tokens == 0
-    right = Oracle({tuple(prompt): want}, k=3, wrong=5)
+    # 127 decode steps: rounds at steps 1, 2, 4, 9, 26 and 91 (after 0, 1, 4, 16 and 64 plain steps; the next
+    # would be at 156), of K, max(1, K // 2), 1, 1, 1, 1 drafts
+    assert engine.spec_drafts == 6 and engine.spec_accepted_tokens == 0
+    assert engine.spec_draft_tokens == k + max(1, k // 2) + 4
+    # every 5th round's last draft wrong: never two misses in a row, so no pause: every decode step drafts
+    # but the last (max_tokens leaves no room); the 2 prefill steps draft nothing
+    right = Oracle({tuple(prompt): want}, k=k, wrong=5)
     engine = with_drafter(model, right)
     assert [e.token_id for e in engine.generate(prompt, params)] == want
-    assert engine.spec_accepted_tokens > 30                         # mostly right: hardly any pause
+    assert engine.steps - 2 - engine.spec_drafts <= 1 and engine.spec_accepted_tokens > engine.spec_drafts // 2
+
+
+def test_draft_count_shrinks_after_a_miss_and_grows_back_after_a_hit():
+    """The rule of Sequence.record_drafts on a scripted run, scheduler only: a round that accepts nothing
+    halves the next round's drafts (at least 1) and, from the second such round in a row, pauses drafting
+    1, 4, ... steps; a round that accepts any draft (all of them or some) brings back K drafts at once."""
+    from gem4.engine.block_manager import BlockManager
+    from gem4.engine.scheduler import Scheduler
+    from gem4.engine.sequence import Sequence
+
+    sched = Scheduler(BlockManager(num_blocks=16, block_size=16, num_sliding_blocks=16, window=4), max_chunk=8,
+                      max_num_batched_tokens=8, num_speculative_tokens=7)
+    seq = Sequence("r", list(range(4)), SamplingParams(temperature=0), max_tokens=200, end_ids=())
+    sched.add(seq)
+    sched.postprocess(sched.schedule(), [[1]], 0.0)                      # the prompt, and the first token
+    accepted = iter([0, 0, 0, 1, 3, 0, 0, 1, 0, 0])                         # per round: drafts accepted
+    slots = []
+    while len(slots) < 16:
+        batch = sched.schedule()
+        (chunk,) = batch.chunks
+        slots.append(chunk.draft_slots)
+        a = next(accepted) if chunk.draft_slots else 0
+        sched.postprocess(batch, [[1] * (a + 1)], 0.0)
+        if chunk.draft_slots:
+            seq.record_drafts(chunk.draft_slots, a)
+    # drafts per decode step, and the round's outcome:
+    #        miss miss pause miss  4 paused  all  3 of 7 miss miss pause all miss miss
+    assert slots == [7, 3, 0, 1, 0, 0, 0, 0, 1, 7, 7, 3, 0, 1, 7, 3]
+    assert (seq.draft_misses, seq.draft_pause, seq.draft_limit) == (2, 1, 1)
+    assert seq.num_draft_tokens == 7 + 3 + 1 + 1 + 7 + 7 + 3 + 1 + 7 + 3 and seq.num_accepted_tokens == 1 + 3 + 1
 
 
 def test_speculative_config_is_checked():

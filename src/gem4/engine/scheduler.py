@@ -142,10 +142,11 @@ class Scheduler:
         for seq in decoding:                                                 # 1. decode steps
             if seq not in self.running:                                      # preempted for an older one
                 continue
-            # drafts: as many as speculation asks, the budget leaves and the request can still emit after
-            # this step's token (its max_tokens counts the context's end too); none while its drafts keep
-            # missing (Sequence.record_drafts)
-            slots = max(0, min(self.num_speculative_tokens, spare, seq.max_tokens - len(seq.output_ids) - 1))
+            # drafts: as many as speculation asks, the sequence's own limit allows, the budget leaves and the
+            # request can still emit after this step's token (its max_tokens counts the context's end too);
+            # fewer after a round that accepted none, none while its drafts keep missing (Sequence.record_drafts)
+            slots = max(0, min(self.num_speculative_tokens, seq.draft_limit or self.num_speculative_tokens, spare,
+                               seq.max_tokens - len(seq.output_ids) - 1))
             if slots and seq.draft_pause:
                 seq.draft_pause -= 1
                 slots = 0

@@ -144,6 +144,7 @@ class Sequence:
         self.num_accepted_tokens = 0                  # ... and accepted
         self.draft_misses = 0                         # verification rounds in a row that accepted no draft
         self.draft_pause = 0                          # decode steps left to run without drafts (back-off)
+        self.draft_limit = 0                          # most drafts its next round may carry; 0: speculation's K
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._detok = detokenizer                     # None: token ids only, no text
@@ -196,16 +197,31 @@ class Sequence:
         return TokenOutput(token_id, text, None, None)
 
     def record_drafts(self, drafted: int, accepted: int) -> None:
-        """A verification round's outcome. Back-off: after m rounds in a row that accepted none of their
-        drafts, the next min(4^(m-1), MAX_DRAFT_PAUSE) decode steps draft nothing (1, 4, 16, 64, 64, ...),
-        so a drafter that keeps missing (prompt lookup on text that no longer repeats, an assistant that does
-        not fit the target) verifies 5 times in the first 128 tokens and once per 65 after; a round that
-        accepts a draft ends the back-off. Measured (benchmarks/RESULTS.md S): with 2^(m-1) and 32 an
-        always-wrong drafter ran at 0.94-0.95x plain decoding for K = 3."""
+        """A verification round's outcome, and how the sequence's next rounds draft (the scheduler reads
+        `draft_limit` and `draft_pause`):
+
+        - a round that accepts a draft: the next round may carry K drafts again (`draft_limit` 0), no pause;
+        - a round that accepts none of its d drafts, the m-th such round in a row: the next round carries at
+          most max(1, d // 2) drafts (K = 7: 7, 3, 1, 1, ...), and from the second such round on the next
+          min(4^(m-2), MAX_DRAFT_PAUSE) decode steps draft nothing (1, 4, 16, 64, 64, ...).
+
+        So a drafter that keeps missing (prompt lookup on text that no longer repeats, an assistant that does
+        not fit the target) verifies at decode steps 1, 2, 4, 9, 26, 91, 156, ...: 6 rounds in the first 128
+        tokens (K = 7: 7, 3, 1, 1, 1, 1 drafts), then one per 65 steps, and past the first two each costs a
+        2-row step (~1.15x a decode step) instead of a K + 1-row one (8 rows: ~2x).
+        Only a round that accepts nothing shrinks the next one, and only a second miss in a row pauses: with
+        drafts right independently of each other (benchmarks/spec.py's forced drafters), one round's outcome
+        says little of the next one's, and shrinking after a partial acceptance (to the accepted count + 1,
+        as dynamic draft lengths do) or pausing after a single miss loses speed at acceptance 0.7 and 0.9.
+        benchmarks/RESULTS.md S ("adaptive draft length") has the measurements and the choice."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        self.draft_misses = 0 if accepted else self.draft_misses + 1
-        self.draft_pause = min(4 ** (self.draft_misses - 1), MAX_DRAFT_PAUSE) if self.draft_misses else 0
+        if accepted:
+            self.draft_misses = self.draft_pause = self.draft_limit = 0
+            return
+        self.draft_misses += 1
+        self.draft_limit = max(1, drafted // 2)
+        self.draft_pause = min(4 ** (self.draft_misses - 2), MAX_DRAFT_PAUSE) if self.draft_misses >= 2 else 0
 
     def abort(self, now: float) -> str:
         """Finish with "abort"; returns the held text (it was not a stop string)."""
