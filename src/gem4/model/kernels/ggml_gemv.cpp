@@ -10,12 +10,12 @@
 // nibble order for the low 4 bits of q, plus high-bit vectors and unpacked sub-block scales per group
 // (lossless: dequant_x16 gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
 //
-// The "x16" layout (repack_x16, once at load; every type but Q8_0 / Q4_0): each row's blocks in groups of 16, the last group padded
-// with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
+// The "x16" layout (repack_x16, once at load; every type but Q8_0 / Q4_0): each row's blocks in groups of 16,
+// the last group padded with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
 // quant bytes], so that every 64-byte load is cache-line aligned (unaligned loads cost a fifth of the
 // Q4_0 speed) and a row is read front to back. A group's quant bytes are Q/4 vectors of 64 bytes
-// (Q = 16 for the nibbles, more with high bits): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b at
-// bytes 4b..4b+3. So a 32-bit lane of any vector belongs to one block, and so does that lane of the
+// (Q = 16 for the nibbles, more with high bits): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b
+// at bytes 4b..4b+3. So a 32-bit lane of any vector belongs to one block, and so does that lane of the
 // integer accumulator: a group needs one float conversion and one scale multiply, not 16. The buffer
 // asks for transparent huge pages: it is streamed once per decoded token.
 //
@@ -64,7 +64,7 @@ struct Format {
     int64_t block_bytes;   // GGML block (32 weights; K-quants: super-block of 256)
     int64_t block_elems;   // weights per GGML block
     int64_t quant_bytes;   // x16 quant bytes per 32-weight block (nibbles / int8, then K-quant high bits)
-    int64_t meta_bytes;    // scales per x16 group (Q8_0 / Q4_0: 16 fp16 d; K-quants: kquants.h)
+    int64_t meta_bytes;    // scales per x16 group (Q4_1 / Q5_x: 16 fp16 d (and m); K-quants: kquants.h)
     int64_t groups;        // x16 groups per row
     int64_t quants_at;     // offset of the first group's quants in an x16 row (the scales come first)
     int64_t row_bytes;     // x16 row (panel types: a 16th of a panel)
