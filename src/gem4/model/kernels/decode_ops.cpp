@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -138,7 +139,52 @@ torch::Tensor softcap(torch::Tensor x, double cap) {
 }
 
 constexpr int HB = 8;              // query heads handled together: each K / V row is converted once per HB heads
+static_assert(HB == 8, "attend_part lists the head counts 1..8");
 constexpr int64_t MIN_SPLIT = 64;  // fewest key rows per task when the keys are split across threads
+
+// HBN (a compile-time count, so that the per-head accumulators stay in registers: with a run-time count
+// GCC kept them on the stack, reloaded around every multiply) consecutive query heads qh [HBN, d] over the n
+// key rows `rows` of KV head kvh: max score m, sum of exponentials l, sum_s p_s v_s per head. p: HBN * n floats.
+template <int HBN>
+void attend_heads(const float* qh, const uint16_t* k, const uint16_t* v, const int64_t* rows, int64_t n, int64_t kvh,
+                  int64_t nkv, int64_t d, float* p, float* m_out, float* l_out, float* acc_out) {
+    // scores p[j][i] = q_j . k_{rows[i]}
+    for (int64_t i = 0; i < n; ++i) {
+        const uint16_t* kr = k + (rows[i] * nkv + kvh) * d;
+        __m512 dot[HBN];
+        for (int j = 0; j < HBN; ++j) dot[j] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16) {
+            const __m512 kv = load_bf16(kr + c);
+            for (int j = 0; j < HBN; ++j) dot[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j * d + c), kv, dot[j]);
+        }
+        for (int j = 0; j < HBN; ++j) p[j * n + i] = _mm512_reduce_add_ps(dot[j]);
+    }
+    // p <- exp(p - max), l = sum p
+    for (int j = 0; j < HBN; ++j) {
+        float* pj = p + j * n;
+        float mx = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, pj[i]);
+        __m512 lv = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            const __mmask16 km = live(i, n);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(km, pj + i), _mm512_set1_ps(mx)));
+            _mm512_mask_storeu_ps(pj + i, km, e);
+            lv = _mm512_add_ps(lv, _mm512_maskz_mov_ps(km, e));
+        }
+        m_out[j] = mx;
+        l_out[j] = _mm512_reduce_add_ps(lv);
+    }
+    // acc_j = sum_i p[j][i] v_{rows[i]}
+    for (int64_t c = 0; c < d; c += 16) {
+        __m512 acc[HBN];
+        for (int j = 0; j < HBN; ++j) acc[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; ++i) {
+            const __m512 vv = load_bf16(v + (rows[i] * nkv + kvh) * d + c);
+            for (int j = 0; j < HBN; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * n + i]), vv, acc[j]);
+        }
+        for (int j = 0; j < HBN; ++j) _mm512_storeu_ps(acc_out + j * d + c, acc[j]);
+    }
+}
 
 // One task of attend(): query row t, KV head kvh, the n visible key rows `rows`. Writes the unnormalised
 // partial result for each of the g query heads of kvh: max score m, sum of exponentials l, sum_s p_s v_s.
@@ -147,43 +193,20 @@ void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int
     const int64_t g = nh / nkv;
     std::vector<float> p(static_cast<size_t>(HB * std::max<int64_t>(n, 1)));
     for (int64_t h0 = 0; h0 < g; h0 += HB) {
-        const int hb = static_cast<int>(std::min<int64_t>(HB, g - h0));
-        const float* qh = q + (t * nh + kvh * g + h0) * d;          // hb consecutive query heads
-        // scores p[j][i] = q_j . k_{rows[i]}
-        for (int64_t i = 0; i < n; ++i) {
-            const uint16_t* kr = k + (rows[i] * nkv + kvh) * d;
-            __m512 dot[HB];
-            for (int j = 0; j < hb; ++j) dot[j] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < d; c += 16) {
-                const __m512 kv = load_bf16(kr + c);
-                for (int j = 0; j < hb; ++j) dot[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j * d + c), kv, dot[j]);
-            }
-            for (int j = 0; j < hb; ++j) p[j * n + i] = _mm512_reduce_add_ps(dot[j]);
-        }
-        // p <- exp(p - max), l = sum p
-        for (int j = 0; j < hb; ++j) {
-            float* pj = p.data() + j * n;
-            float mx = -INFINITY;
-            for (int64_t i = 0; i < n; ++i) mx = std::max(mx, pj[i]);
-            __m512 lv = _mm512_setzero_ps();
-            for (int64_t i = 0; i < n; i += 16) {
-                const __mmask16 k = live(i, n);
-                const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, pj + i), _mm512_set1_ps(mx)));
-                _mm512_mask_storeu_ps(pj + i, k, e);
-                lv = _mm512_add_ps(lv, _mm512_maskz_mov_ps(k, e));
-            }
-            m_out[h0 + j] = mx;
-            l_out[h0 + j] = _mm512_reduce_add_ps(lv);
-        }
-        // acc_j = sum_i p[j][i] v_{rows[i]}
-        for (int64_t c = 0; c < d; c += 16) {
-            __m512 acc[HB];
-            for (int j = 0; j < hb; ++j) acc[j] = _mm512_setzero_ps();
-            for (int64_t i = 0; i < n; ++i) {
-                const __m512 vv = load_bf16(v + (rows[i] * nkv + kvh) * d + c);
-                for (int j = 0; j < hb; ++j) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * n + i]), vv, acc[j]);
-            }
-            for (int j = 0; j < hb; ++j) _mm512_storeu_ps(acc_out + (h0 + j) * d + c, acc[j]);
+        const float* qh = q + (t * nh + kvh * g + h0) * d;          // up to HB consecutive query heads
+        const auto heads = [&](auto count) {
+            attend_heads<decltype(count)::value>(qh, k, v, rows, n, kvh, nkv, d, p.data(), m_out + h0, l_out + h0,
+                                                 acc_out + h0 * d);
+        };
+        switch (std::min<int64_t>(HB, g - h0)) {
+            case 1: heads(std::integral_constant<int, 1>{}); break;
+            case 2: heads(std::integral_constant<int, 2>{}); break;
+            case 3: heads(std::integral_constant<int, 3>{}); break;
+            case 4: heads(std::integral_constant<int, 4>{}); break;
+            case 5: heads(std::integral_constant<int, 5>{}); break;
+            case 6: heads(std::integral_constant<int, 6>{}); break;
+            case 7: heads(std::integral_constant<int, 7>{}); break;
+            default: heads(std::integral_constant<int, HB>{}); break;
         }
     }
 }
