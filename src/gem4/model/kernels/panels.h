@@ -1,7 +1,7 @@
 // The "n16" panel layout of Q8_0 / Q4_0 weights and its two GEMV kernels, VNNI and AMX, which compute the
 // same floats in the same order (bit-identical, whatever the number of rows of x).
 //
-// Layout (repack_panels, once at load): W's rows in panels of 16 (the last one padded with zero rows). A
+// Layout (repack_panel, once at load): W's rows in panels of 16 (the last one padded with zero rows). A
 // panel is [scales | quants]: scales = fp16 d of (block b, row j) at 32 b + 2 j, padded to 64 bytes; quants
 // = for each block b, QB / 4 vectors of 64 bytes (QB = 32 quant bytes a block for Q8_0, 16 for Q4_0), where
 // vector r holds bytes 4r..4r+3 of block b of each of the 16 rows, row j at bytes 4j..4j+3. So a vector's
@@ -81,10 +81,10 @@ inline uint16_t block_of(const uint8_t* w, const Panels& P, int64_t n, int64_t b
     return d;
 }
 
-// Where element e of a block sits in the VNNI kernel's pair stream (16 int32 words a block, word s * ... as
-// the kernel multiplies them): Q8_0 vector r, step s in {bytes 0, 2; bytes 1, 3}: word 2r + s holds
-// elements 4r + s and 4r + s + 2; Q4_0 vector r, step s = 2 nibble + t: word 4r + s holds 16 nibble + 4r + t
-// and that + 2.
+// The VNNI kernel's pair stream: 16 int32 words a block, in the order it multiplies them; half `half` of word
+// `word` is element pair_element(type, word, half) of the block. Q8_0 vector r, step s (bytes 0, 2 / 1, 3 of a
+// lane): word 2r + s holds elements 4r + s and 4r + s + 2; Q4_0 vector r, step s = 2 nibble + t: word 4r + s
+// holds 16 nibble + 4r + t and that + 2.
 inline int16_t pair_element(int64_t type, int word, int half) {
     if (type == Q8_0) return static_cast<int16_t>(4 * (word / 2) + word % 2 + 2 * half);
     const int r = word / 4, s = word % 4;
@@ -102,11 +102,10 @@ inline __m512i quantize_block(const float* x, float& scale, int32_t& sum) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)), _mm512_cvtsepi32_epi16(q1), 1);
 }
 
-// Rows [m_begin, m_end) of x [M, K] prepared for the panel kernels: the VNNI pair stream (if pairs; row m's block b at
-// pairs + m K + 32 b), dx and
-// Q4_0's correction -8 sum(q) per (m, b); for AMX (planes != nullptr, zeroed) the int8 A rows: block pair j,
-// row m at planes + (j M + m) 256: rows (hi, block 2j), (hi, 2j + 1), (lo, 2j), (lo, 2j + 1) of 64 bytes, the
-// block's 32 bytes in its half of the row.
+// Rows [m_begin, m_end) of x [M, K] prepared for the panel kernels: the VNNI pair stream (if pairs; row m's
+// block b at pairs + m K + 32 b), dx and Q4_0's correction -8 sum(q) per (m, b); for AMX (planes != nullptr,
+// zeroed) the int8 A rows: block pair j, row m at planes + (j M + m) 256: rows (hi, block 2j), (hi, 2j + 1),
+// (lo, 2j), (lo, 2j + 1) of 64 bytes, the block's 32 bytes in its half of the row.
 inline void prepare_panel_rows(const float* x, int64_t M, const Panels& P, int16_t* pairs, float* dx, int32_t* corr,
                                int8_t* planes, int64_t m_begin, int64_t m_end) {
     alignas(64) int16_t order[32];
@@ -187,13 +186,15 @@ void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, i
     }
 }
 
-// AMX: ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA, once per process; false where the CPU or kernel refuses.
+// AMX: CPUID leaf 7 reports AMX-TILE and AMX-INT8, and Linux grants this process the tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once; false where either refuses.
+constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
 inline bool amx_granted() {
     static const bool granted = [] {
         unsigned a, b, c, d;
         __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
         const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
-        return tile && int8 && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        return tile && int8 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }();
     return granted;
 }
@@ -356,6 +357,7 @@ void amx_rows(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int6
             const uint8_t* panel = w + p * P.panel_bytes;
             const bool ahead = TYPE == Q4_0 && M <= 8;
             const PanelTiles tiles = ahead ? PanelTiles{} : panel_tiles<TYPE>(P, panel, scratch);
+            const AheadTiles ahead_tiles{P, panel + P.scales, scratch};
             for (int64_t m0 = r0; m0 < std::min(M, r0 + ROW_BLOCK); m0 += 8) {
                 const int mc = static_cast<int>(std::min<int64_t>(8, M - m0));
                 if (mc != configured) {
@@ -368,8 +370,9 @@ void amx_rows(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int6
                 const PanelX xp{nullptr, x.dx + m0 * nb, nullptr, x.planes, M, m0};
                 with_rows(mc, [&](auto rows) {
                     constexpr int MC = decltype(rows)::value;
-                    if (ahead) amx_pass<MC>(xp, P, panel, AheadTiles{P, panel + P.scales, scratch}, p, y + m0 * ldy, ldy);
-                    else amx_pass<MC>(xp, P, panel, tiles, p, y + m0 * ldy, ldy);
+                    if constexpr (TYPE == Q4_0)
+                        if (ahead) return amx_pass<MC>(xp, P, panel, ahead_tiles, p, y + m0 * ldy, ldy);
+                    amx_pass<MC>(xp, P, panel, tiles, p, y + m0 * ldy, ldy);
                 });
             }
         }
