@@ -139,7 +139,7 @@ torch::Tensor softcap(torch::Tensor x, double cap) {
 }
 
 constexpr int HB = 8;              // query heads handled together: each K / V row is converted once per HB heads
-static_assert(HB == 8, "attend_part lists the head counts 1..8");
+static_assert(HB == 8, "with_count dispatches the head counts 1..8");
 constexpr int64_t MIN_SPLIT = 64;  // fewest key rows per task when the keys are split across threads
 
 // HBN (a compile-time count, so that the per-head accumulators stay in registers: with a run-time count
@@ -198,16 +198,7 @@ void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int
             attend_heads<decltype(count)::value>(qh, k, v, rows, n, kvh, nkv, d, p.data(), m_out + h0, l_out + h0,
                                                  acc_out + h0 * d);
         };
-        switch (std::min<int64_t>(HB, g - h0)) {
-            case 1: heads(std::integral_constant<int, 1>{}); break;
-            case 2: heads(std::integral_constant<int, 2>{}); break;
-            case 3: heads(std::integral_constant<int, 3>{}); break;
-            case 4: heads(std::integral_constant<int, 4>{}); break;
-            case 5: heads(std::integral_constant<int, 5>{}); break;
-            case 6: heads(std::integral_constant<int, 6>{}); break;
-            case 7: heads(std::integral_constant<int, 7>{}); break;
-            default: heads(std::integral_constant<int, HB>{}); break;
-        }
+        with_count(std::min<int64_t>(HB, g - h0), heads);
     }
 }
 

@@ -412,8 +412,8 @@ int64_t rows_of(const torch::Tensor& x, int64_t k_in) {
     return x.size(0);
 }
 
-static_assert(MAX_M == 8, "gem4_panels::with_rows lists the row counts 1..8");
-using gem4_panels::with_rows;
+static_assert(MAX_M == 8, "gem4_simd::with_count dispatches the row counts 1..8");
+using gem4_simd::with_count;
 
 // Whether passes of 2..8 rows of x over Q8_0 / Q4_0 panels run on AMX tiles (set_amx; on where the CPU and
 // kernel grant AMX, unless GEM4_NO_AMX is set). Either way the results are the same, bit for bit.
@@ -477,7 +477,7 @@ struct Prepared {
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
             const PanelX xp{stream.data + m0 * per_row, dx.data + m0 * nb, corr.data + m0 * nb, nullptr, M, m0};
-            with_rows(mc, [&](auto rows) {
+            with_count(mc, [&](auto rows) {
                 constexpr int MC = decltype(rows)::value;
                 if (type == Q8_0_TYPE) vnni_panels<MC, Q8_0_TYPE>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
                 else vnni_panels<MC, Q4_0_TYPE>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
@@ -511,7 +511,7 @@ struct Prepared {
     }
 
     void chunk(int mc, const XChunk& xc, const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1, const Span& sp) const {
-        with_rows(mc, [&](auto rows) {
+        with_count(mc, [&](auto rows) {
             constexpr int MC = decltype(rows)::value;
             switch (type) {
                 case Q4_1_TYPE: gemv_rows<MC, Q4_1_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
@@ -614,6 +614,17 @@ inline void transpose_group(const uint8_t* grp, uint8_t* out) {
     _mm512_store_si512(out + 192, _mm512_permutex2var_epi64(c, pick_hi, d));    // blocks 12..15
 }
 
+// A block's 32 dequantized weights (w0: 0..15, w1: 16..31) -> dst as bf16 or float32.
+inline void store_block(uint8_t* dst, __m512 w0, __m512 w1, bool bf16) {
+    if (bf16) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(w0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), (__m256i)_mm512_cvtneps_pbh(w1));
+    } else {
+        _mm512_storeu_ps(reinterpret_cast<float*>(dst), w0);
+        _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16, w1);
+    }
+}
+
 // Rows [n0, n1) of a Q8_0 / Q4_0 panel weight -> out (row-major, k_in per row) as float32 or bf16 (w = d * q, or
 // d * (q - 8); exact in float32): per panel and block, the 16 rows' quant bytes transposed in registers.
 void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1, uint8_t* op) {
@@ -641,14 +652,7 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
                     w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask4), eight)), dj);
                     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight)), dj);
                 }
-                uint8_t* dst = op + ((p * PANEL + j - n0) * k_in + b * QK) * out_size;
-                if (bf16) {
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(w0));
-                    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), (__m256i)_mm512_cvtneps_pbh(w1));
-                } else {
-                    _mm512_storeu_ps(reinterpret_cast<float*>(dst), w0);
-                    _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16, w1);
-                }
+                store_block(op + ((p * PANEL + j - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
             }
         }
     }
@@ -761,14 +765,7 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                     }
                 }
             }
-            uint8_t* dst = op + ((i - n0) * k_in + b * QK) * out_size;
-            if (bf16) {
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(w0));
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 32), (__m256i)_mm512_cvtneps_pbh(w1));
-            } else {
-                _mm512_storeu_ps(reinterpret_cast<float*>(dst), w0);
-                _mm512_storeu_ps(reinterpret_cast<float*>(dst) + 16, w1);
-            }
+            store_block(op + ((i - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
         }
 }
 

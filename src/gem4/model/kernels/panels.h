@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "simd.h"
+
 namespace gem4_panels {
 
 constexpr int64_t QK = 32;          // weights per GGML block
@@ -326,21 +328,6 @@ void amx_pass(const PanelX& x, const Panels& P, const uint8_t* panel, const Tile
     store_rows(acc, MC, P, p, y, ldy);
 }
 
-// A pass's row count mc (1..8) as a compile-time constant: fn(std::integral_constant<int, mc>).
-template <typename Fn>
-void with_rows(int mc, Fn&& fn) {
-    switch (mc) {
-        case 1: fn(std::integral_constant<int, 1>{}); break;
-        case 2: fn(std::integral_constant<int, 2>{}); break;
-        case 3: fn(std::integral_constant<int, 3>{}); break;
-        case 4: fn(std::integral_constant<int, 4>{}); break;
-        case 5: fn(std::integral_constant<int, 5>{}); break;
-        case 6: fn(std::integral_constant<int, 6>{}); break;
-        case 7: fn(std::integral_constant<int, 7>{}); break;
-        default: fn(std::integral_constant<int, 8>{}); break;
-    }
-}
-
 constexpr int64_t ROW_BLOCK = 64;   // rows of x whose A tiles (4 KB a row for 1536 inputs) a panel's B tiles meet
                                     // while both are in cache; W is read once per row block
 
@@ -368,7 +355,7 @@ void amx_rows(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int6
                     configured = mc;
                 }
                 const PanelX xp{nullptr, x.dx + m0 * nb, nullptr, x.planes, M, m0};
-                with_rows(mc, [&](auto rows) {
+                gem4_simd::with_count(mc, [&](auto rows) {
                     constexpr int MC = decltype(rows)::value;
                     if constexpr (TYPE == Q4_0)
                         if (ahead) return amx_pass<MC>(xp, P, panel, ahead_tiles, p, y + m0 * ldy, ldy);

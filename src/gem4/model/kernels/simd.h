@@ -2,8 +2,25 @@
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+#include <type_traits>
 
 namespace gem4_simd {
+
+// A count n (1..8; more: 8) as a compile-time constant, so that arrays of n accumulators stay in registers:
+// fn(std::integral_constant<int, n>).
+template <typename Fn>
+void with_count(int64_t n, Fn&& fn) {
+    switch (n) {
+        case 1: fn(std::integral_constant<int, 1>{}); break;
+        case 2: fn(std::integral_constant<int, 2>{}); break;
+        case 3: fn(std::integral_constant<int, 3>{}); break;
+        case 4: fn(std::integral_constant<int, 4>{}); break;
+        case 5: fn(std::integral_constant<int, 5>{}); break;
+        case 6: fn(std::integral_constant<int, 6>{}); break;
+        case 7: fn(std::integral_constant<int, 7>{}); break;
+        default: fn(std::integral_constant<int, 8>{}); break;
+    }
+}
 
 // 16 bf16 values -> float32 (a bf16 is the top half of a float32).
 inline __m512 load_bf16(const uint16_t* p) {
