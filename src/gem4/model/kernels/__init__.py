@@ -7,8 +7,8 @@
   `kquants.h` describe it).
   `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode; on Q8_0 / Q4_0 panels passes of 2-8 rows
   of x run on AMX tiles where the CPU grants them, bit-identical to the VNNI kernel: `set_amx`); `gemv_multi`
-  (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's GEMM
-  (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
+  (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's
+  GEMM (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
 - `gemv_bf16(x, w)`: the same product for bf16 weights as they are stored (`bf16_gemv.cpp`).
 - `rms_norm`, `rms_norm_rope`, `attend`, `gelu_mul`, `softcap`: the decode step's small operations,
   one call each instead of several torch ops (`decode_ops.cpp`; shared SIMD helpers in `simd.h`).
@@ -31,7 +31,8 @@ Build (choices and why):
   (AVX-512 DQ, AVX2, FMA, F16C, BMI1/2, LZCNT, POPCNT), tuned for `TUNE`. -march=native would enable
   whatever the CPU reports, AMX included on hosts whose VM does not enable it (those instructions trap).
   AMX is compiled into the panel kernel alone (a function target attribute) and run only after the CPU
-  reports AMX-TILE and AMX-INT8 and Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). The same list is checked against /proc/cpuinfo before anything is built.
+  reports AMX-TILE and AMX-INT8 and Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). The same
+  list is checked against /proc/cpuinfo before anything is built.
 - Never hangs on a dead build: the builder holds an flock on `build.lock` (released by the kernel when its
   holder dies, even by SIGKILL); another process waits for a live holder with a message (`WAIT_LIMIT_S`
   at most). Each build runs in a fresh `build-*` directory (so torch's own `lock` baton file is always
