@@ -11,7 +11,6 @@ from gem4.weights.quants import GGMLType, dequantize, quantize
 from model_fixtures import VARIANTS
 
 PACKED = [GGMLType.Q8_0, GGMLType.Q4_0]
-PANEL_TYPES = {GGMLType.Q8_0, GGMLType.Q4_0}      # packed in 16-row panels (panels.h); the others in x16 rows
 
 
 def test_kernels_build_on_this_machine():
@@ -87,7 +86,7 @@ def test_repacked_layout_round_trips_every_row_length(ggml_type, k_in):
     g = torch.Generator().manual_seed(k_in)
     layer, dense = packed_linear(torch.randn(24, k_in, generator=g), ggml_type)
     assert layer.layout == "packed"
-    if ggml_type in PANEL_TYPES:           # 16-row panels, cache-line aligned; the last one padded with zero rows
+    if ggml_type in kernels.PANEL_TYPES:   # 16-row panels, cache-line aligned; the last one padded with zero rows
         assert layer.packed.shape[0] == 32 and layer.packed.shape[1] * 16 % 64 == 0
     else:                                  # cache-line aligned rows
         assert layer.packed.shape[0] == 24 and layer.packed.shape[1] % 64 == 0

@@ -48,8 +48,7 @@ from typing import Callable, Iterator
 import torch
 
 from gem4.procfs import proc_bytes
-from gem4.weights.expert_files import (GB, ExpertTensor, RawFile, SlotLayout, aligned_bytes,  # noqa: F401
-                                       repacked_layers)
+from gem4.weights.expert_files import GB, ExpertTensor, RawFile, SlotLayout, aligned_bytes, repacked_layers
 
 EXPERT_NAMES = ("gate_up_proj", "down_proj")
 READ_THREADS = 4            # misses of one group read at once (a decode step's top_k of one layer: 8)
@@ -89,9 +88,6 @@ class ExpertFile:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="gem4-experts")
         self.stats = ExpertStats()
 
-    def read(self, offset: int, nbytes: int) -> torch.Tensor:
-        return self.gguf.read(offset, nbytes)
-
     def close(self) -> None:
         self.pool.shutdown(wait=True)
         for f in [self.gguf, *self.layer_files]:
@@ -112,10 +108,7 @@ class GGUFSource:
         self.nbytes = sum(t.nbytes for t in tensors.values())
 
     def jobs(self, e: int, slot: dict[str, torch.Tensor], record: torch.Tensor) -> list[Callable[[], None]]:
-        def fill(name: str) -> None:
-            t = self.tensors[name]
-            slot[name].copy_(t.convert(self.file.read(t.offset + e * t.nbytes, t.nbytes)))
-        return [lambda name=name: fill(name) for name in self.tensors]
+        return [lambda name=name, t=t: slot[name].copy_(t.expert(self.file.gguf, e)) for name, t in self.tensors.items()]
 
 
 class RepackedSource:
@@ -290,7 +283,7 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
                     types[name] = ggml_type
             # the layer's slot layout (shapes, dtypes, bytes) from its expert 0: types may differ between
             # layers (llama.cpp's Q4_K_M keeps some layers' down_proj in Q8_0, the others in Q5_0)
-            layout = SlotLayout.of({name: t.convert(file.read(t.offset, t.nbytes)) for name, t in tensors.items()})
+            layout = SlotLayout.of({name: t.expert(file.gguf, 0) for name, t in tensors.items()})
             per_layer.append((layer, tensors, types, layout))
         slot_bytes = sum(layout.stride for *_, layout in per_layer)             # one slot in every layer
         if slots is None:

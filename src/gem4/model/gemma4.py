@@ -132,7 +132,7 @@ class Experts(nn.Module):
     def pack(self, name: str, raw: torch.Tensor, ggml_type: GGMLType) -> None:
         """Load time: GGML bytes of `name` ("gate_up_proj" / "down_proj", [E, rows, k]) -> the kernels' layout."""
         rows, k = self.dims[name]
-        if ggml_type in (GGMLType.Q8_0, GGMLType.Q4_0) and rows % 16:     # expert e's rows must start a panel
+        if ggml_type in kernels.PANEL_TYPES and rows % 16:                  # expert e's rows must start a panel
             raise ValueError(f"{name}: {rows} rows per expert are not a multiple of 16, which packed "
                              f"{GGMLType(ggml_type).name} experts need; load in float32 mode")
         packed = kernels.repack(raw, self.num_experts * rows, k, ggml_type)

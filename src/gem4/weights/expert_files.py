@@ -106,6 +106,10 @@ class ExpertTensor:
     nbytes: int
     convert: Callable[[torch.Tensor], torch.Tensor]
 
+    def expert(self, file: "RawFile", e: int) -> torch.Tensor:
+        """Expert e's bytes read from the GGUF `file`, in the slot's layout."""
+        return self.convert(file.read(self.offset + e * self.nbytes, self.nbytes))
+
 
 @dataclass(frozen=True)
 class SlotLayout:
@@ -193,7 +197,7 @@ def repacked_layers(path: Path, layers: list[tuple[dict[str, ExpertTensor], Slot
             with open(tmp / name, "wb") as f:
                 for e in range(num_experts):
                     for part, t in tensors.items():
-                        slot[part].copy_(t.convert(gguf.read(t.offset + e * t.nbytes, t.nbytes)))
+                        slot[part].copy_(t.expert(gguf, e))
                     data = record.numpy().data
                     f.write(data)
                     h.update(data)

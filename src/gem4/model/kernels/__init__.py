@@ -82,6 +82,8 @@ LDFLAGS = ("-fopenmp",)
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0,    # formats the compiled kernels read
                           GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
                           GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+PANEL_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # of those, packed in 16-row panels (panels.h):
+                                                          # N padded to 16, no padding along k
 LIBRARY = "gem4_kernels.so"
 BUILD_TIME = "about 1-2 minutes"      # 5 sources on 2 cores (longer on a busy machine)
 WAIT_LIMIT_S = 1800                   # longest wait for another process's build before the portable path
