@@ -625,13 +625,40 @@ inline void store_block(uint8_t* dst, __m512 w0, __m512 w1, bool bf16) {
     }
 }
 
-// Rows [n0, n1) of a Q8_0 / Q4_0 panel weight -> out (row-major, k_in per row) as float32 or bf16 (w = d * q, or
-// d * (q - 8); exact in float32): per panel and block, the 16 rows' quant bytes transposed in registers.
-void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1, uint8_t* op) {
+// A panel block's 32 weights from its quant bytes in GGML order (q_lo: bytes 0..15; q_hi: Q8_0's 16..31) and its
+// d: w = d q (Q8_0), d (q - 8) (Q4_0), as quants.py, exact in float32.
+inline void panel_block(int64_t ggml_type, const uint8_t* q_lo, const uint8_t* q_hi, float d, __m512& w0, __m512& w1) {
+    const __m512 dv = _mm512_set1_ps(d);
+    if (ggml_type == Q8_0_TYPE) {
+        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q_lo)))), dv);
+        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q_hi)))), dv);
+        return;
+    }
+    const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q_lo)));
+    const __m512i eight = _mm512_set1_epi32(8);
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, _mm512_set1_epi32(0x0F)), eight)), dv);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight)), dv);
+}
+
+// Rows [n0, n1) of a Q8_0 / Q4_0 panel weight (rows ids[n0..n1) if ids) -> out (row-major, k_in per row) as float32
+// or bf16: contiguous rows per panel and block, the 16 rows' quant bytes transposed in registers; rows by id
+// gathered a block at a time.
+void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1, uint8_t* op,
+                    const int64_t* ids) {
     using gem4_panels::PANEL;
     const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);
     const int64_t out_size = bf16 ? 2 : 4;
-    const __m512i mask4 = _mm512_set1_epi32(0x0F), eight = _mm512_set1_epi32(8);
+    __m512 w0, w1;
+    if (ids) {
+        alignas(32) uint8_t q[32];                       // a block's quant bytes in GGML order
+        for (int64_t i = n0; i < n1; ++i)
+            for (int64_t b = 0; b < P.nb; ++b) {
+                const float d = _cvtsh_ss(gem4_panels::block_of(wp, P, ids[i], b, q));
+                panel_block(ggml_type, q, q + 16, d, w0, w1);
+                store_block(op + ((i - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
+            }
+        return;
+    }
     alignas(64) uint8_t rows[2][PANEL * 16];             // a block's 16 rows' quant bytes, 16 (Q8_0: 32) a row
     alignas(64) float d[PANEL];
     for (int64_t p = n0 / PANEL; p * PANEL < n1; ++p) {
@@ -642,16 +669,7 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
             for (int64_t h = 0; h < P.qb / 16; ++h) transpose_group(q + 256 * h, rows[h]);
             _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b))));
             for (int64_t j = j0; j < j1; ++j) {
-                const __m512 dj = _mm512_set1_ps(d[j]);
-                __m512 w0, w1;
-                if (ggml_type == Q8_0_TYPE) {
-                    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * j)))), dj);
-                    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[1] + 16 * j)))), dj);
-                } else {
-                    const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * j)));
-                    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(raw, mask4), eight)), dj);
-                    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight)), dj);
-                }
+                panel_block(ggml_type, rows[0] + 16 * j, rows[1] + 16 * j, d[j], w0, w1);
                 store_block(op + ((p * PANEL + j - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
             }
         }
@@ -659,14 +677,12 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
 }
 
 // Rows [n0, n1) of a packed weight (rows ids[n0..n1) if ids) -> out (row-major, k_in per row) as float32 or bf16
-// (w = d * q, or d * (q - 8), ...: as quants.py, exact in float32). Contiguous rows of panels: dequant_panels.
+// (w = d * (q - 16), (d q) + m, ...: as quants.py, exact in float32). Panels: dequant_panels.
 void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
                   uint8_t* op, const int64_t* ids = nullptr) {
-    if (f.panel && !ids) return dequant_panels(wp, k_in, ggml_type, bf16, n0, n1, op);
+    if (f.panel) return dequant_panels(wp, k_in, ggml_type, bf16, n0, n1, op, ids);
     const int64_t nb = k_in / QK, out_size = bf16 ? 2 : 4;
     const bool kq = gem4_kq::is_k(ggml_type);
-    const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);      // panel types, by row ids
-    const int64_t nibble_vectors = 4;
     // K-quants: where the high bits of weights 0..15 / 16..31 of a block sit in its 32-bit lane (kquants.h)
     alignas(64) int32_t at[32];
     for (int e = 0; e < 32; ++e) {
@@ -675,24 +691,15 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
     }
     const __m512i at_lo = _mm512_load_si512(at), at_hi = _mm512_load_si512(at + 16);
     const __m512i mask4 = _mm512_set1_epi32(0x0F), hbits = _mm512_set1_epi32(ggml_type == gem4_kq::Q6_K ? 3 : 1);
-    alignas(64) uint8_t blocks[2][GROUP * 16];              // a group's quant bytes back in block order
+    alignas(64) uint8_t blocks[GROUP * 16];                 // a group's quant bytes back in block order
     for (int64_t i = n0; i < n1; ++i)
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t n = ids ? ids[i] : i;
-            const uint8_t* row = wp + n * f.row_bytes;      // x16
+            const uint8_t* row = wp + n * f.row_bytes;
             const uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
             const int64_t lane = b % GROUP;
-            alignas(32) uint8_t q[32];                       // the block's quant bytes in GGML order
-            uint16_t panel_d = 0;
-            if (f.panel) {
-                panel_d = gem4_panels::block_of(wp, P, n, b, q);
-            } else {
-                if (lane == 0)                               // vectors 4h..4h+3 -> bytes 16h..16h+15 of each block
-                    for (int64_t h = 0; h < nibble_vectors / 4; ++h) transpose_group(grp + 4 * h * 64, blocks[h]);
-                for (int64_t h = 0; h < nibble_vectors / 4; ++h)
-                    _mm_store_si128(reinterpret_cast<__m128i*>(q + 16 * h),
-                                    _mm_load_si128(reinterpret_cast<const __m128i*>(blocks[h] + 16 * lane)));
-            }
+            if (lane == 0) transpose_group(grp, blocks);     // the group's 4 nibble vectors -> 16 bytes a block
+            const uint8_t* q = blocks + 16 * lane;           // the block's quant bytes in GGML order
             __m512 w0, w1;
             if (kq) {                                        // w = (d sc) q - (dmin min), or (d sc) (q - 32): as quants.py
                 const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
@@ -731,45 +738,37 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                     w0 = _mm512_sub_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(lo), a, R), m, R);
                     w1 = _mm512_sub_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(hi), a, R), m, R);
                 }
-            } else {                                         // w = d q (Q8_0), d (q - 8 / 16), (d q) + m: as quants.py
+            } else {                                         // w = d (q - 16), (d q) + m: as quants.py
                 const uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
-                uint16_t dbits = panel_d;
-                if (!f.panel) std::memcpy(&dbits, meta + 2 * lane, 2);
+                uint16_t dbits;
+                std::memcpy(&dbits, meta + 2 * lane, 2);
                 const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
-                if (ggml_type == Q8_0_TYPE) {
-                    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q))));
-                    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16))));
-                    w0 = _mm512_mul_ps(w0, d);
-                    w1 = _mm512_mul_ps(w1, d);
+                const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
+                __m512i lo = _mm512_and_si512(raw, mask4), hi = _mm512_srli_epi32(raw, 4);
+                if (legacy_high(ggml_type)) {
+                    uint32_t h0;
+                    std::memcpy(&h0, grp + 256 + 4 * lane, 4);
+                    const __m512i h = _mm512_set1_epi32(static_cast<int>(h0));
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_lo), hbits), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_hi), hbits), 4));
+                }
+                if (legacy_min(ggml_type)) {             // (d q) + m, two roundings (never one FMA)
+                    uint16_t mbits;
+                    std::memcpy(&mbits, meta + 32 + 2 * lane, 2);
+                    const __m512 m = _mm512_set1_ps(_cvtsh_ss(mbits));
+                    constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                    w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(lo), R), m, R);
+                    w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(hi), R), m, R);
                 } else {
-                    const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
-                    __m512i lo = _mm512_and_si512(raw, mask4), hi = _mm512_srli_epi32(raw, 4);
-                    if (legacy_high(ggml_type)) {
-                        uint32_t h0;
-                        std::memcpy(&h0, grp + 256 + 4 * lane, 4);
-                        const __m512i h = _mm512_set1_epi32(static_cast<int>(h0));
-                        lo = _mm512_or_si512(lo, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_lo), hbits), 4));
-                        hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_hi), hbits), 4));
-                    }
-                    if (legacy_min(ggml_type)) {             // (d q) + m, two roundings (never one FMA)
-                        uint16_t mbits;
-                        std::memcpy(&mbits, meta + 32 + 2 * lane, 2);
-                        const __m512 m = _mm512_set1_ps(_cvtsh_ss(mbits));
-                        constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-                        w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(lo), R), m, R);
-                        w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(hi), R), m, R);
-                    } else {
-                        const __m512i off = _mm512_set1_epi32(ggml_type == Q4_0_TYPE ? 8 : 16);
-                        w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, off)), d);
-                        w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, off)), d);
-                    }
+                    const __m512i off = _mm512_set1_epi32(16);                                  // Q5_0
+                    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo, off)), d);
+                    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, off)), d);
                 }
             }
             store_block(op + ((i - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
         }
 }
 
-// x16 [N, ...] -> [N, K] float32 or bf16
 // x16 / panels [N, ...] -> [N, K] float32 or bf16 (N: the packed tensor's rows, a panel's padding included), or
 // only the rows `ids` [R] -> [R, K] (token tables)
 torch::Tensor dequant_x16(torch::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std::optional<torch::Tensor> ids) {
