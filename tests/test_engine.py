@@ -565,9 +565,33 @@ def test_a_request_decodes_the_same_tokens_in_any_batch(variants, name, dtype):
     assert engine._scheduler.blocks.usage == 0 and engine.batch_sizes[4] > 0  # four decoded together
 
 
-def test_a_pool_too_small_preempts_and_every_request_still_completes(variants):
+def test_a_chunk_is_computed_in_passes_of_its_kind():
+    """runner._pieces / _passes: a chunk's prompt rows in the step's one prefill pass, its generated rows (a
+    preempted sequence computed again) after it in decode passes of at most decode_rows rows, each piece of a
+    chunk in a later pass than the one before, decode steps packed into the first pass with room."""
+    from types import SimpleNamespace
+    from gem4.engine.runner import _passes, _pieces, _Rows
+
+    seq = SimpleNamespace(num_prompt_tokens=10, num_tokens=26)
+    chunk = SimpleNamespace(seq=seq, start=6, num_tokens=20, samples=True)
+    pieces = _pieces(_Rows(chunk, 6, list(range(6, 26)), []), decode_rows=8)
+    assert [(p.start, len(p.ids), p.prefill, p.last, p.num_logits) for p in pieces] == \
+        [(6, 4, True, False, 0), (10, 8, False, False, 0), (18, 8, False, True, 1)]
+    assert [p.ids[0] for p in pieces] == [6, 10, 18]
+    decode = SimpleNamespace(seq=seq, start=25, num_tokens=1, samples=True)
+    assert _pieces(_Rows(decode, 25, [25, 7, 7], [7, 7]), decode_rows=8) == [_Rows(decode, 25, [25, 7, 7], [7, 7])]
+    # (chunk, prefill, rows): chunk 0 as above, chunk 1 a decode step, chunk 2 a prompt chunk, chunk 3 drafts
+    assert _passes([(0, True, 4), (0, False, 8), (0, False, 8), (1, False, 1), (2, True, 30), (3, False, 3)], 8) == \
+        [[0, 4], [1], [2], [3, 5]]
+    assert _passes([(0, False, 1), (1, False, 8), (2, False, 3)], 8) == [[0, 2], [1]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_pool_too_small_preempts_and_every_request_still_completes(variants, dtype):
+    """...and gets the tokens it gets alone: in the fast mode too, whose preempted sequences compute their
+    generated tokens again with the decode kernels (runner.py)."""
     fx = variants["dense_plain"]
-    model = gem4.load(fx.hf_causal, dtype="float32")
+    model = gem4.load(fx.gguf["q8_0"] if dtype == "bfloat16" else fx.hf_causal, dtype=dtype)
     prompts = [fx.ids[a:a + 6] for a in range(4)]
     want = [greedy_alone(model, p, 40) for p in prompts]
     size = kv_pool_size(model.config, model.dtype, max_chunk=8, num_seqs=4, max_model_len=64, prefix_caching=True)

@@ -147,11 +147,15 @@ def test_gem4_no_kernels_turns_them_off(tmp_path):
 # --- the built library -------------------------------------------------------------------------------
 
 
+AMX_FUNCTIONS = ("void gem4_panels::amx_rows<", "void gem4_panels::amx_pass<", "gem4_tiles::amx_blocks(",
+                 "gem4_tiles::load_tiles(", "gem4_tiles::release_tiles(")
+
+
 @needs_cpu
-def test_built_library_has_amx_instructions_only_in_the_panel_kernel():
-    """AMX is compiled into the panel kernel's gem4_panels::amx_rows / amx_pass alone (run only once the CPU and
-    kernel grant AMX): any other function with a tile instruction would trap on a host whose VM does not
-    enable AMX."""
+def test_built_library_has_amx_instructions_only_in_the_amx_kernels():
+    """AMX is compiled into the panel GEMV's gem4_panels::amx_rows / amx_pass and the prefill GEMM's
+    gem4_tiles::amx_blocks (with its tile configuration and release) alone, run only once the CPU and kernel grant
+    AMX: any other function with a tile instruction would trap on a host whose VM does not enable AMX."""
     assert kernels.available(), kernels.describe()["reason"]
     library = kernels.build_dir() / kernels.LIBRARY
     objdump = shutil.which("objdump")
@@ -168,8 +172,8 @@ def test_built_library_has_amx_instructions_only_in_the_panel_kernel():
             if mnemonic.startswith(AMX_MNEMONICS):
                 amx_in.add(function)
     assert "vpdpwssd" in mnemonics and "vdpbf16ps" in mnemonics     # the listing is read right
-    assert amx_in and all(f.startswith(("void gem4_panels::amx_rows<", "void gem4_panels::amx_pass<")) for f in amx_in), \
-        sorted(amx_in)
+    assert amx_in and all(f.startswith(AMX_FUNCTIONS) for f in amx_in), sorted(amx_in)
+    assert any(f.startswith("gem4_tiles::amx_blocks(") for f in amx_in), sorted(amx_in)
 
 
 @needs_cpu

@@ -33,15 +33,19 @@ def cold(model, prompt, params=GREEDY):
     return outputs(Engine(model, prefill_chunk=8, block_size=4, enable_prefix_caching=False).generate(prompt, params))
 
 
-def same(got, want, dtype):
+def same(got, want, dtype, generated=False):
     """Tokens equal; logprobs equal to float32's rounding (a hit computes its rows in other chunks than the
     cold run, and float32 GEMMs of other shapes round differently in the last bits), bit for bit in the fast
-    mode (batch invariant by construction: runner.py)."""
+    mode (its kernels are row-invariant and each position is computed by the kernels of its kind: runner.py).
+    `generated`: the hit holds generated tokens, which the fast mode computed with its decode kernels where a
+    cold run computes them as prompt tokens: equal to the fast mode's rounding."""
     if [(t, [i for i, _ in top]) for t, _, top in got] != [(t, [i for i, _ in top]) for t, _, top in want]:
         return False
     floats = [x for _, lp, top in got for x in (lp, *(v for _, v in top))]
     ref = [x for _, lp, top in want for x in (lp, *(v for _, v in top))]
-    return floats == (ref if dtype == "bfloat16" else pytest.approx(ref, rel=1e-5, abs=1e-6))
+    if dtype == "bfloat16":
+        return floats == (pytest.approx(ref, abs=5e-2) if generated else ref)
+    return floats == pytest.approx(ref, rel=1e-5, abs=1e-6)
 
 
 def last_event(engine, prompt, params):
@@ -73,7 +77,8 @@ def test_a_hit_at_any_split_gives_the_cold_output(variants, name, dtype):
     # sampled and never computed)
     turn = base + generated + other
     got, end = last_event(engine, turn, GREEDY)
-    assert end.stats.cached_tokens == len(base) + len(generated) - 1 and same(got, cold(model, turn), dtype)
+    assert end.stats.cached_tokens == len(base) + len(generated) - 1
+    assert same(got, cold(model, turn), dtype, generated=True)
     # the same prompt again: its last token is computed again for its logits
     got, end = last_event(engine, base, GREEDY)
     assert end.stats.cached_tokens == len(base) - 1 and same(got, first, dtype)

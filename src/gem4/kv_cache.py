@@ -77,6 +77,8 @@ class Attend:
     q_seq: torch.Tensor                   # [T] int64
     q_lo: torch.Tensor                    # [T] int64
     q_hi: torch.Tensor                    # [T] int64
+    first_key: torch.Tensor | None = None     # [B] int64: the position of key_rows[b, 0] (KVPool.layout's; the
+                                              # prefill attention aligns its sums to positions with it)
 
     def select(self, rows: torch.Tensor) -> "Attend":
         return replace(self, q_seq=self.q_seq[rows], q_lo=self.q_lo[rows], q_hi=self.q_hi[rows])
@@ -89,12 +91,18 @@ class Attend:
 
 @dataclass(frozen=True)
 class StepLayout:
-    """One forward step over the flat tokens of several sequences (sequence after sequence)."""
+    """One forward step over the flat tokens of several sequences (sequence after sequence).
+
+    `prefill`: the step's tokens are prompt tokens (a prefill pass), else generated ones (a decode pass: one
+    token per sequence, or a few with speculation). The fast mode computes each kind with its own kernels,
+    whatever the number of rows, so a token's K/V never depend on how its prompt was chunked or on its batch
+    mates (model/layers.py `prefill_pass`)."""
 
     positions: torch.Tensor                   # [T] int64, each token's position in its sequence
     write: dict[str, torch.Tensor]            # layer type -> [T] rows the new K/V go to
     attend: dict[str, Attend]                 # layer type -> the keys each query row sees
     logit_rows: torch.Tensor                  # [M] rows (into the T) whose logits are wanted, in order
+    prefill: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +113,7 @@ class StepLayout:
         docs/gemma4.md §2.6); the writes stay as they are, KV-shared layers write nothing."""
         rows = self.logit_rows
         return StepLayout(self.positions[rows], self.write, {t: a.select(rows) for t, a in self.attend.items()},
-                          torch.arange(rows.numel(), device=rows.device))
+                          torch.arange(rows.numel(), device=rows.device), self.prefill)
 
 
 def sliding_blocks_per_seq(window: int, max_chunk: int, block_size: int = BLOCK_SIZE) -> int:
@@ -176,14 +184,15 @@ class KVPool:
                 for store in (self._k[spec.index], self._v[spec.index]):
                     store[dst] = store[src]                         # the gather copies first
 
-    def layout(self, seqs: Sequence[SeqStep]) -> StepLayout:
-        """The tensors of one step over `seqs` (their tokens laid out one sequence after another)."""
+    def layout(self, seqs: Sequence[SeqStep], prefill: bool = False) -> StepLayout:
+        """The tensors of one step over `seqs` (their tokens laid out one sequence after another); `prefill`:
+        the tokens are prompt tokens (StepLayout)."""
         if not seqs:
             raise ValueError("a step needs at least one sequence")
         dev, bs, window = self.device, self.block_size, self.window
         positions, write_full, write_slide, logit_rows = [], [], [], []
         full_keys, slide_keys = [], []
-        q_seq, full_hi, slide_lo, slide_hi = [], [], [], []
+        q_seq, full_hi, slide_lo, slide_hi, slide_first = [], [], [], [], []
         row = 0
         for b, s in enumerate(seqs):
             if s.num_tokens < 1 or s.start < 0:
@@ -207,17 +216,20 @@ class KVPool:
             write_slide.append(slide_keys[-1][s.start - first:])
             slide_lo.append(torch.clamp(pos - window + 1, min=first) - first)
             slide_hi.append(pos - first + 1)
+            slide_first.append(first)
             positions.append(pos)
             q_seq.append(torch.full((s.num_tokens,), b, dtype=torch.long, device=dev))
             logit_rows.append(torch.arange(row + s.num_tokens - s.logits, row + s.num_tokens, device=dev))
             row += s.num_tokens
         q_seq_t = torch.cat(q_seq)
         attend = {
-            FULL: Attend(_pad(full_keys), q_seq_t, torch.zeros_like(q_seq_t), torch.cat(full_hi)),
-            SLIDING: Attend(_pad(slide_keys), q_seq_t, torch.cat(slide_lo), torch.cat(slide_hi)),
+            FULL: Attend(_pad(full_keys), q_seq_t, torch.zeros_like(q_seq_t), torch.cat(full_hi),
+                         torch.zeros(len(seqs), dtype=torch.long, device=dev)),
+            SLIDING: Attend(_pad(slide_keys), q_seq_t, torch.cat(slide_lo), torch.cat(slide_hi),
+                            torch.tensor(slide_first, dtype=torch.long, device=dev)),
         }
         return StepLayout(torch.cat(positions), {FULL: torch.cat(write_full), SLIDING: torch.cat(write_slide)},
-                          attend, torch.cat(logit_rows))
+                          attend, torch.cat(logit_rows), prefill)
 
     def _table(self, table: Sequence[int], lo: int, hi: int, count: int, end: int, what: str) -> torch.Tensor:
         """Entries [lo, hi) of a block table as a tensor, checked: [hi - lo] int64."""
@@ -253,8 +265,9 @@ class KVCache:
         self._sliding: list[int] = []                     # block j -> its sliding block (-1: behind the window)
         self._free_sliding = list(range(blocks - 1, -1, -1))
 
-    def step(self, num_tokens: int, logits: int = 1) -> StepLayout:
-        """The layout of the next `num_tokens` tokens; `logits` of its last rows are wanted."""
+    def step(self, num_tokens: int, logits: int = 1, prefill: bool | None = None) -> StepLayout:
+        """The layout of the next `num_tokens` tokens; `logits` of its last rows are wanted; `prefill` (StepLayout):
+        by default, a step of more than one token."""
         end = self.length + num_tokens
         need = self.pool.blocks_for(end)
         first = max(0, self.length - self.pool.window + 1) // BLOCK_SIZE
@@ -267,7 +280,8 @@ class KVCache:
             self._grow(need, missing)
         while len(self._sliding) < need:
             self._sliding.append(self._free_sliding.pop())
-        return self.pool.layout([SeqStep(self.length, num_tokens, range(need), self._sliding, logits=logits)])
+        return self.pool.layout([SeqStep(self.length, num_tokens, range(need), self._sliding, logits=logits)],
+                                num_tokens > 1 if prefill is None else prefill)
 
     def commit(self, num_tokens: int) -> None:
         self.length += num_tokens

@@ -25,11 +25,14 @@ Copies the scheduler asks for (plain int pairs in the Batch) are done here, on t
 forward: the copy-on-write block copies (the copy must hold the shared rows before a sequence writes over
 them). A copy that raises is no one request's fault: it fails the step.
 
-Batch invariance: in the fast mode a linear layer takes up to the model's `decode_rows` rows through the GEMV
-kernels and more through bf16 GEMM tiles, which round differently. So that a request's tokens never depend on its
-batch mates, a chunk's rows take the path its own size picks: chunks of at most decode_rows tokens
-(decode steps, short prompts) go through forward passes of at most decode_rows rows together, longer
-chunks through one pass of their own kind. A step with both costs one more pass over the weights.
+Batch invariance and exact prefix-cache hits: the fast mode computes prompt tokens and generated tokens with
+kernels of their own (StepLayout.prefill: a row-invariant bf16 GEMM and chunk attention for the first, the GEMV
+and decode attention for the second), which round differently. So that a token's K/V and logits depend on
+neither its batch mates nor how its prompt was chunked (a hit computes the rest of a prompt in other chunks than
+a cold run), every position is computed by the kernels of its kind: a step's prompt rows go through one prefill
+pass, its generated rows through decode passes of at most the model's `decode_rows` rows, after it. A chunk
+that holds both (a preempted sequence computed again) is split at the prompt's end. A step with both kinds
+costs one more pass over the weights.
 
 Failures stay with the request they concern: `run` returns, per chunk, a `Sample`, None (cache only) or a
 `Failed` holding the exception, and never raises for one request's fault:
@@ -74,15 +77,25 @@ class Sample:
 
 @dataclass(frozen=True)
 class _Rows:
-    """A chunk as the forward pass sees it: its token ids, and for a decode step with drafts (speculation),
-    the drafts after its last token -- every row then needs logits, to verify them."""
+    """A chunk, or a piece of one, as a forward pass sees it: its token ids from position `start`, and for a
+    decode step with drafts (speculation), the drafts after its last token -- every row then needs logits, to
+    verify them. `last`: the piece holds the chunk's last rows (the others need no logits)."""
 
     chunk: Chunk
+    start: int
     ids: list[int]
     drafts: list[int]
+    last: bool = True
+
+    @property
+    def prefill(self) -> bool:
+        """Prompt tokens (a piece never holds both kinds: `_pieces`)."""
+        return self.start < self.chunk.seq.num_prompt_tokens
 
     @property
     def num_logits(self) -> int:
+        if not self.last:
+            return 0
         return len(self.ids) if self.drafts else int(self.chunk.samples)
 
 
@@ -113,7 +126,7 @@ class ModelRunner:
         self.pool.copy_sliding_blocks(batch.sliding_copies)
         proposed = self._drafts([c for c in chunks if c.draft_slots])     # id(chunk) -> drafts, or Failed
         computed = [i for i, c in enumerate(chunks) if c.num_tokens and not isinstance(proposed.get(id(c)), Failed)]
-        work = tuple(_Rows(c, c.seq.token_ids[c.start:c.start + c.num_tokens] + proposed.get(id(c), []),
+        work = tuple(_Rows(c, c.start, c.seq.token_ids[c.start:c.start + c.num_tokens] + proposed.get(id(c), []),
                            proposed.get(id(c), [])) for c in (chunks[i] for i in computed))
         try:
             done = self._forward(work)
@@ -175,24 +188,27 @@ class ModelRunner:
         return out
 
     def _forward(self, work: tuple[_Rows, ...]) -> list:
-        """The chunks through the model (in passes by chunk size, see the module docstring) -> per chunk the
-        logits of its `num_logits` last rows [n, V] (with the assistant: (logits, final-normed hidden
-        states [n, H])), or None."""
-        out: dict[int, object] = {}
-        for group in _passes([len(w.ids) for w in work], self.model.decode_rows):
-            out.update(zip(group, self._forward_pass([work[i] for i in group])))
-        return [out[i] for i in range(len(work))]
+        """The chunks through the model (in passes by kind, see the module docstring) -> per chunk the logits of
+        its `num_logits` last rows [n, V] (with the assistant: (logits, final-normed hidden states [n, H])), or
+        None."""
+        pieces = [(i, p) for i, w in enumerate(work) for p in _pieces(w, self.model.decode_rows)]
+        out: list = [None] * len(work)
+        for group in _passes([(i, p.prefill, len(p.ids)) for i, p in pieces], self.model.decode_rows):
+            for j, result in zip(group, self._forward_pass([pieces[j][1] for j in group])):
+                if pieces[j][1].last:
+                    out[pieces[j][0]] = result
+        return out
 
     def _forward_pass(self, work: list[_Rows]) -> list:
-        """One forward pass over the chunks -> per chunk what `_forward` returns for it."""
+        """One forward pass over the pieces (all of one kind) -> per piece what `_forward` returns for its chunk."""
         steps, ids = [], []
         for w in work:
-            c, seq_id = w.chunk, w.chunk.seq.seq_id
-            steps.append(SeqStep(c.start, len(w.ids), self.blocks.table(seq_id), self.blocks.sliding_table(seq_id),
+            seq_id = w.chunk.seq.seq_id
+            steps.append(SeqStep(w.start, len(w.ids), self.blocks.table(seq_id), self.blocks.sliding_table(seq_id),
                                  logits=w.num_logits))
             ids += w.ids
-        ids_t, layout, sizes = torch.tensor(ids, dtype=torch.long, device=self.device), self.pool.layout(steps), \
-            [w.num_logits for w in work]
+        ids_t, sizes = torch.tensor(ids, dtype=torch.long, device=self.device), [w.num_logits for w in work]
+        layout = self.pool.layout(steps, prefill=work[0].prefill)
         if self.mtp:
             logits, h = self.model.forward(ids_t, layout, self.pool, hidden=True)    # [M, V], [M, H]
             parts = zip(logits.split(sizes), h.split(sizes))
@@ -261,15 +277,38 @@ class ModelRunner:
         return self._generators[seq_id]
 
 
-def _passes(sizes: list[int], decode_rows: int) -> list[list[int]]:
-    """Chunk indices grouped into forward passes by their row counts: chunks of up to decode_rows rows packed
-    into passes of at most decode_rows rows, longer chunks in one pass of their own."""
-    small, large = [], []
-    for i, n in enumerate(sizes):
-        if n > decode_rows:
-            large.append(i)
-        elif small and sum(sizes[j] for j in small[-1]) + n <= decode_rows:
-            small[-1].append(i)
-        else:
-            small.append([i])
-    return small + ([large] if large else [])
+def _pieces(work: _Rows, decode_rows: int) -> list[_Rows]:
+    """A chunk's rows by kind: its prompt tokens, then its generated ones in pieces of at most decode_rows rows
+    (a decode step is one piece; a preempted sequence computed again may hold many generated tokens)."""
+    prompt_end = work.chunk.seq.num_prompt_tokens
+    end = work.start + len(work.ids)
+    if end <= prompt_end or work.start >= prompt_end and len(work.ids) <= decode_rows:
+        return [work]
+    cuts = [work.start] + ([prompt_end] if work.start < prompt_end else []) \
+        + list(range(max(work.start, prompt_end) + decode_rows, end, decode_rows)) + [end]
+    return [_Rows(work.chunk, a, work.ids[a - work.start:b - work.start], work.drafts if b == end else [], b == end)
+            for a, b in zip(cuts, cuts[1:])]
+
+
+def _passes(pieces: list[tuple[int, bool, int]], decode_rows: int) -> list[list[int]]:
+    """Pieces (chunk index, prefill, rows) grouped into forward passes, in the order they run: every prefill
+    piece in one pass, then the decode pieces packed into passes of at most decode_rows rows, each after the
+    pass of its chunk's previous piece."""
+    prefill = [j for j, (_, is_prefill, _) in enumerate(pieces) if is_prefill]
+    passes: list[list[int]] = [prefill] if prefill else []
+    rows: list[int] = [0] * len(passes)                     # decode rows of each pass (the prefill pass: none)
+    after: dict[int, int] = {pieces[j][0]: 0 for j in prefill}   # chunk -> the pass its next piece must follow
+    for j, (chunk, is_prefill, n) in enumerate(pieces):
+        if is_prefill:
+            continue
+        first = after.get(chunk, -1) + 1
+        k = next((k for k in range(first, len(passes)) if not (prefill and k == 0) and rows[k] + n <= decode_rows),
+                 None)
+        if k is None:
+            passes.append([])
+            rows.append(0)
+            k = len(passes) - 1
+        passes[k].append(j)
+        rows[k] += n
+        after[chunk] = k
+    return passes

@@ -28,7 +28,7 @@ from gem4.model import kernels
 from gem4.model.experts import Resident
 from gem4.model.layers import (
     DECODE_ROWS, QuantLinear, RMSNorm, attend, embed_scale, experts_forward, gelu_mul, glu,
-    packed_linear, project, rms_norm, rope_cos_sin, set_decode_rows, softcap,
+    packed_linear, prefill_pass, project, rms_norm, rope_cos_sin, set_decode_rows, softcap,
 )
 from gem4.weights.quants import GGMLType
 
@@ -68,7 +68,7 @@ class Attention(nn.Module):
             rows = step.write[spec.layer_type]                                    # [T]
             k_store[rows] = k.to(k_store.dtype)
             v_store[rows] = v.to(v_store.dtype)
-        out = attend(q, k_store, v_store, step.attend[spec.layer_type], self.fused)   # [T, nh*d]
+        out = attend(q, k_store, v_store, step.attend[spec.layer_type], self.fused, step.prefill)   # [T, nh*d]
         return self.o_proj(out)
 
 
@@ -165,7 +165,7 @@ class Experts(nn.Module):
 
 class DecoderLayer(nn.Module):
     fused = False          # fast mode (Model.use_kernels): the per-layer input gate runs kernels.gelu_mul
-    decode_rows = DECODE_ROWS   # fast mode: up to this many rows run the layer as one kernels.decode_layer call
+    decode_rows = DECODE_ROWS   # fast mode: a decode pass of up to this many rows runs the layer as one kernels.decode_layer call
 
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
@@ -226,7 +226,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: StepLayout, pool: KVPool) -> torch.Tensor:
         spec = self.spec
-        if self.plan is not None and x.shape[0] <= self.decode_rows:  # fast-mode decode: the layer in one call
+        if self.plan is not None and not step.prefill and x.shape[0] <= self.decode_rows:   # fast-mode decode pass
             k_store, v_store = pool.store(spec.index)
             rows = step.write[spec.layer_type] if spec.owns_kv else None
             return kernels.decode_layer(x, ple, *rope, k_store, v_store, rows, step.attend[spec.layer_type],
@@ -254,7 +254,7 @@ class Model(nn.Module):
     """Gemma 4 text model. `Model.logits(ids)` is the public full-sequence entry point."""
 
     fused = False          # fast mode (use_kernels): the final softcap runs kernels.softcap
-    decode_rows = DECODE_ROWS   # fast mode: inputs of up to this many rows take the decode kernels (set_decode_rows)
+    decode_rows = DECODE_ROWS   # fast mode: the most rows of a decode pass (engine/runner.py; set_decode_rows)
     expert_cache = None    # 26B-A4B with streamed experts: model/experts.py ExpertFile (slots, stats)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
@@ -292,7 +292,12 @@ class Model(nn.Module):
 
     def hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
         """ids [T] (a step's new tokens) -> the final-normed hidden states of its logit rows [M, H]; the K/V of
-        all T tokens are stored in the pool."""
+        all T tokens are stored in the pool. The fast mode computes a prefill step and a decode step each with
+        its own kernels (StepLayout.prefill, layers.prefill_pass)."""
+        with prefill_pass(step.prefill):
+            return self._hidden_states(ids, step, pool)
+
+    def _hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
         x = self.embed(ids)                                                        # [T, H]
         ple = self.per_layer_inputs(ids, x) if self.config.ple_dim else None       # [T, L, P]
         ropes = {t: rope_cos_sin(step.positions, getattr(self, f"inv_freq_{t}"))
@@ -329,9 +334,10 @@ class Model(nn.Module):
         logits = self.head(h) if h.shape[0] else h.new_empty((0, self.config.vocab_size))
         return (logits, h) if hidden else logits
 
-    def extend(self, ids: torch.Tensor, cache: KVCache, logits: int = 1) -> torch.Tensor:
-        """The next tokens ids [T] of a one-sequence cache -> logits of its last `logits` rows [logits, V]."""
-        out = self.forward(ids, cache.step(ids.numel(), logits), cache.pool)
+    def extend(self, ids: torch.Tensor, cache: KVCache, logits: int = 1, prefill: bool | None = None) -> torch.Tensor:
+        """The next tokens ids [T] of a one-sequence cache -> logits of its last `logits` rows [logits, V];
+        `prefill`: prompt tokens (StepLayout; by default, T > 1)."""
+        out = self.forward(ids, cache.step(ids.numel(), logits, prefill), cache.pool)
         cache.commit(ids.numel())
         return out
 

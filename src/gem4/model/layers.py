@@ -5,8 +5,10 @@ compute dtype (or, for lookup tables, in a row-addressable stored form) from `we
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import threading
 
 import numpy as np
 import torch
@@ -15,6 +17,33 @@ from torch import nn
 
 from gem4.model import kernels
 from gem4.weights.quants import GGMLType, dequantize, tensor_nbytes
+
+
+class _Pass(threading.local):
+    prefill: bool | None = None        # the kind of the forward pass under way; None: none (a layer called alone)
+
+
+_PASS = _Pass()
+
+
+@contextlib.contextmanager
+def prefill_pass(prefill: bool):
+    """The kind of the forward pass under way (StepLayout.prefill), for the fast mode's linear layers: in a prefill
+    pass every packed or bf16 weight takes the row-invariant GEMM (kernels.linear / linear_bf16), in a decode pass
+    the GEMV kernels (row-invariant too), whatever the number of rows. So a token's activations depend on its own
+    row alone, not on how its prompt was cut into chunks (a prefix-cache hit computes the rest of a prompt in
+    other chunks than a cold run) nor on what else ran beside it. Outside a pass (a layer called alone) inputs of
+    up to decode_rows rows take the GEMV, longer ones the GEMM."""
+    before, _PASS.prefill = _PASS.prefill, prefill
+    try:
+        yield
+    finally:
+        _PASS.prefill = before
+
+
+def takes_gemv_rows(rows: int, decode_rows: int) -> bool:
+    """Whether `rows` input rows take the GEMV kernels rather than the GEMM in the pass under way (prefill_pass)."""
+    return rows <= decode_rows if _PASS.prefill is None else not _PASS.prefill
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -75,16 +104,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-# Fast mode: inputs of up to `decode_rows` rows (decode, small batches, short chunks) take the compiled decode
-# kernels; a model's decode_rows (set_decode_rows, at load) is one of these two:
-DECODE_ROWS = 32       # packed weights: the GEMV reads W once per 8 rows, the prefill GEMM first turns all of W
-                       # into bf16 (~3 ms for a 6144 x 1536 Q4_0 weight here), so the GEMV is faster up to ~48-64
-                       # rows (0.19x the GEMM's time at 8 rows, 0.34x at 16, 0.64-0.77x at 32; Q8_0 alike; 2 threads)
+# Fast mode: a decode pass (prefill_pass) takes the compiled decode kernels; the engine packs generated tokens
+# into decode passes of at most a model's decode_rows rows (set_decode_rows, at load), one of these two:
+DECODE_ROWS = 32       # packed weights: the GEMV reads W once per 8 rows, so it is faster than the GEMM (which
+                       # turns each 32 rows of W into bf16) up to ~48-64 rows
 DECODE_ROWS_BF16 = 8   # decoder layers with bf16 weights read by gemv_bf16 (4 rows per pass): 2.2x the bf16 GEMM's
                        # time at 8 rows here (an AMX host), 4-9x at 16-32
-GEMM_ATTENTION_ROWS = 64   # fast mode: chunks of at least this many tokens attend with bf16 GEMMs
-                           # (kernels.attend_chunk), shorter ones with float32 dot products (kernels.attend):
-                           # at E2B's head shapes the two cost the same at ~64 rows (measured, 2 threads)
+ALIGN_KEYS = 16        # fast-mode prefill attention: zero keys put in front of a sequence's keys, so that key i
+                       # sits at a position = i (mod 16) and kernels.attend_chunk sums in an order fixed by positions
 
 
 class QuantLinear(nn.Module):
@@ -93,12 +120,13 @@ class QuantLinear(nn.Module):
     Three storages (`layout`), one forward:
     - "dense" (reference): `weight` in the weight dtype (GGML block formats dequantized once at load).
       The input is rounded to W's dtype, products accumulate in float32, the result comes back in the
-      activation dtype. In fast mode (`fused`) a bf16 weight takes decode-sized inputs through
-      kernels.gemv_bf16 instead (the input as two bf16 terms: closer to the float32 path, not further).
+      activation dtype. In fast mode (`fused`) a bf16 weight takes a decode pass's inputs through
+      kernels.gemv_bf16 (the input as two bf16 terms: closer to the float32 path, not further) and a prefill
+      pass's through kernels.linear_bf16 (prefill_pass).
     - "packed" (fast path, `pack()`): `packed` holds Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K weights
-      (kernels.PACKED_TYPES) in the compiled kernels' layout, rearranged once at load, losslessly. Up to DECODE_ROWS input rows (decode, small batches) run the kernel that
-      reads it directly; longer inputs (prefill chunks) turn it into bf16 a cache-sized tile of rows at
-      a time and run one bf16 GEMM per tile. Both equal dequantize + float matmul up to float rounding (tested).
+      (kernels.PACKED_TYPES) in the compiled kernels' layout, rearranged once at load, losslessly. A decode
+      pass's rows run the GEMV kernel that reads it directly; a prefill pass's the GEMM that turns 32 rows of W
+      at a time into bf16 (prefill_pass). Both equal dequantize + float matmul up to float rounding (tested).
     - "blocks" (`keep_blocks()`): `raw` holds GGML blocks of any type exactly as the file has them, for a
       table that is only ever read by rows (the per-layer token embedding); it stays in the mmap.
     """
@@ -158,7 +186,7 @@ class QuantLinear(nn.Module):
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """True when forward(x) is one GEMV kernel call: x float32 [M <= decode_rows, in], contiguous, and a
         kernel reads this weight (gemv_type)."""
-        return (self.gemv_type is not None and x.dim() == 2 and x.shape[0] <= self.decode_rows
+        return (self.gemv_type is not None and x.dim() == 2 and takes_gemv_rows(x.shape[0], self.decode_rows)
                 and x.dtype == torch.float32 and x.is_contiguous())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,6 +195,9 @@ class QuantLinear(nn.Module):
                 return kernels.gemv_bf16(x, self.weight)
             return kernels.gemv(x, self.packed, self.out_features, self.in_features, self.ggml_type)
         if self.layout == "dense":
+            if self.gemv_type is not None and self.in_features % 32 == 0:          # fast mode, bf16: row-invariant
+                y = kernels.linear_bf16(x.reshape(-1, self.in_features), self.weight)
+                return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         if self.layout == "blocks":
             raise RuntimeError("this weight is kept in GGML blocks as a lookup table; it has no matmul")
@@ -191,11 +222,11 @@ def set_decode_rows(model: nn.Module, bulk: nn.Module) -> int:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
-    """x [M, k_in] @ W.T [M, n_out] float32 for W packed in the kernels' layout: the GEMV kernel for up to
-    DECODE_ROWS rows, bf16 tiles of W and one GEMM each beyond (prefill)."""
-    if x.shape[0] <= DECODE_ROWS:
+    """x [M, k_in] @ W.T [M, n_out] float32 for W packed in the kernels' layout: the GEMV kernel in a decode pass
+    (outside a pass: up to DECODE_ROWS rows), the row-invariant GEMM in a prefill pass (prefill_pass)."""
+    if takes_gemv_rows(x.shape[0], DECODE_ROWS):
         return kernels.gemv(x.float().contiguous(), packed, n_out, k_in, ggml_type)
-    return kernels.linear(x.to(torch.bfloat16), packed, n_out, k_in, ggml_type).float()
+    return kernels.linear(x, packed, n_out, k_in, ggml_type)
 
 
 def _one_pass(x: torch.Tensor, linears) -> bool:
@@ -239,36 +270,38 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.reshape(nkv, g, T, d).permute(2, 0, 1, 3).reshape(T, nh * d).to(q.dtype)
 
 
-def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, fused: bool = False) -> torch.Tensor:
+def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, fused: bool = False,
+           prefill: bool = False) -> torch.Tensor:
     """Attention of a step's query rows q [T, nh, d] over the KV storage [R, nkv, d] of several sequences,
     each row seeing the keys `a` (kv_cache.Attend) gives it -> [T, nh*d] float32.
 
     Reference: one `attention` per sequence, on its keys gathered in position order and its rows' ranges
-    as a mask. Fast mode (`fused`): the rows of sequences with fewer than GEMM_ATTENTION_ROWS rows (decode
-    steps) in one kernels.attend call that reads the storage rows directly; a sequence with more (a prefill
-    chunk) through kernels.attend_chunk on its gathered keys.
+    as a mask. Fast mode (`fused`): a decode pass's rows in one kernels.attend call that reads the storage rows
+    directly; a prefill pass (`prefill`) sequence by sequence through kernels.attend_chunk on its gathered keys,
+    with zero keys (masked) in front up to a position that is a multiple of ALIGN_KEYS, so that each row's sums
+    run in an order fixed by positions, whatever the chunk (row-invariant).
     """
     T = q.shape[0]
-    if fused and T < GEMM_ATTENTION_ROWS:
+    if fused and not prefill:
         return kernels.attend(q, k_store, v_store, a)
     out = q.new_empty((T, q.shape[1] * q.shape[2]), dtype=torch.float32)
     seqs, counts = torch.unique_consecutive(a.q_seq, return_counts=True)
-    short = []                                              # fast mode: rows of decode-sized sequences
     row = 0
     for b, n in zip(seqs.tolist(), counts.tolist()):
         rows = slice(row, row + n)
         row += n
-        if fused and n < GEMM_ATTENTION_ROWS:
-            short.append(torch.arange(rows.start, rows.stop))
-            continue
         seen = int(a.q_hi[rows].max())                      # the sequence's keys its rows may see: [0, seen)
         keys = a.key_rows[b, :seen]
         k, v = k_store[keys], v_store[keys]                 # [S_b, nkv, d]
         mask = a.select(torch.arange(rows.start, rows.stop)).mask()[:, :seen]     # [n, S_b]
-        out[rows] = kernels.attend_chunk(q[rows], k, v, mask) if fused else attention(q[rows], k, v, mask)
-    if short:
-        picked = torch.cat(short)
-        out[picked] = kernels.attend(q[picked], k_store, v_store, a.select(picked))
+        if not fused:
+            out[rows] = attention(q[rows], k, v, mask)
+            continue
+        pad = int(a.first_key[b]) % ALIGN_KEYS
+        if pad:
+            k, v = (torch.cat([t.new_zeros((pad, *t.shape[1:])), t]) for t in (k, v))
+            mask = torch.cat([mask.new_zeros((n, pad)), mask], dim=1)
+        out[rows] = kernels.attend_chunk(q[rows], k, v, mask)
     return out
 
 

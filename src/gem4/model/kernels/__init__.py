@@ -8,8 +8,10 @@
   `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode; on Q8_0 / Q4_0 panels passes of 2-8 rows
   of x run on AMX tiles where the CPU grants them, bit-identical to the VNNI kernel: `set_amx`); `gemv_multi`
   (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's
-  GEMM (bf16 tiles of W, each multiplied while in cache); `dequant`: rows of W in float32 / bf16 (token tables).
-- `gemv_bf16(x, w)`: the same product for bf16 weights as they are stored (`bf16_gemv.cpp`).
+  GEMM (`tile_gemm.h`: 32 rows of W at a time turned into bf16 and multiplied while in cache, on AMX tiles where
+  granted; row-invariant: a row's result does not depend on the other rows); `dequant`: rows of W in float32 /
+  bf16 (token tables).
+- `gemv_bf16(x, w)` / `linear_bf16(x, w)`: the same products for bf16 weights as they are stored (`bf16_gemv.cpp`).
 - `rms_norm`, `rms_norm_rope`, `attend`, `gelu_mul`, `softcap`: the decode step's small operations,
   one call each instead of several torch ops (`decode_ops.cpp`; shared SIMD helpers in `simd.h`).
 - `attend_chunk`: a prefill chunk's attention with bf16 GEMMs, skipping key blocks no query of a block
@@ -30,9 +32,9 @@ Build (choices and why):
   (AVX-512 F/BW/VL, VNNI, BF16) plus those every AVX-512 CPU has that the compiler may use around them
   (AVX-512 DQ, AVX2, FMA, F16C, BMI1/2, LZCNT, POPCNT), tuned for `TUNE`. -march=native would enable
   whatever the CPU reports, AMX included on hosts whose VM does not enable it (those instructions trap).
-  AMX is compiled into the panel kernel alone (a function target attribute) and run only after the CPU
-  reports AMX-TILE and AMX-INT8 and Linux grants the tile state (arch_prctl ARCH_REQ_XCOMP_PERM). The same
-  list is checked against /proc/cpuinfo before anything is built.
+  AMX is compiled into the panel GEMV and the prefill GEMM alone (function target attributes) and run only after
+  the CPU reports AMX-TILE and AMX-INT8 (and AMX-BF16 for the GEMM) and Linux grants the tile state (arch_prctl
+  ARCH_REQ_XCOMP_PERM). The same list is checked against /proc/cpuinfo before anything is built.
 - Never hangs on a dead build: the builder holds an flock on `build.lock` (released by the kernel when its
   holder dies, even by SIGKILL); another process waits for a live holder with a message (`WAIT_LIMIT_S`
   at most). Each build runs in a fresh `build-*` directory (so torch's own `lock` baton file is always
@@ -65,7 +67,7 @@ import torch
 from gem4.weights.quants import GGMLType
 
 SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "kquants.h", "panels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "kquants.h", "panels.h", "tile_gemm.h")]
 # compiler flag -m<key> -> the /proc/cpuinfo flag of the same extension
 ISA = {
     "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl",     # the intrinsics' base
@@ -403,8 +405,14 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
-    """x [T, k_in] bf16 @ W.T -> [T, n_out] bf16 (prefill): W turned into bf16 a cache-sized tile at a time."""
-    return _ops().linear_x16(x.contiguous(), packed, n_out, k_in, int(ggml_type))
+    """x [T, k_in] (rounded to bf16) @ W.T -> [T, n_out] float32 (prefill), row-invariant: each row's result is the
+    same float whatever the other rows (tile_gemm.h); W turned into bf16 32 rows at a time."""
+    return _ops().linear_x16(x.to(torch.bfloat16).contiguous(), packed, n_out, k_in, int(ggml_type))
+
+
+def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] (rounded to bf16) @ w.T for a bf16 weight [N, K] -> [T, N] float32 (prefill), row-invariant as `linear`."""
+    return _ops().linear_bf16(x.to(torch.bfloat16).contiguous(), w)
 
 
 def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.dtype,
@@ -418,9 +426,10 @@ def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.d
 
 
 def set_amx(enable: bool | None = None) -> bool:
-    """Whether GEMV passes of 2-8 rows over Q8_0 / Q4_0 weights run on AMX tiles (on by default where the CPU
-    and kernel grant AMX, unless GEM4_NO_AMX is set); enable=True / False switches (True only where granted).
-    The two kernels give the same results bit for bit; the switch is for tests and benchmarks."""
+    """Whether GEMV passes of 2-8 rows over Q8_0 / Q4_0 weights and the prefill GEMM (`linear`, `linear_bf16`) run
+    on AMX tiles (on by default where the CPU and kernel grant AMX, unless GEM4_NO_AMX is set); enable=True / False
+    switches (True only where granted). The two GEMVs give the same results bit for bit; the two GEMMs each its
+    own (each row-invariant). The switch is for tests and benchmarks."""
     return bool(_ops().set_amx(-1 if enable is None else int(enable)))
 
 

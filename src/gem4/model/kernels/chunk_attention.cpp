@@ -174,7 +174,9 @@ torch::Tensor attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
             for (int64_t task = w; task < tasks; task += workers) {
                 const int64_t blk = task / nkv, kvh = task % nkv;
                 const int64_t t0 = blk * tokens_per_block, nt = std::min(T, t0 + tokens_per_block) - t0, rows = nt * g;
-                // key rows [lo, hi) some query of the block may see; lo even, so that v's row pairs line up
+                // key rows [lo, hi) some query of the block may see; lo a multiple of 16, so that a row's softmax
+                // sums and v's row pairs fall in lanes and pairs fixed by the key index, whatever the block's other
+                // rows see (row-invariant; layers.attend puts the keys of a position = 0 (mod 16) first)
                 int64_t lo = S, hi = 0;
                 for (int64_t t = t0; t < t0 + nt; ++t) {
                     const bool* mrow = mp + t * S;
@@ -183,7 +185,7 @@ torch::Tensor attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
                     while (last > first && !mrow[last - 1]) --last;
                     if (first < last) lo = std::min(lo, first), hi = std::max(hi, last);
                 }
-                lo &= ~int64_t{1};
+                lo &= ~int64_t{15};
                 const int64_t span = std::max<int64_t>(hi - lo, 0), span_pad = span + (span & 1);
                 o.assign(rows * d, 0.0f);
                 if (span > 0) {

@@ -43,6 +43,7 @@
 #include "ops.h"
 #include "panels.h"
 #include "simd.h"
+#include "tile_gemm.h"
 
 namespace gem4_ops {
 
@@ -640,11 +641,11 @@ inline void panel_block(int64_t ggml_type, const uint8_t* q_lo, const uint8_t* q
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight)), dv);
 }
 
-// Rows [n0, n1) of a Q8_0 / Q4_0 panel weight (rows ids[n0..n1) if ids) -> out (row-major, k_in per row) as float32
+// Rows [n0, n1) of a Q8_0 / Q4_0 panel weight (rows ids[n0..n1) if ids) -> out (row i at i ld, its block b at b bs) as float32
 // or bf16: contiguous rows per panel and block, the 16 rows' quant bytes transposed in registers; rows by id
 // gathered a block at a time.
 void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1, uint8_t* op,
-                    const int64_t* ids) {
+                    const int64_t* ids, int64_t ld, int64_t bs) {
     using gem4_panels::PANEL;
     const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);
     const int64_t out_size = bf16 ? 2 : 4;
@@ -655,7 +656,7 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
             for (int64_t b = 0; b < P.nb; ++b) {
                 const float d = _cvtsh_ss(gem4_panels::block_of(wp, P, ids[i], b, q));
                 panel_block(ggml_type, q, q + 16, d, w0, w1);
-                store_block(op + ((i - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
+                store_block(op + ((i - n0) * ld + b * bs) * out_size, w0, w1, bf16);
             }
         return;
     }
@@ -670,17 +671,19 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
             _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b))));
             for (int64_t j = j0; j < j1; ++j) {
                 panel_block(ggml_type, rows[0] + 16 * j, rows[1] + 16 * j, d[j], w0, w1);
-                store_block(op + ((p * PANEL + j - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
+                store_block(op + ((p * PANEL + j - n0) * ld + b * bs) * out_size, w0, w1, bf16);
             }
         }
     }
 }
 
-// Rows [n0, n1) of a packed weight (rows ids[n0..n1) if ids) -> out (row-major, k_in per row) as float32 or bf16
+// Rows [n0, n1) of a packed weight (rows ids[n0..n1) if ids) -> out (row i at i ld, ld = k_in if 0; its block
+// b at b bs) as float32 or bf16
 // (w = d * (q - 16), (d q) + m, ...: as quants.py, exact in float32). Panels: dequant_panels.
 void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
-                  uint8_t* op, const int64_t* ids = nullptr) {
-    if (f.panel) return dequant_panels(wp, k_in, ggml_type, bf16, n0, n1, op, ids);
+                  uint8_t* op, const int64_t* ids = nullptr, int64_t ld = 0, int64_t bs = QK) {
+    if (ld == 0) ld = k_in;
+    if (f.panel) return dequant_panels(wp, k_in, ggml_type, bf16, n0, n1, op, ids, ld, bs);
     const int64_t nb = k_in / QK, out_size = bf16 ? 2 : 4;
     const bool kq = gem4_kq::is_k(ggml_type);
     // K-quants: where the high bits of weights 0..15 / 16..31 of a block sit in its 32-bit lane (kquants.h)
@@ -765,7 +768,7 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(hi, off)), d);
                 }
             }
-            store_block(op + ((i - n0) * k_in + b * QK) * out_size, w0, w1, bf16);
+            store_block(op + ((i - n0) * ld + b * bs) * out_size, w0, w1, bf16);
         }
 }
 
@@ -795,29 +798,18 @@ bool set_amx(int64_t want) {
     return amx_on().load();
 }
 
-constexpr int64_t TILE_BYTES = 4 << 20;   // bf16 weight rows per prefill tile: a few MB, so they stay in L3
-
-// x [T, k_in] bf16 @ W.T -> [T, n_out] bf16, for prefill chunks: W is turned into bf16 a tile of rows at a
-// time and each tile is multiplied while it is still in cache (one bf16 GEMM per tile), instead of
-// writing the whole bf16 weight to memory and reading it back.
+// x [T, k_in] bf16 @ W.T -> [T, n_out] float32, for prefill chunks, row-invariant (tile_gemm.h): each task turns a
+// block of 32 rows of W into bf16 and multiplies it with every row of x while it is in cache.
 torch::Tensor linear_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Format f = format_of(ggml_type, k_in);
     check_x16(w, n_out, f);
-    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == k_in, "x must be bf16 [T, k_in]");
-    const int64_t T = x.size(0), tile = std::max<int64_t>(16, TILE_BYTES / (2 * k_in)) / 16 * 16;
-    auto y = torch::empty({T, n_out}, x.options());
-    auto buf = torch::empty({std::min(tile, n_out), k_in}, x.options());
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == k_in, "x must be [T, k_in]");
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    uint8_t* bp = static_cast<uint8_t*>(buf.data_ptr());
-    for (int64_t t0 = 0; t0 < n_out; t0 += tile) {
-        const int64_t rows = std::min(tile, n_out - t0);
-        at::parallel_for(t0, t0 + rows, 16, [&](int64_t n0, int64_t n1) {
-            dequant_rows(wp, f, k_in, ggml_type, true, n0, n1, bp + (n0 - t0) * k_in * 2);
-        });
-        auto out = y.narrow(1, t0, rows);                  // a column block: rows stride n_out (the GEMM's ldc)
-        at::mm_out(out, x, buf.narrow(0, 0, rows).t());
-    }
-    return y;
+    auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf) {    // into A tiles (tile_gemm.h)
+        if (n1 - n0 < gem4_tiles::NR) std::fill(buf, buf + gem4_tiles::NR * k_in, uint16_t{0});
+        dequant_rows(wp, f, k_in, ggml_type, true, n0, n1, reinterpret_cast<uint8_t*>(buf), nullptr, QK, gem4_tiles::NR * QK);
+    };
+    return gem4_tiles::linear_rows(x, n_out, rows, amx_on().load() && gem4_tiles::amx_bf16_granted());
 }
 
 }  // namespace gem4_ops

@@ -2,6 +2,7 @@
 // of its own).
 #pragma once
 #include <torch/extension.h>
+#include <atomic>
 #include <optional>
 #include <vector>
 
@@ -11,6 +12,7 @@ namespace gem4_ops {
 torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type);
 std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> n_outs,
                                           int64_t k_in, int64_t ggml_type);
+std::atomic<bool>& amx_on();          // AMX kernels in use (set_amx)
 torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
 
 // bf16_gemv.cpp

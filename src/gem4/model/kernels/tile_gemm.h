@@ -1,0 +1,238 @@
+// Prefill's GEMM, y [M, N] float32 = x [M, K] bf16 . W^T, W given as bf16 rows (a weight as stored, or rows
+// dequantized into a buffer by the caller), computed so that every element of y is the same float whatever
+// M is and wherever its row sits among the others (row-invariant): a prompt token's activations do not
+// depend on how its prompt was cut into chunks, nor on the rows of other requests in the step (a prefix
+// cache hit computes the rest of a prompt in other chunks than a cold run; batch invariance).
+//
+// Each y[m, n] is one sum over k in a fixed order: blocks of 32 inputs in ascending order, each block's
+// bf16 products summed into a float32 accumulator by the same instruction, whatever M is. Rows of x past M
+// (padding to 16) are zeros and never change another row's sums. Two kernels, chosen once per process:
+// - AMX (where the CPU reports AMX-BF16 and Linux grants the tile state, panels.h): C^T = W . x^T on tiles,
+//   A = 16 rows of W (32 inputs a row, from a buffer of 32 rows laid out as tiles), B = 16 rows of x as pairs along k (laid out
+//   once per call, each tile's 1 KB in one piece), C = [16 rows of W, 16 rows of x] float32, 2 x 2 C tiles
+//   per step. C is transposed into y once per 32 x 32 block, after all of k.
+// - AVX-512 BF16 (vdpbf16ps): the same C^T, 16 rows of x per vector, each W pair broadcast.
+// The two round differently (the tile product's internal order is the hardware's), each is row-invariant.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "panels.h"
+
+namespace gem4_tiles {
+
+template <typename T>
+struct AlignedAlloc {                // 64-byte aligned storage for std::vector (C tiles are stored and loaded whole)
+    using value_type = T;
+    AlignedAlloc() = default;
+    template <typename U> AlignedAlloc(const AlignedAlloc<U>&) {}
+    T* allocate(std::size_t n) { return static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)); }
+    void deallocate(T* p, std::size_t) { std::free(p); }
+    template <typename U> bool operator==(const AlignedAlloc<U>&) const { return true; }
+    template <typename U> bool operator!=(const AlignedAlloc<U>&) const { return false; }
+};
+
+constexpr int64_t QK = 32;           // inputs per step (one tile row of bf16)
+constexpr int64_t NR = 32;           // rows of W per block (two A tiles)
+constexpr int64_t MR = 32;           // rows of x per block (two B tiles)
+
+// AMX-BF16 reported (CPUID leaf 7, EDX bit 22) and the tile state granted (panels.h).
+inline bool amx_bf16_granted() {
+    static const bool granted = [] {
+        unsigned a, b, c, d;
+        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        return ((d >> 22) & 1) && gem4_panels::amx_granted();
+    }();
+    return granted;
+}
+
+struct alignas(64) GemmTiles {       // C 0-3 (W rows 0-15 / 16-31 x x rows 0-15 / 16-31), A 4-5, B 6-7
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+    GemmTiles() {
+        for (int t = 0; t < 8; ++t) rows[t] = 16, colsb[t] = 64;
+    }
+};
+
+// The tile configuration (as panels.h: the whole struct as the asm operand) and its release.
+__attribute__((target("amx-tile")))
+inline void load_tiles(const GemmTiles& cfg) { __asm__ volatile("ldtilecfg %0" : : "m"(cfg)); }
+
+__attribute__((target("amx-tile")))
+inline void release_tiles() { _tile_release(); }
+
+constexpr int64_t KB = 512;          // inputs per pass (AMX): a block of W's slice (32 KB) stays in L1, x's pairs
+                                     // of the pass (Mp x KB x 2 bytes) in L2
+constexpr int64_t SUPER = 1 << 20;   // bytes of bf16 W a thread takes at a time (L2)
+
+// r[0..15] (16 x 16 32-bit values) transposed in place: r[j] <- column j.
+inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+// x [M, K] bf16 (row stride K) -> B tiles: pairs [Mp / 16][K / 2][16] uint32, element (m, p) = bf16 of inputs 2p,
+// 2p + 1 of row m, rows [M, Mp) zero (Mp: M rounded up to 32). The tile of rows 16 i.. and pairs p.. p + 15 is 1 KB in one piece.
+inline void pair_columns(const uint16_t* x, int64_t M, int64_t K, uint32_t* pairs, int64_t Mp) {
+    const float* rows = reinterpret_cast<const float*>(x);      // a pair's 32 bits, moved as they are
+    at::parallel_for(0, Mp / 16, 1, [&](int64_t i0, int64_t i1) {
+        __m512 r[16];
+        for (int64_t i = i0; i < i1; ++i)
+            for (int64_t p = 0; p < K / 2; p += 16) {
+                for (int64_t j = 0; j < 16; ++j)
+                    r[j] = 16 * i + j < M ? _mm512_loadu_ps(rows + (16 * i + j) * (K / 2) + p) : _mm512_setzero_ps();
+                transpose16(r);
+                float* dst = reinterpret_cast<float*>(pairs + (i * (K / 2) + p) * 16);
+                for (int j = 0; j < 16; ++j) _mm512_store_ps(dst + 16 * j, r[j]);
+            }
+    });
+}
+
+// A 16 x 16 float32 tile c (row stride 16) transposed: row j of the result (column j of c), columns [0, nr) of it,
+// stored at y + j ldy for j < mr.
+inline void store_transposed16(const float* c, int64_t nr, int64_t mr, float* y, int64_t ldy) {
+    __m512 r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(c + 16 * i);
+    transpose16(r);
+    const __mmask16 cols = gem4_simd::live(0, nr);
+    for (int64_t j = 0; j < mr; ++j) _mm512_mask_storeu_ps(y + j * ldy, cols, r[j]);
+}
+
+// C^T blocks [Mp / 32][4][16][16] (tile 2 a + b: W rows 16 a.., x rows 16 b..) -> y[m, r] for r < nr, m < M.
+inline void store_blocks(const float* ct, int64_t nr, int64_t M, int64_t Mp, float* y, int64_t ldy) {
+    for (int64_t m0 = 0; m0 < Mp; m0 += MR)
+        for (int t = 0; t < 4; ++t) {
+            const int64_t r0 = 16 * (t / 2), j0 = m0 + 16 * (t % 2);
+            if (r0 < nr && j0 < M)
+                store_transposed16(ct + (m0 / MR * 4 + t) * 256, std::min<int64_t>(16, nr - r0),
+                                   std::min<int64_t>(16, M - j0), y + j0 * ldy + r0, ldy);
+        }
+}
+
+// Blocks of 32 rows of W as A tiles (w: block s at s NR K, [K / 32][32 rows][32] bf16, so the rows of both tiles
+// of a step lie in one piece; rows past the N-th zero; nr: the last block's rows) against all rows of x (pairs:
+// B tiles, pair_columns) -> C^T blocks (block s at ct + s Mp NR, store_blocks). Per pass over KB inputs (whose
+// pairs stay in L2 for all the blocks), each block's KB-slice (in L1) meets every 32 rows of x; a 32 x 32 block
+// of C^T is four tiles, put aside between passes (float32 as it is: the sums go on in the same order).
+// Tiles configured as GemmTiles.
+__attribute__((target("amx-tile,amx-bf16")))
+inline void amx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint32_t* pairs, int64_t Mp, int64_t K,
+                       float* ct) {
+    for (int64_t k0 = 0; k0 < K; k0 += KB)
+        for (int64_t s = 0; s < blocks; ++s) {
+            const uint16_t* ws = w + s * NR * K;
+            const bool two = s + 1 < blocks || nr > 16;
+            for (int64_t m0 = 0; m0 < Mp; m0 += MR) {
+                float* c = ct + s * Mp * NR + m0 * NR;
+                if (k0 == 0) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                } else {
+                    _tile_loadd(0, c, 64);
+                    _tile_loadd(1, c + 256, 64);
+                    _tile_loadd(2, c + 512, 64);
+                    _tile_loadd(3, c + 768, 64);
+                }
+                const uint32_t* b0 = pairs + m0 / 16 * (K / 2) * 16;
+                const uint32_t* b1 = b0 + (K / 2) * 16;
+                for (int64_t k = k0; k < std::min(K, k0 + KB); k += QK) {
+                    _tile_loadd(6, b0 + k / 2 * 16, 64);
+                    _tile_loadd(4, ws + k * NR, 2 * QK);
+                    _tile_loadd(7, b1 + k / 2 * 16, 64);
+                    if (two) _tile_loadd(5, ws + k * NR + 16 * QK, 2 * QK);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                    if (two) {
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, c, 64);
+                _tile_stored(1, c + 256, 64);
+                _tile_stored(2, c + 512, 64);
+                _tile_stored(3, c + 768, 64);
+            }
+        }
+}
+
+// The same C^T blocks on vdpbf16ps: for each W row, 16 rows of x per vector, each W pair broadcast.
+inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint32_t* pairs, int64_t Mp, int64_t K,
+                       float* ct) {
+    for (int64_t s = 0; s < blocks; ++s)
+        for (int64_t i = 0; i < Mp / 16; ++i)
+            for (int64_t r = 0; r < NR; ++r) {
+                __m512 acc = _mm512_setzero_ps();
+                if (s + 1 < blocks || r < nr)
+                    for (int64_t p = 0; p < K / 2; ++p) {
+                        int32_t pair;
+                        std::memcpy(&pair, w + s * NR * K + (2 * p / QK * NR + r) * QK + 2 * p % QK, sizeof pair);
+                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
+                                               (__m512bh)_mm512_loadu_si512(pairs + (i * (K / 2) + p) * 16));
+                    }
+                _mm512_store_ps(ct + s * Mp * NR + ((i / 2) * 4 + (r / 16) * 2 + i % 2) * 256 + (r % 16) * 16, acc);
+            }
+}
+
+// y [M, N] float32 = x [M, K] bf16 . W^T, W given by rows(n0, n1, buf): fills buf with rows [n0, n1) of W as bf16
+// A tiles (amx_blocks), the rest of the 32 rows zero. Tasks are blocks of 32 rows of W, split across torch's
+// intra-op threads, each thread's taken SUPER bytes of bf16 at a time; amx: the AMX kernel (only where granted).
+template <typename Rows>
+torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows, bool amx) {
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x must be contiguous bf16 [M, K]");
+    const int64_t M = x.size(0), K = x.size(1), Mp = (M + MR - 1) / MR * MR;
+    TORCH_CHECK(K % QK == 0, "the GEMM takes inputs in blocks of ", QK, ", not ", K);
+    auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+    std::vector<uint32_t, AlignedAlloc<uint32_t>> pairs(K / 2 * Mp);
+    pair_columns(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, pairs.data(), Mp);
+    float* yp = y.data_ptr<float>();
+    const int64_t per = std::max<int64_t>(1, SUPER / (NR * K * 2));     // blocks of W at a time
+    at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t g0, int64_t g1) {
+        const int64_t most = std::min(per, g1 - g0);
+        std::vector<uint16_t, AlignedAlloc<uint16_t>> buf(most * NR * K);
+        std::vector<float, AlignedAlloc<float>> ct(most * Mp * NR);
+        if (amx) load_tiles(GemmTiles{});
+        for (int64_t gs = g0; gs < g1; gs += per) {
+            const int64_t blocks = std::min(per, g1 - gs), n0 = gs * NR, n1 = std::min(N, (gs + blocks) * NR);
+            for (int64_t s = 0; s < blocks; ++s)
+                rows(n0 + s * NR, std::min(n1, n0 + (s + 1) * NR), buf.data() + s * NR * K);
+            const int64_t nr = n1 - (n0 + (blocks - 1) * NR);
+            if (amx)
+                amx_blocks(buf.data(), blocks, nr, pairs.data(), Mp, K, ct.data());
+            else
+                avx_blocks(buf.data(), blocks, nr, pairs.data(), Mp, K, ct.data());
+            for (int64_t s = 0; s < blocks; ++s)
+                store_blocks(ct.data() + s * Mp * NR, s + 1 < blocks ? NR : nr, M, Mp, yp + n0 + s * NR, N);
+        }
+        if (amx) release_tiles();
+    });
+    return y;
+}
+
+}  // namespace gem4_tiles
