@@ -662,6 +662,10 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
     }
     alignas(64) uint8_t rows[2][PANEL * 16];             // a block's 16 rows' quant bytes, 16 (Q8_0: 32) a row
     alignas(64) float d[PANEL];
+    // Q4_0 to bf16 (prefill's GEMM): each weight looked up in its block's 16 values d (q - 8), rounded once (the
+    // same bf16 as panel_block's float, rounded)
+    const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const bool lookup = bf16 && ggml_type == Q4_0_TYPE;
     for (int64_t p = n0 / PANEL; p * PANEL < n1; ++p) {
         const uint8_t* panel = wp + p * P.panel_bytes;
         const int64_t j0 = std::max(n0, p * PANEL) - p * PANEL, j1 = std::min(n1, (p + 1) * PANEL) - p * PANEL;
@@ -670,8 +674,17 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
             for (int64_t h = 0; h < P.qb / 16; ++h) transpose_group(q + 256 * h, rows[h]);
             _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b))));
             for (int64_t j = j0; j < j1; ++j) {
+                uint8_t* out = op + ((p * PANEL + j - n0) * ld + b * bs) * out_size;
+                if (lookup) {
+                    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_set1_ps(d[j]), centred)));
+                    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * j)));
+                    const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F))),
+                                                               _mm256_srli_epi16(bytes, 4), 1);           // weights 0..15 | 16..31
+                    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(nibbles, table));
+                    continue;
+                }
                 panel_block(ggml_type, rows[0] + 16 * j, rows[1] + 16 * j, d[j], w0, w1);
-                store_block(op + ((p * PANEL + j - n0) * ld + b * bs) * out_size, w0, w1, bf16);
+                store_block(out, w0, w1, bf16);
             }
         }
     }

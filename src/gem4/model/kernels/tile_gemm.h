@@ -28,14 +28,13 @@
 namespace gem4_tiles {
 
 template <typename T>
-struct AlignedAlloc {                // 64-byte aligned storage for std::vector (C tiles are stored and loaded whole)
-    using value_type = T;
-    AlignedAlloc() = default;
-    template <typename U> AlignedAlloc(const AlignedAlloc<U>&) {}
-    T* allocate(std::size_t n) { return static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64)); }
-    void deallocate(T* p, std::size_t) { std::free(p); }
-    template <typename U> bool operator==(const AlignedAlloc<U>&) const { return true; }
-    template <typename U> bool operator!=(const AlignedAlloc<U>&) const { return false; }
+struct Buffer {                      // n values, 64-byte aligned (tiles are stored and loaded whole), not initialised
+    explicit Buffer(int64_t n) : p(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(64, (n * sizeof(T) + 63) / 64 * 64)))) {}
+    ~Buffer() { std::free(p); }
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    T* data() const { return p; }
+    T* p;
 };
 
 constexpr int64_t QK = 32;           // inputs per step (one tile row of bf16)
@@ -97,7 +96,7 @@ inline void transpose16(__m512 r[16]) {
 }
 
 // x [M, K] bf16 (row stride K) -> B tiles: pairs [Mp / 16][K / 2][16] uint32, element (m, p) = bf16 of inputs 2p,
-// 2p + 1 of row m, rows [M, Mp) zero (Mp: M rounded up to 32). The tile of rows 16 i.. and pairs p.. p + 15 is 1 KB in one piece.
+// 2p + 1 of row m, rows [M, Mp) zero (Mp: M rounded up to 16). The tile of rows 16 i.. and pairs p.. p + 15 is 1 KB in one piece.
 inline void pair_columns(const uint16_t* x, int64_t M, int64_t K, uint32_t* pairs, int64_t Mp) {
     const float* rows = reinterpret_cast<const float*>(x);      // a pair's 32 bits, moved as they are
     at::parallel_for(0, Mp / 16, 1, [&](int64_t i0, int64_t i1) {
@@ -123,7 +122,9 @@ inline void store_transposed16(const float* c, int64_t nr, int64_t mr, float* y,
     for (int64_t j = 0; j < mr; ++j) _mm512_mask_storeu_ps(y + j * ldy, cols, r[j]);
 }
 
-// C^T blocks [Mp / 32][4][16][16] (tile 2 a + b: W rows 16 a.., x rows 16 b..) -> y[m, r] for r < nr, m < M.
+inline int64_t c_rows(int64_t Mp) { return (Mp + MR - 1) / MR * MR; }   // rows of x in a block of C^T
+
+// C^T blocks [c_rows(Mp) / 32][4][16][16] (tile 2 a + b: W rows 16 a.., x rows 16 b..) -> y[m, r] for r < nr, m < M.
 inline void store_blocks(const float* ct, int64_t nr, int64_t M, int64_t Mp, float* y, int64_t ldy) {
     for (int64_t m0 = 0; m0 < Mp; m0 += MR)
         for (int t = 0; t < 4; ++t) {
@@ -136,7 +137,7 @@ inline void store_blocks(const float* ct, int64_t nr, int64_t M, int64_t Mp, flo
 
 // Blocks of 32 rows of W as A tiles (w: block s at s NR K, [K / 32][32 rows][32] bf16, so the rows of both tiles
 // of a step lie in one piece; rows past the N-th zero; nr: the last block's rows) against all rows of x (pairs:
-// B tiles, pair_columns) -> C^T blocks (block s at ct + s Mp NR, store_blocks). Per pass over KB inputs (whose
+// B tiles, pair_columns) -> C^T blocks (block s at ct + s c_rows(Mp) NR, store_blocks). Per pass over KB inputs (whose
 // pairs stay in L2 for all the blocks), each block's KB-slice (in L1) meets every 32 rows of x; a 32 x 32 block
 // of C^T is four tiles, put aside between passes (float32 as it is: the sums go on in the same order).
 // Tiles configured as GemmTiles.
@@ -148,7 +149,8 @@ inline void amx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint
             const uint16_t* ws = w + s * NR * K;
             const bool two = s + 1 < blocks || nr > 16;
             for (int64_t m0 = 0; m0 < Mp; m0 += MR) {
-                float* c = ct + s * Mp * NR + m0 * NR;
+                const bool wide = Mp - m0 > 16;                 // two B tiles (else rows 16-31 of the C tiles stay 0)
+                float* c = ct + s * c_rows(Mp) * NR + m0 * NR;
                 if (k0 == 0) {
                     _tile_zero(0);
                     _tile_zero(1);
@@ -165,13 +167,13 @@ inline void amx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint
                 for (int64_t k = k0; k < std::min(K, k0 + KB); k += QK) {
                     _tile_loadd(6, b0 + k / 2 * 16, 64);
                     _tile_loadd(4, ws + k * NR, 2 * QK);
-                    _tile_loadd(7, b1 + k / 2 * 16, 64);
+                    if (wide) _tile_loadd(7, b1 + k / 2 * 16, 64);
                     if (two) _tile_loadd(5, ws + k * NR + 16 * QK, 2 * QK);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
+                    if (wide) _tile_dpbf16ps(1, 4, 7);
                     if (two) {
                         _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
+                        if (wide) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
                 _tile_stored(0, c, 64);
@@ -196,7 +198,7 @@ inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint
                         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
                                                (__m512bh)_mm512_loadu_si512(pairs + (i * (K / 2) + p) * 16));
                     }
-                _mm512_store_ps(ct + s * Mp * NR + ((i / 2) * 4 + (r / 16) * 2 + i % 2) * 256 + (r % 16) * 16, acc);
+                _mm512_store_ps(ct + s * c_rows(Mp) * NR + ((i / 2) * 4 + (r / 16) * 2 + i % 2) * 256 + (r % 16) * 16, acc);
             }
 }
 
@@ -206,17 +208,17 @@ inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint
 template <typename Rows>
 torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows, bool amx) {
     TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x must be contiguous bf16 [M, K]");
-    const int64_t M = x.size(0), K = x.size(1), Mp = (M + MR - 1) / MR * MR;
+    const int64_t M = x.size(0), K = x.size(1), Mp = (M + 15) / 16 * 16;
     TORCH_CHECK(K % QK == 0, "the GEMM takes inputs in blocks of ", QK, ", not ", K);
     auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
-    std::vector<uint32_t, AlignedAlloc<uint32_t>> pairs(K / 2 * Mp);
+    Buffer<uint32_t> pairs(K / 2 * Mp);
     pair_columns(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, pairs.data(), Mp);
     float* yp = y.data_ptr<float>();
     const int64_t per = std::max<int64_t>(1, SUPER / (NR * K * 2));     // blocks of W at a time
     at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t g0, int64_t g1) {
         const int64_t most = std::min(per, g1 - g0);
-        std::vector<uint16_t, AlignedAlloc<uint16_t>> buf(most * NR * K);
-        std::vector<float, AlignedAlloc<float>> ct(most * Mp * NR);
+        Buffer<uint16_t> buf(most * NR * K);
+        Buffer<float> ct(most * c_rows(Mp) * NR);
         if (amx) load_tiles(GemmTiles{});
         for (int64_t gs = g0; gs < g1; gs += per) {
             const int64_t blocks = std::min(per, g1 - gs), n0 = gs * NR, n1 = std::min(N, (gs + blocks) * NR);
@@ -228,7 +230,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows, bool a
             else
                 avx_blocks(buf.data(), blocks, nr, pairs.data(), Mp, K, ct.data());
             for (int64_t s = 0; s < blocks; ++s)
-                store_blocks(ct.data() + s * Mp * NR, s + 1 < blocks ? NR : nr, M, Mp, yp + n0 + s * NR, N);
+                store_blocks(ct.data() + s * c_rows(Mp) * NR, s + 1 < blocks ? NR : nr, M, Mp, yp + n0 + s * NR, N);
         }
         if (amx) release_tiles();
     });
