@@ -165,7 +165,7 @@ class Experts(nn.Module):
 
 class DecoderLayer(nn.Module):
     fused = False          # fast mode (Model.use_kernels): the per-layer input gate runs kernels.gelu_mul
-    decode_rows = DECODE_ROWS   # fast mode: a decode pass of up to this many rows runs the layer as one kernels.decode_layer call
+    decode_rows = DECODE_ROWS   # fast mode: a decode pass of up to this many rows is one kernels.decode_layer call
 
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()

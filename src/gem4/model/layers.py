@@ -106,8 +106,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 # Fast mode: a decode pass (prefill_pass) takes the compiled decode kernels; the engine packs generated tokens
 # into decode passes of at most a model's decode_rows rows (set_decode_rows, at load), one of these two:
-DECODE_ROWS = 32       # packed weights: the GEMV reads W once per 8 rows, so it is faster than the GEMM (which
-                       # turns each 32 rows of W into bf16) up to ~48-64 rows
+DECODE_ROWS = 32       # packed weights: the GEMV reads W once per pass of up to 8 rows
 DECODE_ROWS_BF16 = 8   # decoder layers with bf16 weights read by gemv_bf16 (4 rows per pass): 2.2x the bf16 GEMM's
                        # time at 8 rows here (an AMX host), 4-9x at 16-32
 ALIGN_KEYS = 16        # fast-mode prefill attention: zero keys put in front of a sequence's keys, so that key i
@@ -184,8 +183,8 @@ class QuantLinear(nn.Module):
         return None
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """True when forward(x) is one GEMV kernel call: x float32 [M <= decode_rows, in], contiguous, and a
-        kernel reads this weight (gemv_type)."""
+        """True when forward(x) is one GEMV kernel call: x float32 [M, in], contiguous, in a decode pass (outside a
+        pass: M <= decode_rows; prefill_pass), and a kernel reads this weight (gemv_type)."""
         return (self.gemv_type is not None and x.dim() == 2 and takes_gemv_rows(x.shape[0], self.decode_rows)
                 and x.dtype == torch.float32 and x.is_contiguous())
 
@@ -195,7 +194,7 @@ class QuantLinear(nn.Module):
                 return kernels.gemv_bf16(x, self.weight)
             return kernels.gemv(x, self.packed, self.out_features, self.in_features, self.ggml_type)
         if self.layout == "dense":
-            if self.gemv_type is not None and self.in_features % 32 == 0:          # fast mode, bf16: row-invariant
+            if self.gemv_type is not None and self.in_features % 32 == 0:    # fast mode, bf16: row-invariant
                 y = kernels.linear_bf16(x.reshape(-1, self.in_features), self.weight)
                 return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)

@@ -8,9 +8,9 @@
 // bf16 products summed into a float32 accumulator by the same instruction, whatever M is. Rows of x past M
 // (padding to 16) are zeros and never change another row's sums. Two kernels, chosen once per process:
 // - AMX (where the CPU reports AMX-BF16 and Linux grants the tile state, panels.h): C^T = W . x^T on tiles,
-//   A = 16 rows of W (32 inputs a row, from a buffer of 32 rows laid out as tiles), B = 16 rows of x as pairs along k (laid out
-//   once per call, each tile's 1 KB in one piece), C = [16 rows of W, 16 rows of x] float32, 2 x 2 C tiles
-//   per step. C is transposed into y once per 32 x 32 block, after all of k.
+//   A = 16 rows of W (32 inputs a row, from a buffer of 32 rows laid out as tiles), B = 16 rows of x as pairs
+//   along k (laid out once per call, each tile's 1 KB in one piece), C = [16 rows of W, 16 rows of x] float32,
+//   2 x 2 C tiles per step. C is transposed into y once per 32 x 32 block, after all of k.
 // - AVX-512 BF16 (vdpbf16ps): the same C^T, 16 rows of x per vector, each W pair broadcast.
 // The two round differently (the tile product's internal order is the hardware's), each is row-invariant.
 #pragma once
@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <vector>
 
 #include "panels.h"
 
@@ -29,7 +28,8 @@ namespace gem4_tiles {
 
 template <typename T>
 struct Buffer {                      // n values, 64-byte aligned (tiles are stored and loaded whole), not initialised
-    explicit Buffer(int64_t n) : p(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(64, (n * sizeof(T) + 63) / 64 * 64)))) {}
+    explicit Buffer(int64_t n)
+        : p(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(64, (n * sizeof(T) + 63) / 64 * 64)))) {}
     ~Buffer() { std::free(p); }
     Buffer(const Buffer&) = delete;
     Buffer& operator=(const Buffer&) = delete;
@@ -96,7 +96,8 @@ inline void transpose16(__m512 r[16]) {
 }
 
 // x [M, K] bf16 (row stride K) -> B tiles: pairs [Mp / 16][K / 2][16] uint32, element (m, p) = bf16 of inputs 2p,
-// 2p + 1 of row m, rows [M, Mp) zero (Mp: M rounded up to 16). The tile of rows 16 i.. and pairs p.. p + 15 is 1 KB in one piece.
+// 2p + 1 of row m, rows [M, Mp) zero (Mp: M rounded up to 16). The tile of rows 16 i.. and pairs p.. p + 15 is
+// 1 KB in one piece.
 inline void pair_columns(const uint16_t* x, int64_t M, int64_t K, uint32_t* pairs, int64_t Mp) {
     const float* rows = reinterpret_cast<const float*>(x);      // a pair's 32 bits, moved as they are
     at::parallel_for(0, Mp / 16, 1, [&](int64_t i0, int64_t i1) {
@@ -198,7 +199,8 @@ inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint
                         acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
                                                (__m512bh)_mm512_loadu_si512(pairs + (i * (K / 2) + p) * 16));
                     }
-                _mm512_store_ps(ct + s * c_rows(Mp) * NR + ((i / 2) * 4 + (r / 16) * 2 + i % 2) * 256 + (r % 16) * 16, acc);
+                const int64_t tile = (i / 2) * 4 + (r / 16) * 2 + i % 2;         // as amx_blocks leaves them
+                _mm512_store_ps(ct + s * c_rows(Mp) * NR + tile * 256 + (r % 16) * 16, acc);
             }
 }
 
