@@ -132,7 +132,7 @@ def bench_steps(model, assistant, context: int, ks: list[int], repeats: int, cal
 
     @torch.inference_mode()
     def forward(n):
-        model.forward(ids[context:context + n], cache.step(n, logits=n), cache.pool)
+        model.forward(ids[context:context + n], cache.step(n, logits=n, prefill=False), cache.pool)   # decode rows
 
     hn = {n: h[-1:].expand(n, -1).contiguous() for n in rows}
 
