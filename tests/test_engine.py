@@ -466,6 +466,19 @@ def test_a_failing_request_fails_alone(where, caplog):
     assert [e.token_id for e in engine.generate(PROMPTS["b"], SEEDED["b"])] == alone("b")   # still serving
 
 
+def test_the_finite_check_is_exact():
+    """runner._finite: NaN, +inf, -inf or both anywhere -> False; finite logits whose float32 sum overflows -> True."""
+    from gem4.engine.runner import _finite
+
+    x = torch.randn(2, 1000)
+    assert _finite(x)
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        y = x.clone()
+        y.view(-1)[[7, 1500][:len(bad)]] = torch.tensor(bad)
+        assert not _finite(y), bad
+    assert _finite(torch.full((1, 8), 3e38))                      # the sum is inf, every value finite
+
+
 def test_non_finite_logits_end_that_request_with_an_error(caplog):
     model = NoisyModel()
     model.poison = lambda first, position: "nan" if first == 30 and position == 6 else None

@@ -147,7 +147,7 @@ class ModelRunner:
         for i, (chunk, row) in enumerate(zip(chunks, rows)):
             if row is None or isinstance(row, Failed):
                 out[i] = row
-            elif not bool(torch.isfinite(row).all()):
+            elif not _finite(row):
                 position = chunk.start + chunk.num_tokens - 1           # a fork: its source's last row
                 out[i] = Failed(NonFiniteLogits(
                     f"the model produced non-finite logits (NaN or inf) at position {position}, "
@@ -275,6 +275,12 @@ class ModelRunner:
         if seq_id not in self._generators:
             self._generators[seq_id] = Sampler.make_generator(params)
         return self._generators[seq_id]
+
+
+def _finite(logits: torch.Tensor) -> bool:
+    """Every value of logits [n, V] finite: their sum is (NaN and inf carry into it), or, only when it is not, every
+    value one by one (finite logits overflow a float32 sum only beyond ~1e33 each). The sum is ~15x faster."""
+    return bool(torch.isfinite(logits.sum())) or bool(torch.isfinite(logits).all())
 
 
 def _pieces(work: _Rows, decode_rows: int) -> list[_Rows]:
