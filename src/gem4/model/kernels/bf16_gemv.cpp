@@ -87,18 +87,19 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
     return y;
 }
 
-// x [T, K] bf16 @ w.T -> [T, N] float32 for prefill chunks, row-invariant (tile_gemm.h): w's rows read in place
-// (32 rows at a time copied into A tiles).
+// x [T, K] bf16 @ w.T -> [T, N] float32 for prefill chunks, row-invariant (tile_gemm.h): w's rows copied 32 at a
+// time into A tiles.
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
-    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2 && x.dim() == 2 && w.size(1) == x.size(1),
-                "w must be contiguous bf16 [N, K] with x's K");
+    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2 && x.dim() == 2
+                && w.size(1) == x.size(1), "w must be contiguous bf16 [N, K] with x's K");
     const int64_t N = w.size(0), K = w.size(1);
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf) {    // into A tiles (tile_gemm.h)
         using gem4_tiles::NR, gem4_tiles::QK;
         if (n1 - n0 < NR) std::fill(buf, buf + NR * K, uint16_t{0});
         for (int64_t n = n0; n < n1; ++n)
-            for (int64_t k = 0; k < K; k += QK) std::copy(wp + n * K + k, wp + n * K + k + QK, buf + (k * NR + (n - n0) * QK));
+            for (int64_t k = 0; k < K; k += QK)
+                std::copy(wp + n * K + k, wp + n * K + k + QK, buf + k * NR + (n - n0) * QK);
     };
     return gem4_tiles::linear_rows(x, N, rows, amx_on().load() && gem4_tiles::amx_bf16_granted());
 }

@@ -27,7 +27,7 @@
 // time; rows of W are split across torch's intra-op threads. gemv_x16_multi (several weights, one x)
 // and gemv_x16_glu (gelu(x Gate^T) * x Up^T) share one preparation of x and one parallel pass.
 // dequant_x16 turns (rows of) a weight back into float32 or bf16 (token tables are looked up by rows);
-// linear_x16 is prefill's GEMM: bf16 tiles of a few MB of weight rows, each multiplied while in cache.
+// linear_x16 is prefill's GEMM (tile_gemm.h): 32 rows of W at a time turned into bf16, row-invariant.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -641,9 +641,9 @@ inline void panel_block(int64_t ggml_type, const uint8_t* q_lo, const uint8_t* q
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight)), dv);
 }
 
-// Rows [n0, n1) of a Q8_0 / Q4_0 panel weight (rows ids[n0..n1) if ids) -> out (row i at i ld, its block b at b bs) as float32
-// or bf16: contiguous rows per panel and block, the 16 rows' quant bytes transposed in registers; rows by id
-// gathered a block at a time.
+// Rows [n0, n1) of a Q8_0 / Q4_0 panel weight (rows ids[n0..n1) if ids) -> out (row i at i ld, its block b at b bs)
+// as float32 or bf16: contiguous rows per panel and block, the 16 rows' quant bytes transposed in registers; rows
+// by id gathered a block at a time.
 void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1, uint8_t* op,
                     const int64_t* ids, int64_t ld, int64_t bs) {
     using gem4_panels::PANEL;
@@ -676,11 +676,11 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
             for (int64_t j = j0; j < j1; ++j) {
                 uint8_t* out = op + ((p * PANEL + j - n0) * ld + b * bs) * out_size;
                 if (lookup) {
-                    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_set1_ps(d[j]), centred)));
+                    const __m256i values = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_set1_ps(d[j]), centred));
                     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(rows[0] + 16 * j)));
-                    const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0x0F))),
-                                                               _mm256_srli_epi16(bytes, 4), 1);           // weights 0..15 | 16..31
-                    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(nibbles, table));
+                    const __m256i lo = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(bytes, 4);
+                    const __m512i nibbles = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);   // weights 0..15 | 16..31
+                    _mm512_storeu_si512(out, _mm512_permutexvar_epi16(nibbles, _mm512_castsi256_si512(values)));
                     continue;
                 }
                 panel_block(ggml_type, rows[0] + 16 * j, rows[1] + 16 * j, d[j], w0, w1);
@@ -691,8 +691,8 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
 }
 
 // Rows [n0, n1) of a packed weight (rows ids[n0..n1) if ids) -> out (row i at i ld, ld = k_in if 0; its block
-// b at b bs) as float32 or bf16
-// (w = d * (q - 16), (d q) + m, ...: as quants.py, exact in float32). Panels: dequant_panels.
+// b at b bs) as float32 or bf16 (w = d * (q - 16), (d q) + m, ...: as quants.py, exact in float32). Panels:
+// dequant_panels.
 void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
                   uint8_t* op, const int64_t* ids = nullptr, int64_t ld = 0, int64_t bs = QK) {
     if (ld == 0) ld = k_in;
