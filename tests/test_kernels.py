@@ -204,7 +204,8 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
 def test_a_prompt_gives_the_same_logits_however_it_is_chunked(variants, name, qtype):
     """Fast mode: a prompt's K/V and logits do not depend on how it is cut into prefill chunks (row-invariant
     GEMMs and chunk attention, layers.prefill_pass): 40 tokens in one pass and in chunks of 1, 5, 13, 8 and 13
-    tokens (across the fixtures' sliding window of 8), then three decoded tokens: the same logits, bit for bit."""
+    tokens (across the fixtures' sliding window of 8), then three decoded tokens: the same logits, bit for bit --
+    without the AMX kernels, and with them where the CPU grants them."""
     model = gem4.load(variants[name].gguf[qtype], dtype="bfloat16")
     ids = torch.tensor(variants[name].ids[:40])
 
@@ -218,7 +219,13 @@ def test_a_prompt_gives_the_same_logits_however_it_is_chunked(variants, name, qt
             out.append(model.extend(torch.tensor([int(out[-1][-1].argmax())]), cache))
         return torch.cat(out)
 
-    assert torch.equal(run([40]), run([1, 5, 13, 8, 13]))
+    was = kernels.set_amx()
+    try:
+        for amx in (False, True):
+            if kernels.set_amx(amx) == amx:                      # True only where granted
+                assert torch.equal(run([40]), run([1, 5, 13, 8, 13])), amx
+    finally:
+        kernels.set_amx(was)
 
 
 def test_q8_0_activation_blocks_of_zeros_and_extremes():

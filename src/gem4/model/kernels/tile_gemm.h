@@ -185,23 +185,44 @@ inline void amx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint
         }
 }
 
-// The same C^T blocks on vdpbf16ps: for each W row, 16 rows of x per vector, each W pair broadcast.
-inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint32_t* pairs, int64_t Mp, int64_t K,
+// 8 rows of W (A tiles from w, row r0..) against V = 1 or 2 vectors of 16 rows of x's pairs (x0, x0 + K2 16): C^T
+// rows into a 32 x 32 block c (tiles as amx_blocks leaves them), each sum over the pairs in order.
+template <int V>
+inline void avx_rows(const uint16_t* w, int64_t r0, const uint32_t* x0, int64_t K2, float* c) {
+    __m512 acc[8][V];
+    for (int r = 0; r < 8; ++r)
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K2; ++p) {
+        __m512bh b[V];
+        for (int v = 0; v < V; ++v) b[v] = (__m512bh)_mm512_load_si512(x0 + (v * K2 + p) * 16);
+        const uint16_t* wp = w + ((2 * p) / QK * NR + r0) * QK + (2 * p) % QK;        // pair p of row r0
+        for (int r = 0; r < 8; ++r) {
+            int32_t pair;
+            std::memcpy(&pair, wp + r * QK, sizeof pair);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+        }
+    }
+    for (int r = 0; r < 8; ++r)                                  // tile 2 (row / 16) + v of the block
+        for (int v = 0; v < V; ++v) _mm512_store_ps(c + ((r0 + r) / 16 * 2 + v) * 256 + (r0 + r) % 16 * 16, acc[r][v]);
+}
+
+// The same C^T blocks on vdpbf16ps (hosts without AMX): per 8 rows of W and up to 32 rows of x, up to 16
+// accumulators (a row of W x 16 rows of x each), each W pair broadcast against the vectors of x's pairs.
+inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t /*nr*/, const uint32_t* pairs, int64_t Mp, int64_t K,
                        float* ct) {
+    const int64_t K2 = K / 2;
     for (int64_t s = 0; s < blocks; ++s)
-        for (int64_t i = 0; i < Mp / 16; ++i)
-            for (int64_t r = 0; r < NR; ++r) {
-                __m512 acc = _mm512_setzero_ps();
-                if (s + 1 < blocks || r < nr)
-                    for (int64_t p = 0; p < K / 2; ++p) {
-                        int32_t pair;
-                        std::memcpy(&pair, w + s * NR * K + (2 * p / QK * NR + r) * QK + 2 * p % QK, sizeof pair);
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(pair),
-                                               (__m512bh)_mm512_loadu_si512(pairs + (i * (K / 2) + p) * 16));
-                    }
-                const int64_t tile = (i / 2) * 4 + (r / 16) * 2 + i % 2;         // as amx_blocks leaves them
-                _mm512_store_ps(ct + s * c_rows(Mp) * NR + tile * 256 + (r % 16) * 16, acc);
+        for (int64_t m0 = 0; m0 < Mp; m0 += MR) {
+            const uint32_t* x0 = pairs + m0 / 16 * K2 * 16;
+            float* c = ct + s * c_rows(Mp) * NR + m0 * NR;
+            for (int64_t r0 = 0; r0 < NR; r0 += 8) {
+                if (Mp - m0 > 16)
+                    avx_rows<2>(w + s * NR * K, r0, x0, K2, c);
+                else
+                    avx_rows<1>(w + s * NR * K, r0, x0, K2, c);
             }
+        }
 }
 
 // y [M, N] float32 = x [M, K] bf16 . W^T, W given by rows(n0, n1, buf): fills buf with rows [n0, n1) of W as bf16
