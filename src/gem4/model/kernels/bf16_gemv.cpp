@@ -101,7 +101,7 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
             for (int64_t k = 0; k < K; k += QK)
                 std::copy(wp + n * K + k, wp + n * K + k + QK, buf + k * NR + (n - n0) * QK);
     };
-    return gem4_tiles::linear_rows(x, N, rows, amx_on().load() && gem4_tiles::amx_bf16_granted());
+    return gem4_tiles::linear_rows(x, N, rows);
 }
 
 }  // namespace gem4_ops

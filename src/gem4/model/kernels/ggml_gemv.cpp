@@ -394,19 +394,6 @@ void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
 
 // x [M, k_in] prepared once (activation stream, scales, Q4_0 corrections) for any number of weights of
 // one type that share it as input.
-// A 64-byte aligned array: the kernels load 64 bytes at a time, and a load that straddles two cache
-// lines costs two (with malloc's 16-byte alignment Q4_0 ran at 27 or 44 GB/s depending on the address).
-template <typename T>
-struct Aligned {
-    T* data = nullptr;
-    explicit Aligned(int64_t n) : data(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(64, (n * sizeof(T) + 63) / 64 * 64)))) {
-        TORCH_CHECK(data != nullptr, "out of memory");
-    }
-    ~Aligned() { std::free(data); }
-    Aligned(const Aligned&) = delete;
-    Aligned& operator=(const Aligned&) = delete;
-};
-
 int64_t rows_of(const torch::Tensor& x, int64_t k_in) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
                 "x must be contiguous float32 [M, k_in]");
@@ -822,7 +809,7 @@ torch::Tensor linear_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_
         if (n1 - n0 < gem4_tiles::NR) std::fill(buf, buf + gem4_tiles::NR * k_in, uint16_t{0});
         dequant_rows(wp, f, k_in, ggml_type, true, n0, n1, reinterpret_cast<uint8_t*>(buf), nullptr, QK, gem4_tiles::NR * QK);
     };
-    return gem4_tiles::linear_rows(x, n_out, rows, amx_on().load() && gem4_tiles::amx_bf16_granted());
+    return gem4_tiles::linear_rows(x, n_out, rows);
 }
 
 }  // namespace gem4_ops

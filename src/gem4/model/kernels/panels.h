@@ -191,10 +191,14 @@ void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, i
 // AMX: CPUID leaf 7 reports AMX-TILE and AMX-INT8, and Linux grants this process the tile state
 // (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once; false where either refuses.
 constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+inline unsigned cpuid7_edx() {       // CPUID leaf 7's EDX: bit 22 AMX-BF16, 24 AMX-TILE, 25 AMX-INT8
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return d;
+}
 inline bool amx_granted() {
     static const bool granted = [] {
-        unsigned a, b, c, d;
-        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+        const unsigned d = cpuid7_edx();
         const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
         return tile && int8 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     }();

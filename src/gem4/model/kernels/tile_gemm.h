@@ -19,35 +19,20 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 
+#include "ops.h"
 #include "panels.h"
 
 namespace gem4_tiles {
-
-template <typename T>
-struct Buffer {                      // n values, 64-byte aligned (tiles are stored and loaded whole), not initialised
-    explicit Buffer(int64_t n)
-        : p(static_cast<T*>(std::aligned_alloc(64, std::max<int64_t>(64, (n * sizeof(T) + 63) / 64 * 64)))) {}
-    ~Buffer() { std::free(p); }
-    Buffer(const Buffer&) = delete;
-    Buffer& operator=(const Buffer&) = delete;
-    T* data() const { return p; }
-    T* p;
-};
 
 constexpr int64_t QK = 32;           // inputs per step (one tile row of bf16)
 constexpr int64_t NR = 32;           // rows of W per block (two A tiles)
 constexpr int64_t MR = 32;           // rows of x per block (two B tiles)
 
-// AMX-BF16 reported (CPUID leaf 7, EDX bit 22) and the tile state granted (panels.h).
+// AMX-BF16 reported and the tile state granted (panels.h).
 inline bool amx_bf16_granted() {
-    static const bool granted = [] {
-        unsigned a, b, c, d;
-        __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-        return ((d >> 22) & 1) && gem4_panels::amx_granted();
-    }();
+    static const bool granted = ((gem4_panels::cpuid7_edx() >> 22) & 1) && gem4_panels::amx_granted();
     return granted;
 }
 
@@ -209,8 +194,7 @@ inline void avx_rows(const uint16_t* w, int64_t r0, const uint32_t* x0, int64_t 
 
 // The same C^T blocks on vdpbf16ps (hosts without AMX): per 8 rows of W and up to 32 rows of x, up to 16
 // accumulators (a row of W x 16 rows of x each), each W pair broadcast against the vectors of x's pairs.
-inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t /*nr*/, const uint32_t* pairs, int64_t Mp, int64_t K,
-                       float* ct) {
+inline void avx_blocks(const uint16_t* w, int64_t blocks, const uint32_t* pairs, int64_t Mp, int64_t K, float* ct) {
     const int64_t K2 = K / 2;
     for (int64_t s = 0; s < blocks; ++s)
         for (int64_t m0 = 0; m0 < Mp; m0 += MR) {
@@ -227,33 +211,35 @@ inline void avx_blocks(const uint16_t* w, int64_t blocks, int64_t /*nr*/, const 
 
 // y [M, N] float32 = x [M, K] bf16 . W^T, W given by rows(n0, n1, buf): fills buf with rows [n0, n1) of W as bf16
 // A tiles (amx_blocks), the rest of the 32 rows zero. Tasks are blocks of 32 rows of W, split across torch's
-// intra-op threads, each thread's taken SUPER bytes of bf16 at a time; amx: the AMX kernel (only where granted).
+// intra-op threads, each thread's taken SUPER bytes of bf16 at a time; on AMX where granted and on (set_amx).
 template <typename Rows>
-torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows, bool amx) {
+torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
+    using gem4_ops::Aligned;
+    const bool amx = gem4_ops::amx_on().load() && amx_bf16_granted();
     TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x must be contiguous bf16 [M, K]");
     const int64_t M = x.size(0), K = x.size(1), Mp = (M + 15) / 16 * 16;
     TORCH_CHECK(K % QK == 0, "the GEMM takes inputs in blocks of ", QK, ", not ", K);
     auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
-    Buffer<uint32_t> pairs(K / 2 * Mp);
-    pair_columns(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, pairs.data(), Mp);
+    Aligned<uint32_t> pairs(K / 2 * Mp);
+    pair_columns(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, pairs.data, Mp);
     float* yp = y.data_ptr<float>();
     const int64_t per = std::max<int64_t>(1, SUPER / (NR * K * 2));     // blocks of W at a time
     at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t g0, int64_t g1) {
         const int64_t most = std::min(per, g1 - g0);
-        Buffer<uint16_t> buf(most * NR * K);
-        Buffer<float> ct(most * c_rows(Mp) * NR);
+        Aligned<uint16_t> buf(most * NR * K);
+        Aligned<float> ct(most * c_rows(Mp) * NR);
         if (amx) load_tiles(GemmTiles{});
         for (int64_t gs = g0; gs < g1; gs += per) {
             const int64_t blocks = std::min(per, g1 - gs), n0 = gs * NR, n1 = std::min(N, (gs + blocks) * NR);
             for (int64_t s = 0; s < blocks; ++s)
-                rows(n0 + s * NR, std::min(n1, n0 + (s + 1) * NR), buf.data() + s * NR * K);
+                rows(n0 + s * NR, std::min(n1, n0 + (s + 1) * NR), buf.data + s * NR * K);
             const int64_t nr = n1 - (n0 + (blocks - 1) * NR);
             if (amx)
-                amx_blocks(buf.data(), blocks, nr, pairs.data(), Mp, K, ct.data());
+                amx_blocks(buf.data, blocks, nr, pairs.data, Mp, K, ct.data);
             else
-                avx_blocks(buf.data(), blocks, nr, pairs.data(), Mp, K, ct.data());
+                avx_blocks(buf.data, blocks, pairs.data, Mp, K, ct.data);
             for (int64_t s = 0; s < blocks; ++s)
-                store_blocks(ct.data() + s * c_rows(Mp) * NR, s + 1 < blocks ? NR : nr, M, Mp, yp + n0 + s * NR, N);
+                store_blocks(ct.data + s * c_rows(Mp) * NR, s + 1 < blocks ? NR : nr, M, Mp, yp + n0 + s * NR, N);
         }
         if (amx) release_tiles();
     });
