@@ -549,15 +549,17 @@ def test_panel_gemv_is_the_same_on_amx_and_vnni(ggml_type):
     assert kernels.set_amx() in ((False,) if not cpu_has_amx else (True, False))   # never on without the CPU's AMX
 
 
-@pytest.mark.parametrize("preset, expect", [(None, "1000"), ("7", "7")])
-def test_openmp_spin_default_and_an_explicit_value_wins(preset, expect):
+@pytest.mark.parametrize("key, preset, expect", [("GOMP_SPINCOUNT", None, "1000"), ("GOMP_SPINCOUNT", "7", "7"),
+                                                  ("OMP_WAIT_POLICY", None, "ACTIVE"),
+                                                  ("OMP_WAIT_POLICY", "PASSIVE", "PASSIVE")])
+def test_openmp_defaults_and_an_explicit_value_wins(key, preset, expect):
     import os
     import subprocess
     import sys
-    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env = {k: v for k, v in os.environ.items() if k != key}
     if preset is not None:
-        env["GOMP_SPINCOUNT"] = preset
-    out = subprocess.run([sys.executable, "-c", "import gem4, os; print(os.environ['GOMP_SPINCOUNT'])"],
+        env[key] = preset
+    out = subprocess.run([sys.executable, "-c", f"import gem4, os; print(os.environ['{key}'])"],
                          env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert out == expect
 

@@ -20,9 +20,16 @@ import sys
 #   decode loop on 2 cores (benchmarks/RESULTS.md §4): free cores 12.4 tok/s (100000: 14.1, 0:
 #   11.5); beside one busy process 7.3 (100000: 1.6, 0: 7.6). The demo model's 64-token request
 #   beside a busy process took 9 s with 100000 and 0.2 s without spinning.
+# - OMP_WAIT_POLICY=ACTIVE: with GOMP_SPINCOUNT given, its only effect in libgomp is on the spin count used
+#   while the process holds more OpenMP threads than there are cores: 1000 (the count above) instead of
+#   100, i.e. no spinning at all. A model loaded on one thread and run on another (the engine's loop, the
+#   server) is that case: the loading thread keeps its idle team, so a 2-core process holds 4 OpenMP
+#   threads, and every parallel region of a decode step put the worker to sleep and woke it again. E2B
+#   Q4_0 decode on 2 cores, forward on the engine's thread: 57-71 -> 45-53 ms a token (3 rounds, each
+#   interleaved); on the loading thread 50-64 -> 45-57 ms.
 # (The packed weights ask for transparent huge pages themselves, in kernels/ggml_gemv.cpp; torch's
 # THP_MEM_ALLOC_ENABLE, which does it for every large tensor, made prefill's temporaries fault slowly.)
-_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "1000"}
+_ENV_DEFAULTS = {"GOMP_SPINCOUNT": "1000", "OMP_WAIT_POLICY": "ACTIVE"}
 if any(key not in os.environ for key in _ENV_DEFAULTS) and "torch" in sys.modules:
     import warnings
 
