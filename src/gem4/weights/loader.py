@@ -166,7 +166,7 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
         elif name == PLE_TABLE:                            # float table: kept in its stored dtype, read by rows
             state[name] = entry.dense().to(device)
         else:
-            state[name] = entry.dense().to(device=device, dtype=_weight_dtype(name, expected[name], torch_dtype))
+            state[name] = _aligned(entry.dense().to(device=device, dtype=_weight_dtype(name, expected[name], torch_dtype)))
     if stream:
         resident = (sum(t.nbytes for t in state.values())
                     + sum(b.nbytes for b in model.buffers() if not b.is_meta))
@@ -180,6 +180,15 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
         model.use_kernels(keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
     model.eval()
     return model
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it at a 64-byte aligned address (torch's allocator aligns to 64). A weight whose dtype
+    the file already holds is a view into the file, at whatever offset the file put it (safetensors: 8-byte
+    steps); torch's float32 matmul rounds differently by its operands' alignment on some CPUs (AMD Zen 5: one
+    checkpoint as one file and as two shards gave logits 7e-6 apart), so outputs would depend on where a
+    tensor lies in its file."""
+    return t if t.device.type != "cpu" or t.data_ptr() % 64 == 0 else t.clone()
 
 
 def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: bool = False,
