@@ -658,6 +658,8 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
         const int64_t j0 = std::max(n0, p * PANEL) - p * PANEL, j1 = std::min(n1, (p + 1) * PANEL) - p * PANEL;
         for (int64_t b = 0; b < P.nb; ++b) {
             const uint8_t* q = panel + P.scales + b * PANEL * P.qb;
+            for (int64_t c = 0; c < PANEL * P.qb; c += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(q + gem4_panels::PREFETCH + c), _MM_HINT_T0);
             for (int64_t h = 0; h < P.qb / 16; ++h) transpose_group(q + 256 * h, rows[h]);
             _mm512_store_ps(d, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b))));
             for (int64_t j = j0; j < j1; ++j) {
@@ -672,6 +674,53 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
                 }
                 panel_block(ggml_type, rows[0] + 16 * j, rows[1] + 16 * j, d[j], w0, w1);
                 store_block(out, w0, w1, bf16);
+            }
+        }
+    }
+}
+
+// Rows [n0, n0 + 32) of a Q8_0 / Q4_0 panel weight (n0 a multiple of 32; rows past n_out zero) -> bf16 pairs in
+// lanes, as gem4_tiles::pairs_in_lanes lays them out (the piece of step b and panel half h at out + (2 b + h) 512:
+// [16 pairs][16 rows] 32-bit), straight from the panels, whose 32-bit lanes are already rows: each weight's float
+// d (q - 8) / d q (exact) rounded once to bf16, the same bf16 as dequant_panels'.
+void lanes_panels(const uint8_t* wp, int64_t k_in, int64_t n_out, int64_t ggml_type, int64_t n0, uint16_t* out) {
+    const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, n_out, k_in);
+    const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    alignas(64) int16_t order[32];                               // words (even[j], odd[j]) -> lane j
+    for (int j = 0; j < 16; ++j) order[2 * j] = static_cast<int16_t>(j), order[2 * j + 1] = static_cast<int16_t>(16 + j);
+    const __m512i interleave = _mm512_load_si512(order);
+    auto pair = [&](__m512 even, __m512 odd, uint16_t* dst) {    // bf16 pairs of 16 rows
+        _mm512_store_si512(dst, _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(odd, even)));
+    };
+    for (int64_t h = 0; h < 2; ++h) {
+        const int64_t p = n0 / gem4_panels::PANEL + h;
+        if (p >= P.panels) {
+            for (int64_t b = 0; b < P.nb; ++b) std::fill(out + (2 * b + h) * 512, out + (2 * b + h + 1) * 512, uint16_t{0});
+            continue;
+        }
+        const uint8_t* panel = wp + p * P.panel_bytes;
+        for (int64_t b = 0; b < P.nb; ++b) {
+            const uint8_t* q = panel + P.scales + b * gem4_panels::PANEL * P.qb;
+            for (int64_t c = 0; c < gem4_panels::PANEL * P.qb; c += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(q + gem4_panels::PREFETCH + c), _MM_HINT_T0);
+            const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
+            uint16_t* piece = out + (2 * b + h) * 512;            // pair k at piece + 32 k
+            for (int64_t r = 0; r < P.qb / 4; ++r) {
+                const __m512i raw = _mm512_load_si512(q + 64 * r);   // lane j: bytes 4r..4r+3 of row j's block
+                __m512 w[8];                                         // Q4_0: 4 low nibbles, then 4 high; Q8_0: 4 bytes
+                if (ggml_type == Q4_0_TYPE) {
+                    for (int t = 0; t < 8; ++t)                      // vpermps reads an index's low 4 bits only
+                        w[t] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * (t % 4) + 4 * (t / 4)), centred), d);
+                    pair(w[0], w[1], piece + 32 * (2 * r));              // weights 4r, 4r + 1
+                    pair(w[2], w[3], piece + 32 * (2 * r + 1));
+                    pair(w[4], w[5], piece + 32 * (8 + 2 * r));          // weights 16 + 4r, ...
+                    pair(w[6], w[7], piece + 32 * (9 + 2 * r));
+                } else {
+                    for (int t = 0; t < 4; ++t)
+                        w[t] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * t), 24)), d);
+                    pair(w[0], w[1], piece + 32 * (2 * r));
+                    pair(w[2], w[3], piece + 32 * (2 * r + 1));
+                }
             }
         }
     }
@@ -805,9 +854,11 @@ torch::Tensor linear_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_
     check_x16(w, n_out, f);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k_in, "x must be [T, k_in]");
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf) {    // into A tiles (tile_gemm.h)
+    auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf, bool lanes) {    // as A tiles or pairs in lanes (tile_gemm.h)
+        if (lanes && f.panel) return lanes_panels(wp, k_in, n_out, ggml_type, n0, buf);
         if (n1 - n0 < gem4_tiles::NR) std::fill(buf, buf + gem4_tiles::NR * k_in, uint16_t{0});
         dequant_rows(wp, f, k_in, ggml_type, true, n0, n1, reinterpret_cast<uint8_t*>(buf), nullptr, QK, gem4_tiles::NR * QK);
+        if (lanes) gem4_tiles::pairs_in_lanes(buf, k_in);
     };
     return gem4_tiles::linear_rows(x, n_out, rows);
 }

@@ -11,7 +11,8 @@
 //   A = 16 rows of W (32 inputs a row, from a buffer of 32 rows laid out as tiles), B = 16 rows of x as pairs
 //   along k (laid out once per call, each tile's 1 KB in one piece), C = [16 rows of W, 16 rows of x] float32,
 //   2 x 2 C tiles per step. C is transposed into y once per 32 x 32 block, after all of k.
-// - AVX-512 BF16 (vdpbf16ps): the same C^T, 16 rows of x per vector, each W pair broadcast.
+// - AVX-512 BF16 (vdpbf16ps): y's rows 8 at a time, 32 rows of W in the lanes of two vectors (pairs along k),
+//   each of x's pairs broadcast; no padding of M, nothing transposed but W's bf16 (in place, once).
 // The two round differently (the tile product's internal order is the hardware's), each is row-invariant.
 #pragma once
 #include <torch/extension.h>
@@ -170,48 +171,48 @@ inline void amx_blocks(const uint16_t* w, int64_t blocks, int64_t nr, const uint
         }
 }
 
-// 8 rows of W (A tiles from w, row r0..) against V = 1 or 2 vectors of 16 rows of x's pairs (x0, x0 + K2 16): C^T
-// rows into a 32 x 32 block c (tiles as amx_blocks leaves them), each sum over the pairs in order.
-template <int V>
-inline void avx_rows(const uint16_t* w, int64_t r0, const uint32_t* x0, int64_t K2, float* c) {
-    __m512 acc[8][V];
-    for (int r = 0; r < 8; ++r)
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < K2; ++p) {
-        __m512bh b[V];
-        for (int v = 0; v < V; ++v) b[v] = (__m512bh)_mm512_load_si512(x0 + (v * K2 + p) * 16);
-        const uint16_t* wp = w + ((2 * p) / QK * NR + r0) * QK + (2 * p) % QK;        // pair p of row r0
-        for (int r = 0; r < 8; ++r) {
-            int32_t pair;
-            std::memcpy(&pair, wp + r * QK, sizeof pair);
-            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
-            for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
-        }
+// A block of 32 rows of W as amx_blocks reads it ([K / 32][32 rows][32] bf16) turned, in place, into pairs along k
+// in lanes: each 16 x 32 piece (step kb, rows 16 h..) becomes [16 pairs][16 rows] 32-bit, row j's inputs 2q, 2q + 1
+// in lane j of vector q.
+inline void pairs_in_lanes(uint16_t* w, int64_t K) {
+    float* f = reinterpret_cast<float*>(w);                      // a pair's 32 bits, moved as they are
+    for (int64_t t = 0; t < K / QK * 2; ++t, f += 256) {
+        __m512 r[16];
+        for (int j = 0; j < 16; ++j) r[j] = _mm512_load_ps(f + 16 * j);
+        transpose16(r);
+        for (int j = 0; j < 16; ++j) _mm512_store_ps(f + 16 * j, r[j]);
     }
-    for (int r = 0; r < 8; ++r)                                  // tile 2 (row / 16) + v of the block
-        for (int v = 0; v < V; ++v) _mm512_store_ps(c + ((r0 + r) / 16 * 2 + v) * 256 + (r0 + r) % 16 * 16, acc[r][v]);
 }
 
-// The same C^T blocks on vdpbf16ps (hosts without AMX): per 8 rows of W and up to 32 rows of x, up to 16
-// accumulators (a row of W x 16 rows of x each), each W pair broadcast against the vectors of x's pairs.
-inline void avx_blocks(const uint16_t* w, int64_t blocks, const uint32_t* pairs, int64_t Mp, int64_t K, float* ct) {
-    const int64_t K2 = K / 2;
-    for (int64_t s = 0; s < blocks; ++s)
-        for (int64_t m0 = 0; m0 < Mp; m0 += MR) {
-            const uint32_t* x0 = pairs + m0 / 16 * K2 * 16;
-            float* c = ct + s * c_rows(Mp) * NR + m0 * NR;
-            for (int64_t r0 = 0; r0 < NR; r0 += 8) {
-                if (Mp - m0 > 16)
-                    avx_rows<2>(w + s * NR * K, r0, x0, K2, c);
-                else
-                    avx_rows<1>(w + s * NR * K, r0, x0, K2, c);
+// MC rows of x (bf16, row stride K) against a block of 32 rows of W (pairs_in_lanes; rows past the N-th zero) ->
+// y[i, r] for r < nr (y row stride ldy) on vdpbf16ps (hosts without AMX): per output one sum over k's pairs in
+// ascending order, W's pair in a lane, x's broadcast, whatever MC is.
+template <int MC>
+inline void lane_rows(const uint16_t* w, int64_t nr, const uint16_t* x, int64_t K, float* y, int64_t ldy) {
+    const float* wf = reinterpret_cast<const float*>(w);
+    const int32_t* xp = reinterpret_cast<const int32_t*>(x);     // row i's pair q at xp + i K / 2 + q
+    __m512 acc[2][MC];
+    for (int i = 0; i < MC; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < K / QK; ++kb, wf += 512)
+        for (int q = 0; q < 16; ++q) {
+            const __m512bh a0 = (__m512bh)_mm512_load_ps(wf + 16 * q), a1 = (__m512bh)_mm512_load_ps(wf + 256 + 16 * q);
+            for (int i = 0; i < MC; ++i) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32(xp[i * K / 2 + kb * 16 + q]);
+                acc[0][i] = _mm512_dpbf16_ps(acc[0][i], a0, b);
+                acc[1][i] = _mm512_dpbf16_ps(acc[1][i], a1, b);
             }
         }
+    for (int i = 0; i < MC; ++i) {
+        _mm512_mask_storeu_ps(y + i * ldy, gem4_simd::live(0, nr), acc[0][i]);
+        _mm512_mask_storeu_ps(y + i * ldy + 16, gem4_simd::live(16, nr), acc[1][i]);
+    }
 }
 
-// y [M, N] float32 = x [M, K] bf16 . W^T, W given by rows(n0, n1, buf): fills buf with rows [n0, n1) of W as bf16
-// A tiles (amx_blocks), the rest of the 32 rows zero. Tasks are blocks of 32 rows of W, split across torch's
-// intra-op threads, each thread's taken SUPER bytes of bf16 at a time; on AMX where granted and on (set_amx).
+// y [M, N] float32 = x [M, K] bf16 . W^T, W given by rows(n0, n1, buf, lanes): fills buf with rows [n0, n1) of W as
+// bf16, the rest of the 32 rows zero, as A tiles (amx_blocks) or, if lanes, as pairs in lanes (pairs_in_lanes'
+// layout, lane_rows). Tasks are blocks of 32 rows of W, split across torch's intra-op threads. AMX (where granted
+// and on, set_amx): each thread takes SUPER bytes of bf16 at a time, x laid out once as B tiles. vdpbf16ps: a
+// block at a time, met by x's rows 8 at a time.
 template <typename Rows>
 torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
     using gem4_ops::Aligned;
@@ -220,24 +221,29 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
     const int64_t M = x.size(0), K = x.size(1), Mp = (M + 15) / 16 * 16;
     TORCH_CHECK(K % QK == 0, "the GEMM takes inputs in blocks of ", QK, ", not ", K);
     auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
-    Aligned<uint32_t> pairs(K / 2 * Mp);
-    pair_columns(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, K, pairs.data, Mp);
+    const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    Aligned<uint32_t> pairs(amx ? K / 2 * Mp : 0);
+    if (amx) pair_columns(xb, M, K, pairs.data, Mp);
     float* yp = y.data_ptr<float>();
-    const int64_t per = std::max<int64_t>(1, SUPER / (NR * K * 2));     // blocks of W at a time
+    const int64_t per = amx ? std::max<int64_t>(1, SUPER / (NR * K * 2)) : 1;     // blocks of W at a time
     at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t g0, int64_t g1) {
         const int64_t most = std::min(per, g1 - g0);
         Aligned<uint16_t> buf(most * NR * K);
-        Aligned<float> ct(most * c_rows(Mp) * NR);
+        Aligned<float> ct(amx ? most * c_rows(Mp) * NR : 0);
         if (amx) load_tiles(GemmTiles{});
         for (int64_t gs = g0; gs < g1; gs += per) {
             const int64_t blocks = std::min(per, g1 - gs), n0 = gs * NR, n1 = std::min(N, (gs + blocks) * NR);
             for (int64_t s = 0; s < blocks; ++s)
-                rows(n0 + s * NR, std::min(n1, n0 + (s + 1) * NR), buf.data + s * NR * K);
+                rows(n0 + s * NR, std::min(n1, n0 + (s + 1) * NR), buf.data + s * NR * K, !amx);
             const int64_t nr = n1 - (n0 + (blocks - 1) * NR);
-            if (amx)
-                amx_blocks(buf.data, blocks, nr, pairs.data, Mp, K, ct.data);
-            else
-                avx_blocks(buf.data, blocks, pairs.data, Mp, K, ct.data);
+            if (!amx) {                                          // one block (per = 1)
+                for (int64_t m0 = 0; m0 < M; m0 += 8)
+                    gem4_simd::with_count(std::min<int64_t>(8, M - m0), [&](auto count) {
+                        lane_rows<decltype(count)::value>(buf.data, nr, xb + m0 * K, K, yp + m0 * N + n0, N);
+                    });
+                continue;
+            }
+            amx_blocks(buf.data, blocks, nr, pairs.data, Mp, K, ct.data);
             for (int64_t s = 0; s < blocks; ++s)
                 store_blocks(ct.data + s * c_rows(Mp) * NR, s + 1 < blocks ? NR : nr, M, Mp, yp + n0 + s * NR, N);
         }
