@@ -12,7 +12,7 @@
 //   along k (laid out once per call, each tile's 1 KB in one piece), C = [16 rows of W, 16 rows of x] float32,
 //   2 x 2 C tiles per step. C is transposed into y once per 32 x 32 block, after all of k.
 // - AVX-512 BF16 (vdpbf16ps): y's rows 8 at a time, 32 rows of W in the lanes of two vectors (pairs along k),
-//   each of x's pairs broadcast; no padding of M, nothing transposed but W's bf16 (in place, once).
+//   each of x's pairs broadcast; no padding of M, x and C not transposed (the caller makes W's bf16 in lanes).
 // The two round differently (the tile product's internal order is the hardware's), each is row-invariant.
 #pragma once
 #include <torch/extension.h>
