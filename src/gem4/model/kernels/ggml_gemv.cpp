@@ -701,8 +701,10 @@ void lanes_panels(const uint8_t* wp, int64_t k_in, int64_t n_out, int64_t ggml_t
         const uint8_t* panel = wp + p * P.panel_bytes;
         for (int64_t b = 0; b < P.nb; ++b) {
             const uint8_t* q = panel + P.scales + b * gem4_panels::PANEL * P.qb;
-            for (int64_t c = 0; c < gem4_panels::PANEL * P.qb; c += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(q + gem4_panels::PREFETCH + c), _MM_HINT_T0);
+            for (int64_t c = 0; c < gem4_panels::PANEL * P.qb; c += 64) {   // this block's bytes into L1; the next
+                _mm_prefetch(reinterpret_cast<const char*>(q + gem4_panels::PREFETCH + c), _MM_HINT_T0);   // 32 rows'
+                _mm_prefetch(reinterpret_cast<const char*>(q + 2 * P.panel_bytes + c), _MM_HINT_T1);     // into L2
+            }
             const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
             uint16_t* piece = out + (2 * b + h) * 512;            // pair k at piece + 32 k
             for (int64_t r = 0; r < P.qb / 4; ++r) {
