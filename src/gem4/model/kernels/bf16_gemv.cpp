@@ -94,13 +94,11 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
                 && w.size(1) == x.size(1), "w must be contiguous bf16 [N, K] with x's K");
     const int64_t N = w.size(0), K = w.size(1);
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf, bool lanes) {    // as A tiles or pairs in lanes (tile_gemm.h)
+    auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf) {    // as A tiles (tile_gemm.h)
         using gem4_tiles::NR, gem4_tiles::QK;
-        if (n1 - n0 < NR) std::fill(buf, buf + NR * K, uint16_t{0});
         for (int64_t n = n0; n < n1; ++n)
             for (int64_t k = 0; k < K; k += QK)
                 std::copy(wp + n * K + k, wp + n * K + k + QK, buf + k * NR + (n - n0) * QK);
-        if (lanes) gem4_tiles::pairs_in_lanes(buf, K);
     };
     return gem4_tiles::linear_rows(x, N, rows);
 }

@@ -628,6 +628,9 @@ inline void panel_block(int64_t ggml_type, const uint8_t* q_lo, const uint8_t* q
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(raw, 4), eight)), dv);
 }
 
+// A Q4_0 weight's 16 values q - 8, lane q.
+inline __m512 q4_0_values() { return _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7); }
+
 // Rows [n0, n1) of a Q8_0 / Q4_0 panel weight (rows ids[n0..n1) if ids) -> out (row i at i ld, its block b at b bs)
 // as float32 or bf16: contiguous rows per panel and block, the 16 rows' quant bytes transposed in registers; rows
 // by id gathered a block at a time.
@@ -651,7 +654,7 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
     alignas(64) float d[PANEL];
     // Q4_0 to bf16 (prefill's GEMM): each weight looked up in its block's 16 values d (q - 8), rounded once (the
     // same bf16 as panel_block's float, rounded)
-    const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 centred = q4_0_values();
     const bool lookup = bf16 && ggml_type == Q4_0_TYPE;
     for (int64_t p = n0 / PANEL; p * PANEL < n1; ++p) {
         const uint8_t* panel = wp + p * P.panel_bytes;
@@ -685,7 +688,7 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
 // d (q - 8) / d q (exact) rounded once to bf16, the same bf16 as dequant_panels'.
 void lanes_panels(const uint8_t* wp, int64_t k_in, int64_t n_out, int64_t ggml_type, int64_t n0, uint16_t* out) {
     const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, n_out, k_in);
-    const __m512 centred = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 centred = q4_0_values();
     alignas(64) int16_t order[32];                               // words (even[j], odd[j]) -> lane j
     for (int j = 0; j < 16; ++j) order[2 * j] = static_cast<int16_t>(j), order[2 * j + 1] = static_cast<int16_t>(16 + j);
     const __m512i interleave = _mm512_load_si512(order);
@@ -856,13 +859,14 @@ torch::Tensor linear_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_
     check_x16(w, n_out, f);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k_in, "x must be [T, k_in]");
     const uint8_t* wp = w.data_ptr<uint8_t>();
-    auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf, bool lanes) {    // as A tiles or pairs in lanes (tile_gemm.h)
-        if (lanes && f.panel) return lanes_panels(wp, k_in, n_out, ggml_type, n0, buf);
-        if (n1 - n0 < gem4_tiles::NR) std::fill(buf, buf + gem4_tiles::NR * k_in, uint16_t{0});
+    auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf) {    // as A tiles (tile_gemm.h)
         dequant_rows(wp, f, k_in, ggml_type, true, n0, n1, reinterpret_cast<uint8_t*>(buf), nullptr, QK, gem4_tiles::NR * QK);
-        if (lanes) gem4_tiles::pairs_in_lanes(buf, k_in);
     };
-    return gem4_tiles::linear_rows(x, n_out, rows);
+    auto lanes = [&](int64_t n0, uint16_t* buf) {              // panels: straight into lanes
+        if (f.panel) lanes_panels(wp, k_in, n_out, ggml_type, n0, buf);
+        return f.panel;
+    };
+    return gem4_tiles::linear_rows(x, n_out, rows, lanes);
 }
 
 }  // namespace gem4_ops

@@ -208,13 +208,14 @@ inline void lane_rows(const uint16_t* w, int64_t nr, const uint16_t* x, int64_t 
     }
 }
 
-// y [M, N] float32 = x [M, K] bf16 . W^T, W given by rows(n0, n1, buf, lanes): fills buf with rows [n0, n1) of W as
-// bf16, the rest of the 32 rows zero, as A tiles (amx_blocks) or, if lanes, as pairs in lanes (pairs_in_lanes'
-// layout, lane_rows). Tasks are blocks of 32 rows of W, split across torch's intra-op threads. AMX (where granted
-// and on, set_amx): each thread takes SUPER bytes of bf16 at a time, x laid out once as B tiles. vdpbf16ps: a
-// block at a time, met by x's rows 8 at a time.
-template <typename Rows>
-torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
+// y [M, N] float32 = x [M, K] bf16 . W^T, W given by rows(n0, n1, buf): fills buf with rows [n0, n1) of W as bf16
+// A tiles (amx_blocks' layout; the GEMM zeroes the rest of the 32 rows). Where W can be made in lanes straight away,
+// lanes(n0, buf) fills a whole block of 32 rows (rows past N zero) in pairs_in_lanes' layout and returns true;
+// otherwise (false) the vdpbf16ps kernel turns rows' A tiles into lanes itself. Tasks are blocks of 32 rows of W,
+// split across torch's intra-op threads. AMX (where granted and on, set_amx): each thread takes SUPER bytes of
+// bf16 at a time, x laid out once as B tiles. vdpbf16ps: a block at a time, met by x's rows 8 at a time.
+template <typename Rows, typename Lanes>
+torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows, Lanes&& lanes) {
     using gem4_ops::Aligned;
     const bool amx = gem4_ops::amx_on().load() && amx_bf16_granted();
     TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x must be contiguous bf16 [M, K]");
@@ -226,6 +227,12 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
     if (amx) pair_columns(xb, M, K, pairs.data, Mp);
     float* yp = y.data_ptr<float>();
     const int64_t per = amx ? std::max<int64_t>(1, SUPER / (NR * K * 2)) : 1;     // blocks of W at a time
+    auto fill = [&](int64_t n0, int64_t n1, uint16_t* block) {                   // one block as the kernel reads it
+        if (!amx && lanes(n0, block)) return;
+        if (n1 - n0 < NR) std::fill(block, block + NR * K, uint16_t{0});
+        rows(n0, n1, block);
+        if (!amx) pairs_in_lanes(block, K);
+    };
     at::parallel_for(0, (N + NR - 1) / NR, 1, [&](int64_t g0, int64_t g1) {
         const int64_t most = std::min(per, g1 - g0);
         Aligned<uint16_t> buf(most * NR * K);
@@ -234,7 +241,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
         for (int64_t gs = g0; gs < g1; gs += per) {
             const int64_t blocks = std::min(per, g1 - gs), n0 = gs * NR, n1 = std::min(N, (gs + blocks) * NR);
             for (int64_t s = 0; s < blocks; ++s)
-                rows(n0 + s * NR, std::min(n1, n0 + (s + 1) * NR), buf.data + s * NR * K, !amx);
+                fill(n0 + s * NR, std::min(n1, n0 + (s + 1) * NR), buf.data + s * NR * K);
             const int64_t nr = n1 - (n0 + (blocks - 1) * NR);
             if (!amx) {                                          // one block (per = 1)
                 for (int64_t m0 = 0; m0 < M; m0 += 8)
@@ -250,6 +257,12 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
         if (amx) release_tiles();
     });
     return y;
+}
+
+// The same where W has no way into lanes of its own.
+template <typename Rows>
+torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
+    return linear_rows(x, N, rows, [](int64_t, uint16_t*) { return false; });
 }
 
 }  // namespace gem4_tiles
