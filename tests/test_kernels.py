@@ -26,17 +26,37 @@ def packed_linear(weight: torch.Tensor, ggml_type: GGMLType) -> tuple[QuantLinea
     return layer, dequantize(raw, ggml_type, (out_f, in_f))
 
 
+def panel_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] as the Q8_0 / Q4_0 GEMV takes it, emulated in float32 as the kernel computes it: per 32-block
+    scale = amax / 127, q = round-half-even(x * (1 / scale)) -> (q * scale, scale / 2 per element: the most
+    a value moves)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = torch.round(blocks * inv)
+    assert q.abs().max() <= 127
+    return (q * scale).reshape(x.shape), (scale / 2).expand_as(blocks).reshape(x.shape)
+
+
+def assert_panel_product(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor):
+    """out = the panel GEMV of x [M, K] by W = dense [N, K]: the product of x's int8 blocks (panel_activations)
+    up to float32 sums, and so within the rounding of x's blocks of x @ W.T."""
+    xq, half_step = panel_activations(x)
+    ref = xq.double() @ dense.double().T
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    bound = half_step.double() @ dense.double().abs().T          # sum_k |w_k| * (x_k's most rounding)
+    assert ((out.double() - x.double() @ dense.double().T).abs() <= bound * 1.001 + 1e-5 * ref.abs().max()).all()
+
+
 @pytest.mark.parametrize("ggml_type", PACKED, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
 def test_gemv_equals_dequantize_then_matmul(ggml_type, rows):
     g = torch.Generator().manual_seed(rows)
     layer, dense = packed_linear(torch.randn(200, 96, generator=g), ggml_type)
     x = torch.randn(rows, 96, generator=g)
-    # activations are quantized per 32-block to int16 (error <= 2^-16 of the block max): 1e-4 of the output
-    ref, tol = x @ dense.T, 1e-4
     out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 200)
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert_panel_product(out, x, dense)          # activations quantized per 32-block to int8, as GGML's Q8_0
 
 
 @pytest.mark.parametrize("ggml_type", PACKED, ids=lambda t: t.name)
@@ -126,8 +146,7 @@ def test_repacked_layout_round_trips_every_row_length(ggml_type, k_in):
     ids = torch.tensor([23, 0, 17, 5, 17])
     assert torch.equal(kernels.dequant(layer.packed, k_in, ggml_type, torch.float32, rows=ids), dense[ids])
     x = torch.randn(3, k_in, generator=g)
-    ref = x @ dense.T
-    torch.testing.assert_close(layer(x), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    assert_panel_product(layer(x), x, dense)
 
 
 def nmse(out, ref):
@@ -165,7 +184,10 @@ def first_difference_is_a_near_tie(ref_model, ids, fast: list[int], ref: list[in
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "bf16"])
 def test_fast_mode_tracks_the_float32_path(variants, qtype):
     # The same GGUF: float32 reference (dequantized, float32 activations) vs the fast mode (packed
-    # kernels; bf16 KV cache and bf16 prefill GEMM). NMSE is asserted per variant, for prefill and decode.
+    # kernels; bf16 KV cache and bf16 prefill GEMM). NMSE is asserted per variant, for prefill and decode:
+    # 1e-3, but 4e-3 for Q8_0 / Q4_0 decode, whose GEMV quantizes x per 32-block to int8 (GGML's Q8_0
+    # activations; measured 0.7-1.9e-3 here, 4-9e-5 when x was int16; MoE's median position 3.3-3.9e-3,
+    # bound 8e-3); a wrong product costs ~1.
     # Greedy output over 32 tokens: these random models have flat logits (top-2 margins ~0.01), so the bf16 KV
     # cache and the prompt's bf16 activations flip near-ties: on every variant the two must agree up to a
     # near-tie (the fast mode's token within 0.05 of the float32 path's best logit where they first part), and
@@ -192,9 +214,9 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
         if name == "moe":
             # top-2 routing flips on near-tied experts make MoE drift heavy-tailed (test_model.test_bfloat16_mode_drift):
             # a flip costs one position ~1e-2 (the dense bf16 path shows the same), a bug would cost every position
-            assert drift <= 5e-3 and per_position[len(per_position) // 2] <= 1e-3
+            assert drift <= 5e-3 and per_position[len(per_position) // 2] <= (1e-3 if qtype == "bf16" else 8e-3)
         else:
-            assert max(drift, decode_drift) <= 1e-3
+            assert drift <= 1e-3 and decode_drift <= (1e-3 if qtype == "bf16" else 4e-3)
     print(f"{qtype}: greedy 32 tokens equal on {sum(same_greedy.values())}/4 variants")
     assert sum(same_greedy.values()) >= 1, same_greedy
 
@@ -235,10 +257,10 @@ def test_q8_0_activation_blocks_of_zeros_and_extremes():
     x[0, :32] = 0.0                                   # a zero block: scale 0, no division by zero
     x[1, 32:64] *= 1e30                               # a huge block next to ordinary ones
     x[1, 64:96] *= 1e-30                              # and a tiny one
-    ref, out = x @ dense.T, layer(x)
+    out = layer(x)
     assert torch.isfinite(out).all()
     for r in range(2):
-        torch.testing.assert_close(out[r], ref[r], rtol=1e-4, atol=1e-4 * ref[r].abs().max().item())
+        assert_panel_product(out[r:r + 1], x[r:r + 1], dense)
 
 
 # ---- the decode step's fused operations against the reference functions of model/layers.py ----
@@ -489,7 +511,7 @@ def test_gemv_bf16_takes_x_as_two_bf16_terms(M, N, K):
 def test_packed_experts_equal_their_dequantized_weights(ggml_type, T):
     """26B-A4B experts packed as [E * rows, k] (Experts.pack): expert e's products read its own rows, through
     the GEMV (T <= DECODE_ROWS) and the tiled GEMM; equal to the dense dequantized experts within the
-    kernels' rounding (int16 / bf16 activations)."""
+    kernels' rounding (int8 / bf16 activations)."""
     from gem4.config import MoEConfig
     from gem4.model.gemma4 import Experts
     from types import SimpleNamespace
@@ -505,7 +527,7 @@ def test_packed_experts_equal_their_dequantized_weights(ggml_type, T):
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])             # [T, K] distinct experts
     w = torch.rand(T, K, generator=g)
     ref, out = dense(x, idx, w), packed(x, idx, w)
-    assert ((out - ref) ** 2).mean() / (ref ** 2).mean() < 1e-4
+    assert ((out - ref) ** 2).mean() / (ref ** 2).mean() < 5e-4       # int8 x through two products: ~1.5e-4
 
 
 def test_gemv_rows_do_not_depend_on_their_batch_mates():
@@ -517,7 +539,7 @@ def test_gemv_rows_do_not_depend_on_their_batch_mates():
             x = torch.randn(DECODE_ROWS, k, generator=g)
             together = layer(x)
             assert all(torch.equal(together[i], layer(x[i:i + 1])[0]) for i in range(DECODE_ROWS))
-            torch.testing.assert_close(together, x @ dense.T, rtol=1e-4, atol=1e-4 * (x @ dense.T).abs().max().item())
+            assert_panel_product(together, x, dense)
     w = torch.randn(96, 320, generator=g).bfloat16()
     x = torch.randn(DECODE_ROWS, 320, generator=g)
     together = kernels.gemv_bf16(x, w)
@@ -541,8 +563,7 @@ def test_panel_gemv_is_the_same_on_amx_and_vnni(ggml_type):
                 amx = kernels.set_amx(True)
                 tiles = kernels.gemv(x[:m].contiguous(), layer.packed, n, k, ggml_type)
                 assert torch.equal(tiles, vnni), (n, k, m, amx)
-                ref = x[:m] @ dense.T
-                torch.testing.assert_close(tiles, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+                assert_panel_product(tiles, x[:m], dense)
     finally:
         kernels.set_amx(was)
     cpu_has_amx = {"amx_tile", "amx_int8"} <= kernels._cpu_flags()

@@ -393,8 +393,9 @@ def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> tor
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
-    """x [M, k_in] float32, packed x16 weight -> x @ W.T [M, n_out] float32 (activations quantized per
-    32-block to int16: relative error <= 2^-16 of the block's largest value)."""
+    """x [M, k_in] float32, packed weight -> x @ W.T [M, n_out] float32, activations quantized per 32-block:
+    Q8_0 / Q4_0 (panels.h) to int8, scale amax / 127, round to nearest (GGML's Q8_0 activations: each value
+    moves by at most half a step, 1/254 of the block's largest); the x16 types to int16 (2^-16 of it)."""
     return _ops().gemv_x16(x, packed, n_out, k_in, int(ggml_type))
 
 

@@ -19,11 +19,12 @@
 // integer accumulator: a group needs one float conversion and one scale multiply, not 16. The buffer
 // asks for transparent huge pages: it is streamed once per decoded token.
 //
-// gemv_x16: y[m, n] = sum_k x[m, k] W[n, k]. Activations are quantized per 32-block to int16 (relative
-// error <= 2^-16 of the block's largest value, far below bf16's 2^-9) and laid out in the order the
-// kernel reads them; each 16-bit half of a weight lane is one weight, so one vpdpwssd takes two weights
-// of every block of the group, with exact integer products and sums. Q4_0's "- 8" is applied once per
-// block as -8 * sum(activation block). The weights are read once per call for up to 8 rows of x at a
+// gemv_x16: y[m, n] = sum_k x[m, k] W[n, k] (Q8_0 / Q4_0: panels.h, x in int8). For the x16 types activations
+// are quantized per 32-block to int16 (relative error <= 2^-16 of the block's largest value, far below bf16's
+// 2^-9) and laid out in the order the kernel reads them; each 16-bit half of a weight lane is one weight, so
+// one vpdpwssd takes two weights of every block of the group, with exact integer products and sums. An
+// offset of the quants (Q5_0's "- 16", Q6_K's "- 32") is applied once per block as a multiple of the
+// activation block's sum. The weights are read once per call for up to 8 rows of x at a
 // time; rows of W are split across torch's intra-op threads. gemv_x16_multi (several weights, one x)
 // and gemv_x16_glu (gelu(x Gate^T) * x Up^T) share one preparation of x and one parallel pass.
 // dequant_x16 turns (rows of) a weight back into float32 or bf16 (token tables are looked up by rows);
@@ -414,7 +415,8 @@ struct Prepared {
     Format f;
     int64_t type, M, per_row;             // per_row: stream elements of one row of x
     bool amx;                             // panel types: passes of >= 2 rows on AMX
-    Aligned<int16_t> stream;              // x16: the interleaved stream (prepare_row); panels: the pair stream
+    Aligned<int16_t> stream;              // x16: the interleaved int16 stream (prepare_row)
+    Aligned<int8_t> quads;                // panels (VNNI): x's int8 blocks (gem4_panels::prepare_panel_rows)
     Aligned<float> dx;
     Aligned<int32_t> corr, corr2;
     Aligned<float> xsum;
@@ -426,7 +428,7 @@ struct Prepared {
     Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
         : f(format_of(ggml_type, k_in)), type(ggml_type), M(rows_of(x, k_in)),
           per_row(f.panel ? k_in : f.groups * GROUP_ELEMS), amx(f.panel && M >= 2 && amx_on().load()),
-          stream(amx ? 0 : M * per_row), dx(M * blocks(f, k_in)), corr(M * blocks(f, k_in)),
+          stream(f.panel ? 0 : M * per_row), quads(f.panel && !amx ? M * per_row : 0), dx(M * blocks(f, k_in)), corr(M * blocks(f, k_in)),
           corr2(f.panel ? 0 : M * blocks(f, k_in)), xsum(f.panel ? 0 : M * blocks(f, k_in)),
           planes(amx ? (k_in / QK + 1) / 2 * M * 256 : 0) {
         const int64_t sg = blocks(f, k_in);
@@ -434,7 +436,7 @@ struct Prepared {
             if (amx) std::memset(planes.data, 0, (k_in / QK + 1) / 2 * M * 256);
             const gem4_panels::Panels P = gem4_panels::panels_of(type, 1, k_in);
             at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-                gem4_panels::prepare_panel_rows(x.data_ptr<float>(), M, P, amx ? nullptr : stream.data, dx.data, corr.data,
+                gem4_panels::prepare_panel_rows(x.data_ptr<float>(), M, P, amx ? nullptr : quads.data, dx.data, corr.data,
                                                 amx ? planes.data : nullptr, m0, m1);
             });
             return;
@@ -464,7 +466,7 @@ struct Prepared {
         }
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             const int mc = static_cast<int>(std::min<int64_t>(MAX_M, M - m0));
-            const PanelX xp{stream.data + m0 * per_row, dx.data + m0 * nb, corr.data + m0 * nb, nullptr, M, m0};
+            const PanelX xp{quads.data + m0 * per_row, dx.data + m0 * nb, corr.data + m0 * nb, nullptr, M, m0};
             with_count(mc, [&](auto rows) {
                 constexpr int MC = decltype(rows)::value;
                 if (type == Q8_0_TYPE) vnni_panels<MC, Q8_0_TYPE>(xp, P, w, y + m0 * ldy, ldy, p0, p1);

@@ -9,12 +9,14 @@
 // 16+4r..16+4r+3), and a block's vectors are, as they lie, the rows of an AMX B tile (Q8_0), or become one
 // after a nibble split (Q4_0). Nothing is padded along k (any multiple of 32 inputs).
 //
-// Arithmetic (both kernels): x is quantized per 32-block to int16 q (scale dx = amax / 32639, so that
-// q = 256 hi + lo with hi, lo in int8 for AMX); for each block, dot[m][n] = sum q * w (w = Q8_0's int8, or
-// Q4_0's nibble - 8) is an exact int32, then acc[m][n] = fma(float(dot), d[n] * dx[m], acc[m][n]), block
-// after block. VNNI: lanes over 16 rows of W, each x pair broadcast (vpdpwssd). AMX: per pair of blocks, one
-// int8 tile product whose A rows are (row of x, hi / lo, block of the pair) -- the other block's half of
-// the row zero -- against B = the two blocks' weights (16 x 64 bytes), then the same float steps.
+// Arithmetic (both kernels): x is quantized per 32-block to int8 q (scale dx = amax / 127, round to nearest:
+// GGML's Q8_0 activations); for each block, dot[m][n] = sum q * w (w = Q8_0's int8, or Q4_0's nibble - 8) is an
+// exact int32, then acc[m][n] = fma(float(dot), d[n] * dx[m], acc[m][n]), block after block. VNNI: lanes over
+// 16 rows of W as unsigned bytes (Q8_0's w + 128, Q4_0's nibble w + 8; the offset's products, -128 or -8
+// sum(q), start the block's sum), each 4 bytes of x broadcast (vpdpbusd). AMX: per pair of blocks, one int8
+// tile product whose A rows are (row of x, hi / lo, block of the pair) -- the other block's half of the row
+// zero; hi rows are zero since x became int8 (they held q's high byte when q was int16) -- against B = the two
+// blocks' weights (16 x 64 bytes), then the same float steps.
 #pragma once
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -31,7 +33,7 @@ constexpr int64_t QK = 32;          // weights per GGML block
 constexpr int64_t PANEL = 16;       // rows of W per panel
 constexpr int64_t Q8_0 = 8, Q4_0 = 2;
 constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream
-constexpr float Q_MAX = 32639.0f;   // largest |q|: 256 hi + lo with hi = (q + 128) >> 8 in int8
+constexpr float Q_MAX = 127.0f;     // largest |q| of x
 
 struct Panels {
     int64_t type, n_out, k_in;
@@ -83,58 +85,48 @@ inline uint16_t block_of(const uint8_t* w, const Panels& P, int64_t n, int64_t b
     return d;
 }
 
-// The VNNI kernel's pair stream: 16 int32 words a block, in the order it multiplies them; half `half` of word
-// `word` is element pair_element(type, word, half) of the block. Q8_0 vector r, step s (bytes 0, 2 / 1, 3 of a
-// lane): word 2r + s holds elements 4r + s and 4r + s + 2; Q4_0 vector r, step s = 2 nibble + t: word 4r + s
-// holds 16 nibble + 4r + t and that + 2.
-inline int16_t pair_element(int64_t type, int word, int half) {
-    if (type == Q8_0) return static_cast<int16_t>(4 * (word / 2) + word % 2 + 2 * half);
-    const int r = word / 4, s = word % 4;
-    return static_cast<int16_t>(16 * (s / 2) + 4 * r + s % 2 + 2 * half);
-}
-
-// One block of 32 floats -> int16 q (32 values in register order), its scale and sum.
-inline __m512i quantize_block(const float* x, float& scale, int32_t& sum) {
+// One block of 32 floats -> int8 q (in order), its scale and sum.
+inline __m256i quantize_block(const float* x, float& scale, int32_t& sum) {
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-    const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
-    scale = amax / Q_MAX;
+    scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / Q_MAX;
     const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-    sum = _mm512_reduce_add_epi32(q0) + _mm512_reduce_add_epi32(q1);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)), _mm512_cvtsepi32_epi16(q1), 1);
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtsepi32_epi8(q0)), _mm512_cvtsepi32_epi8(q1), 1);
 }
 
-// Rows [m_begin, m_end) of x [M, K] prepared for the panel kernels: the VNNI pair stream (if pairs; row m's
-// block b at pairs + m K + 32 b), dx and Q4_0's correction -8 sum(q) per (m, b); for AMX (planes != nullptr,
-// zeroed) the int8 A rows: block pair j, row m at planes + (j M + m) 256: rows (hi, block 2j), (hi, 2j + 1),
-// (lo, 2j), (lo, 2j + 1) of 64 bytes, the block's 32 bytes in its half of the row.
-inline void prepare_panel_rows(const float* x, int64_t M, const Panels& P, int16_t* pairs, float* dx, int32_t* corr,
+// Rows [m_begin, m_end) of x [M, K] prepared for the panel kernels, in the chunks of up to 8 rows that their
+// passes take (chunk c = rows 8c.., mc rows): per (row i of a chunk, block b), dx at c 8 nb + b mc + i and the
+// offset's correction (Q8_0: -128 sum(q), Q4_0: -8 sum(q)) at the same index; the int8 q (if quads) as 32-bit
+// words (4 inputs each), word w of (i, b) at quads + c 8 K + ((8 b + w) mc + i) 4, so that a pass reads each
+// step's words of all its rows from one place; for AMX (planes != nullptr, zeroed) the int8 A rows: block pair
+// j, row m at planes + (j M + m) 256: rows (hi, block 2j), (hi, 2j + 1), (lo, 2j), (lo, 2j + 1) of 64 bytes,
+// the block's 32 bytes in its half of the row; the hi rows stay zero.
+inline void prepare_panel_rows(const float* x, int64_t M, const Panels& P, int8_t* quads, float* dx, int32_t* corr,
                                int8_t* planes, int64_t m_begin, int64_t m_end) {
-    alignas(64) int16_t order[32];
-    for (int w = 0; w < 16; ++w)
-        for (int h = 0; h < 2; ++h) order[2 * w + h] = pair_element(P.type, w, h);
-    const __m512i perm = _mm512_load_si512(order);
-    for (int64_t m = m_begin; m < m_end; ++m)
+    for (int64_t m = m_begin; m < m_end; ++m) {
+        const int64_t c0 = m / 8 * 8, mc = std::min<int64_t>(8, M - c0), i = m - c0;
         for (int64_t b = 0; b < P.nb; ++b) {
             float scale;
             int32_t sum;
-            const __m512i q = quantize_block(x + m * P.k_in + b * QK, scale, sum);
-            if (pairs) _mm512_store_si512(pairs + m * P.k_in + b * QK, _mm512_permutexvar_epi16(perm, q));
-            dx[m * P.nb + b] = scale;
-            corr[m * P.nb + b] = P.type == Q4_0 ? -8 * sum : 0;
+            alignas(32) int32_t q[8];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(q), quantize_block(x + m * P.k_in + b * QK, scale, sum));
+            const int64_t at = c0 * P.nb + b * mc + i;
+            dx[at] = scale;
+            corr[at] = (P.type == Q4_0 ? -8 : -128) * sum;
+            if (quads)
+                for (int64_t w = 0; w < 8; ++w) std::memcpy(quads + c0 * P.k_in + ((8 * b + w) * mc + i) * 4, q + w, 4);
             if (planes) {
-                const __m512i hi = _mm512_srai_epi16(_mm512_add_epi16(q, _mm512_set1_epi16(128)), 8);
-                const __m512i lo = _mm512_sub_epi16(q, _mm512_slli_epi16(hi, 8));
                 int8_t* row = planes + ((b / 2) * M + m) * 256 + (b % 2) * 96;          // row b % 2, half b % 2
-                _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm512_cvtepi16_epi8(hi));
-                _mm256_store_si256(reinterpret_cast<__m256i*>(row + 128), _mm512_cvtepi16_epi8(lo));
+                std::memcpy(row + 128, q, 32);
             }
         }
+    }
 }
 
 struct PanelX {
-    const int16_t* pairs;   // row 0 of the pass
-    const float* dx;
+    const int8_t* quads;    // the pass's chunk of rows (prepare_panel_rows)
+    const float* dx;        // the same chunk's
     const int32_t* corr;
     const int8_t* planes;   // the whole prepared x (AMX)
     int64_t M, m0;          // rows of x in all; the pass's first
@@ -149,40 +141,38 @@ inline void store_rows(const __m512* acc, int mc, const Panels& P, int64_t p, fl
 // y[i, n] (i < MC rows of the pass, n in panels [p0, p1)), VNNI.
 template <int MC, int64_t TYPE>
 void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-    const int64_t nb = P.nb, K = P.k_in;
-    const int32_t* xp = reinterpret_cast<const int32_t*>(x.pairs);   // row i's block b: xp + i K / 2 + 16 b
-    const __m512i low4 = _mm512_set1_epi16(0x000F);
-    constexpr int NV = TYPE == Q8_0 ? 8 : 4, S = TYPE == Q8_0 ? 2 : 4;
+    const int64_t nb = P.nb;
+    const int32_t* xq = reinterpret_cast<const int32_t*>(x.quads);   // block b's words: xq + 8 b MC, row i of word w at w MC + i
+    const __m512i low4 = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+    constexpr int NV = TYPE == Q8_0 ? 8 : 4;
     for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* panel = w + p * P.panel_bytes;
         __m512 acc[MC];
         for (int i = 0; i < MC; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             const uint8_t* q = panel + P.scales + b * PANEL * P.qb;
+            const int32_t* xb = xq + 8 * b * MC;
             __m512i dot[MC];
-            for (int i = 0; i < MC; ++i) dot[i] = _mm512_set1_epi32(x.corr[i * nb + b]);
+            for (int i = 0; i < MC; ++i) dot[i] = _mm512_set1_epi32(x.corr[b * MC + i]);
 #pragma GCC unroll 8
             for (int r = 0; r < NV; ++r) {
                 _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
                 const __m512i raw = _mm512_load_si512(q + r * 64);
-                __m512i e[4];
                 if constexpr (TYPE == Q8_0) {
-                    e[0] = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);          // bytes 0, 2 of each lane
-                    e[1] = _mm512_srai_epi16(raw, 8);                                 // bytes 1, 3
+                    const __m512i u = _mm512_xor_si512(raw, sign);                    // weights 4r..4r+3, + 128
+                    for (int i = 0; i < MC; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], u, _mm512_set1_epi32(xb[r * MC + i]));
                 } else {
-                    e[0] = _mm512_and_si512(raw, low4);                               // lo nibbles of bytes 0, 2
-                    e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);         // lo nibbles of bytes 1, 3
-                    e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);         // hi nibbles of bytes 0, 2
-                    e[3] = _mm512_srli_epi16(raw, 12);                                // hi nibbles of bytes 1, 3
+                    const __m512i lo = _mm512_and_si512(raw, low4);                           // weights 4r..4r+3, + 8
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);     // 16+4r..16+4r+3, + 8
+                    for (int i = 0; i < MC; ++i) {
+                        dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_set1_epi32(xb[r * MC + i]));
+                        dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(xb[(4 + r) * MC + i]));
+                    }
                 }
-#pragma GCC unroll 4
-                for (int s = 0; s < S; ++s)
-                    for (int i = 0; i < MC; ++i)
-                        dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_set1_epi32(xp[i * K / 2 + 16 * b + r * S + s]));
             }
             const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(panel + 32 * b)));
             for (int i = 0; i < MC; ++i)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i * nb + b])), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[b * MC + i])), acc[i]);
         }
         store_rows(acc, MC, P, p, y, ldy);
     }
@@ -306,7 +296,7 @@ void amx_pass(const PanelX& x, const Panels& P, const uint8_t* panel, const Tile
                 const int32_t* ci = cj + (i < 4 ? 4 * i : R0 + 4 * (i - 4)) * 16;
                 const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ci + 16 * h), 8),
                                                      _mm512_load_si512(ci + 16 * (2 + h)));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[i * nb + b])), acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(x.dx[b * MC + i])), acc[i]);
             }
         }
     };
