@@ -32,7 +32,11 @@ namespace gem4_panels {
 constexpr int64_t QK = 32;          // weights per GGML block
 constexpr int64_t PANEL = 16;       // rows of W per panel
 constexpr int64_t Q8_0 = 8, Q4_0 = 2;
-constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream
+constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream (AMX)
+// The VNNI kernel's: 8 KB, a few blocks' worth of time ahead when 8 rows of x make each block slow (one
+// 65536 x 1536 Q4_0 weight out of cache, 2 threads, 8 rows: 2 KB 1.78-1.84 ms, 4 KB 1.44, 8 KB 1.32-1.39,
+// 16 KB 1.49-1.55; one row no slower)
+constexpr int64_t VNNI_PREFETCH = 8192;
 constexpr float Q_MAX = 127.0f;     // largest |q| of x
 
 struct Panels {
@@ -156,7 +160,7 @@ void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, i
             for (int i = 0; i < MC; ++i) dot[i] = _mm512_set1_epi32(x.corr[b * MC + i]);
 #pragma GCC unroll 8
             for (int r = 0; r < NV; ++r) {
-                _mm_prefetch(reinterpret_cast<const char*>(q + PREFETCH + r * 64), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(q + VNNI_PREFETCH + r * 64), _MM_HINT_T0);
                 const __m512i raw = _mm512_load_si512(q + r * 64);
                 if constexpr (TYPE == Q8_0) {
                     const __m512i u = _mm512_xor_si512(raw, sign);                    // weights 4r..4r+3, + 128
