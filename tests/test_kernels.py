@@ -263,6 +263,21 @@ def test_q8_0_activation_blocks_of_zeros_and_extremes():
         assert_panel_product(out[r:r + 1], x[r:r + 1], dense)
 
 
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_a_nan_in_x_makes_its_row_nan(ggml_type):
+    """A NaN activation makes every output of its row NaN, as a float product would (the quantization of x
+    would otherwise turn it into a finite integer and drop it from the block's maximum), so the runner's
+    finite check sees it; the other rows are what they are alone."""
+    g = torch.Generator().manual_seed(8)
+    layer, _ = packed_linear(torch.randn(40, 512, generator=g), ggml_type)
+    x = torch.randn(3, 512, generator=g)
+    x[1, 300] = float("nan")
+    out = layer(x)
+    assert torch.isnan(out[1]).all()
+    for r in (0, 2):
+        assert torch.equal(out[r], layer(x[r:r + 1])[0]) and torch.isfinite(out[r]).all()
+
+
 # ---- the decode step's fused operations against the reference functions of model/layers.py ----
 
 @pytest.mark.parametrize("D", [96, 10])

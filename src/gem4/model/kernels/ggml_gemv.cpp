@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <sys/mman.h>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -186,7 +187,7 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int64_t mc, int64
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
         const float amax = std::max(_mm512_reduce_max_ps(_mm512_abs_ps(v0)), _mm512_reduce_max_ps(_mm512_abs_ps(v1)));
-        const float scale = amax / 32767.0f;
+        const float scale = gem4_simd::has_nan(v0, v1) ? NAN : amax / 32767.0f;      // as panels.h's quantize_block
         const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
         const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
         const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtsepi32_epi16(q0)), _mm512_cvtsepi32_epi16(q1), 1);

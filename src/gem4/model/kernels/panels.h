@@ -22,6 +22,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -89,10 +90,11 @@ inline uint16_t block_of(const uint8_t* w, const Panels& P, int64_t n, int64_t b
     return d;
 }
 
-// One block of 32 floats -> int8 q (in order), its scale and sum.
+// One block of 32 floats -> int8 q (in order), its scale and sum. A block with a NaN gets scale NaN (q 0), so
+// that every product it enters is NaN, as in float (max would drop it, and a NaN converts to an integer).
 inline __m256i quantize_block(const float* x, float& scale, int32_t& sum) {
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
-    scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / Q_MAX;
+    scale = gem4_simd::has_nan(v0, v1) ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / Q_MAX;
     const __m512 inv = _mm512_set1_ps(scale > 0 ? 1.0f / scale : 0.0f);
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
     sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));

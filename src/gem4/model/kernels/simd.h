@@ -27,6 +27,11 @@ inline __m512 load_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// Whether a or b holds a NaN.
+inline bool has_nan(__m512 a, __m512 b) {
+    return (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) != 0;
+}
+
 // Lanes of the 16-float chunk at i that lie inside [0, n) (none when i >= n).
 inline __mmask16 live(int64_t i, int64_t n) {
     return n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : n <= i ? 0 : static_cast<__mmask16>((1u << (n - i)) - 1);
