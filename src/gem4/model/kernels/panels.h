@@ -36,7 +36,8 @@ constexpr int64_t Q8_0 = 8, Q4_0 = 2;
 constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream (AMX)
 // The VNNI kernel's: 8 KB, a few blocks' worth of time ahead when 8 rows of x make each block slow (one
 // 65536 x 1536 Q4_0 weight out of cache, 2 threads, 8 rows: 2 KB 1.78-1.84 ms, 4 KB 1.44, 8 KB 1.32-1.39,
-// 16 KB 1.49-1.55; one row no slower)
+// 16 KB 1.49-1.55; one row no slower); passes of 4+ rows also ask for 32 KB ahead into L2 (8 rows 1.38-1.40
+// -> 1.27-1.30 ms; E2B's 8-row forward 51.7-55.4 -> 46.2-48.3 ms; for one row it measured no better)
 constexpr int64_t VNNI_PREFETCH = 8192;
 constexpr float Q_MAX = 127.0f;     // largest |q| of x
 
@@ -163,6 +164,7 @@ void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, i
 #pragma GCC unroll 8
             for (int r = 0; r < NV; ++r) {
                 _mm_prefetch(reinterpret_cast<const char*>(q + VNNI_PREFETCH + r * 64), _MM_HINT_T0);
+                if constexpr (MC >= 4) _mm_prefetch(reinterpret_cast<const char*>(q + 4 * VNNI_PREFETCH + r * 64), _MM_HINT_T1);
                 const __m512i raw = _mm512_load_si512(q + r * 64);
                 if constexpr (TYPE == Q8_0) {
                     const __m512i u = _mm512_xor_si512(raw, sign);                    // weights 4r..4r+3, + 128
