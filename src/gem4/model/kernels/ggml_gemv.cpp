@@ -394,8 +394,8 @@ void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
                 && w.size(1) == f.row_bytes, "w must be the packed layout of an [n_out, k_in] weight");
 }
 
-// x [M, k_in] prepared once (activation stream, scales, Q4_0 corrections) for any number of weights of
-// one type that share it as input.
+// x [M, k_in] prepared once (quantized activations, scales, the quants' offset corrections) for any number of
+// weights of one type that share it as input.
 int64_t rows_of(const torch::Tensor& x, int64_t k_in) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
                 "x must be contiguous float32 [M, k_in]");

@@ -149,7 +149,8 @@ inline void store_rows(const __m512* acc, int mc, const Panels& P, int64_t p, fl
 template <int MC, int64_t TYPE>
 void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, int64_t ldy, int64_t p0, int64_t p1) {
     const int64_t nb = P.nb;
-    const int32_t* xq = reinterpret_cast<const int32_t*>(x.quads);   // block b's words: xq + 8 b MC, row i of word w at w MC + i
+    const int32_t* xq = reinterpret_cast<const int32_t*>(x.quads);   // block b's words at xq + 8 b MC: word w of
+                                                                     // row i at w MC + i
     const __m512i low4 = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
     constexpr int NV = TYPE == Q8_0 ? 8 : 4;
     for (int64_t p = p0; p < p1; ++p) {
