@@ -33,7 +33,7 @@ namespace gem4_panels {
 constexpr int64_t QK = 32;          // weights per GGML block
 constexpr int64_t PANEL = 16;       // rows of W per panel
 constexpr int64_t Q8_0 = 8, Q4_0 = 2;
-constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream (AMX)
+constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream (AMX, the prefill dequants)
 // The VNNI kernel's: 8 KB, a few blocks' worth of time ahead when 8 rows of x make each block slow (one
 // 65536 x 1536 Q4_0 weight out of cache, 2 threads, 8 rows: 2 KB 1.78-1.84 ms, 4 KB 1.44, 8 KB 1.32-1.39,
 // 16 KB 1.49-1.55; one row no slower); passes of 4+ rows also ask for 32 KB ahead into L2 (8 rows 1.38-1.40
