@@ -81,7 +81,9 @@ def test_rows_see_their_drafts_in_the_penalty_history():
     v = verify(logits, [2, 2], params, generated=[])
     assert v.tokens == [2, 3]
     ref = Sampler().sample(logits[1:2], [params], [[2]])
-    assert v.logprobs[1] == pytest.approx(ref.logprobs[0]) and v.top_logprobs[1] == pytest.approx(ref.top_logprobs[0])
+    assert v.logprobs[1] == pytest.approx(ref.logprobs[0])
+    assert [t for t, _ in v.top_logprobs[1]] == [t for t, _ in ref.top_logprobs[0]]     # (token, logprob) pairs
+    assert [lp for _, lp in v.top_logprobs[1]] == pytest.approx([lp for _, lp in ref.top_logprobs[0]])
 
 
 def test_deterministic_drafter_keeps_the_seeded_text():
