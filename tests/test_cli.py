@@ -115,7 +115,7 @@ def expected_chat(engine, tok, messages, max_tokens, thinking=False):
     ids = encode_prompt(tok, messages, enable_thinking=thinking)
     out = io.StringIO()
     params = SamplingParams(temperature=0, top_k=64, top_p=0.95, max_tokens=max_tokens)
-    result, last = _stream_chat(engine, tok, ids, params, out)
+    result, last, _ = _stream_chat(engine, tok, ids, params, out)
     return out.getvalue(), result, last, len(ids)
 
 
@@ -251,6 +251,11 @@ MISTAKES = [
     (["serve", HF, "--heartbeat-interval", "inf"], "argument --heartbeat-interval: must be a finite number > 0"),
     (["convert", "{d}/missing", "{d}/out.gguf"], "missing: no such file or directory"),
     (["inspect", "{d}/notes.txt"], "not a GGUF file"),
+    (["run", HF, "-p", "hi", "--frobnicate"], "gem4 run: error: unrecognized arguments: --frobnicate"),
+    (["serve", HF, "--frobnicate", "x"], "gem4 serve: error: unrecognized arguments: --frobnicate x"),
+    (["run", HF, "-p", "hi", "--chat-template", "{d}/missing.jinja"],
+     "argument --chat-template: no such file: {d}/missing.jinja"),
+    (["chat", HF, "--chat-template", "{{% if %}}"], "argument --chat-template: chat template syntax error on line 1"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
 ]
@@ -272,6 +277,13 @@ def test_help_shows_defaults_and_version(tmp_path):
     proc = run_cli(["run", "--help"], tmp_path)
     assert proc.returncode == 0
     assert "(default: 256)" in proc.stdout and "(default: auto)" in proc.stdout
+    for command in ("run", "chat", "serve"):                   # each option's default said once, never "None"
+        proc = run_cli([command, "--help"], tmp_path)
+        options = re.split(r"\n  (?=-)", proc.stdout.split("options:", 1)[1])
+        assert len(options) > 10
+        for option in options:
+            text = " ".join(option.split())
+            assert text.count("(default") <= 1 and "(default: None)" not in text, f"gem4 {command} --help: {text}"
     proc = run_cli(["--version"], tmp_path)
     assert proc.returncode == 0 and proc.stdout.strip() == f"gem4 {gem4.__version__}"
     proc = run_cli(["--version"], tmp_path, command=[sys.executable, "-m", "gem4"])
@@ -314,3 +326,40 @@ def test_run_reports_context_overflow(variants, tokenizer_512, capsys):
             "-n", "5000", "--dtype", "float32"]
     assert main(args) == 2
     assert "exceeds the context length 4096" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_the_reply_and_prints_the_stats(demo_run):
+    """SIGINT during `gem4 run`: the request is aborted, the text so far and the stats line are printed, exit
+    130 -- and no crash of the engine thread at exit (it once ended in 'terminate called', exit 134)."""
+    import signal
+
+    cache, _ = demo_run
+    for mode in (["--chat"], []):
+        env = dict(os.environ, GEM4_CACHE=str(cache))
+        proc = subprocess.Popen(gem4_command() + ["run", "--demo", "-p", "hello", "-n", "4000"] + mode,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        try:
+            first = proc.stdout.read(64)                      # generation is under way
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        err = err.decode(errors="replace")
+        assert proc.returncode == 130, err
+        assert "terminate called" not in err and "Traceback" not in err, err
+        stats = re.search(r"prompt: \d+ tokens, \d+ cached, [\d.]+ tok/s \| generated: (\d+) tokens.* \| finish: abort",
+                          err)
+        assert stats, err
+        assert 0 < int(stats.group(1)) < 4000 and len(first + out) > 0
+
+
+def test_a_closed_pipe_ends_quietly(demo_run):
+    """`gem4 inspect --json | head`: the reader went away; no 'Broken pipe' error, exit 141 (128 + SIGPIPE)."""
+    cache, _ = demo_run
+    env = dict(os.environ, GEM4_CACHE=str(cache))
+    proc = subprocess.Popen(gem4_command() + ["inspect", "--demo", "--json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()                                       # before gem4 writes anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "error" not in err and "Broken pipe" not in err, err

@@ -75,7 +75,7 @@ for text in turns:
     turn = history + [{"role": "user", "content": text}]
     out = io.StringIO()
     params = SamplingParams(temperature=0, top_k=64, top_p=0.95, max_tokens=max_tokens)
-    result, _ = _stream_chat(engine, tok, encode_prompt(tok, turn), params, out)
+    result, _, _ = _stream_chat(engine, tok, encode_prompt(tok, turn), params, out)
     history = turn + [assistant_message(result)]
     replies.append(out.getvalue())
 print(json.dumps(replies))

@@ -20,6 +20,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -1167,7 +1168,14 @@ BAD_INPUTS = [
     ("overlong prompt", "/v1/chat/completions", {**OK_CHAT, "messages": user(LONG_TEXT), "max_tokens": None},
      None, 400, "messages", "context_length_exceeded"),
     ("prompt + max_tokens over the context", "/v1/chat/completions", {**OK_CHAT, "max_tokens": MAX_MODEL_LEN}, None,
-     400, "messages", "context_length_exceeded"),
+     400, "max_tokens", "context_length_exceeded"),
+    ("max_tokens 1e9", "/v1/chat/completions", {**OK_CHAT, "max_tokens": 10**9}, None, 400, "max_tokens",
+     "context_length_exceeded"),
+    ("max_completion_tokens over the context", "/v1/chat/completions",
+     {**OK_CHAT, "max_completion_tokens": MAX_MODEL_LEN - 2}, None, 400, "max_completion_tokens",
+     "context_length_exceeded"),
+    ("completion: max_tokens 1e9", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10**9}, None,
+     400, "max_tokens", "context_length_exceeded"),
     ("completion: empty prompt", "/v1/completions", {"model": "tiny", "prompt": ""}, None, 400, "prompt", None),
     ("completion: token id outside the vocabulary", "/v1/completions", {"model": "tiny", "prompt": [1, 99999]},
      None, 400, "prompt", None),
@@ -1207,6 +1215,121 @@ def test_bad_inputs_get_openai_errors_and_the_server_stays_healthy(served):
     with pytest.raises(openai.AuthenticationError):
         client_for(served, key="wrong").models.list()
     assert client.chat.completions.create(model="tiny", messages=user("hi"), max_tokens=2).choices[0].message
+
+
+def test_context_errors_name_what_does_not_fit(served):
+    """vLLM's words: a max_tokens that does not fit names max_tokens, the context length, the prompt's tokens and
+    the tokens asked for (it once blamed 'your messages (2 characters)'); a prompt that cannot fit names the
+    prompt and its token count."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    n_chat = httpx.post(served + "/tokenize", json={"model": "tiny", "messages": user("hi")}, headers=headers).json()
+    n_text = httpx.post(served + "/tokenize", json={"model": "tiny", "prompt": "hi"}, headers=headers).json()
+    long_ids = [100] * MAX_MODEL_LEN
+    cases = [  # (path, body, the message)
+        ("/v1/chat/completions", {**OK_CHAT, "max_tokens": 10**9},
+         f"'max_tokens' is too large: 1000000000. This model's maximum context length is {MAX_MODEL_LEN} tokens and "
+         f"your request has {n_chat['count']} input tokens (1000000000 > {MAX_MODEL_LEN} - {n_chat['count']})."),
+        ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": MAX_MODEL_LEN - 2},
+         f"'max_completion_tokens' is too large: {MAX_MODEL_LEN - 2}. This model's maximum context length is "
+         f"{MAX_MODEL_LEN} tokens and your request has {n_chat['count']} input tokens"),
+        ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": MAX_MODEL_LEN},
+         f"'max_tokens' is too large: {MAX_MODEL_LEN}. This model's maximum context length is {MAX_MODEL_LEN} tokens "
+         f"and your request has {n_text['count']} input tokens ({MAX_MODEL_LEN} > {MAX_MODEL_LEN} - "
+         f"{n_text['count']})."),
+        ("/v1/completions", {"model": "tiny", "prompt": long_ids, "max_tokens": 1},
+         f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has {MAX_MODEL_LEN} "
+         f"input tokens. Please reduce the length of the prompt."),
+    ]
+    for path, body, says in cases:
+        err = assert_openai_error(httpx.post(served + path, json=body, headers=headers), 400,
+                                  code="context_length_exceeded")
+        assert err["message"].startswith(says), (body, err["message"])
+    with httpx.stream("POST", served + "/v1/completions", headers=headers, timeout=120,   # the edge: it fits
+                      json={"model": "tiny", "prompt": "hi", "max_tokens": MAX_MODEL_LEN - n_text["count"],
+                            "stream": True}) as r:
+        assert r.status_code == 200
+
+
+def test_cors_preflight_and_version():
+    """vLLM's CORS flags: by default any origin gets the CORS headers; with --allowed-origins only those listed.
+    GET /version answers gem4's version."""
+    for origins, allowed, refused in ((("*",), ["http://anywhere.example"], []),
+                                      (("http://good.example",), ["http://good.example"], ["http://evil.example"])):
+        app = create_app(ServerConfig(served_model_name="m", api_key="k", allowed_origins=origins), ScriptedEngine())
+        with InProcessServer(app) as base:
+            assert httpx.get(base + "/version").json() == {"version": gem4.__version__}
+            for origin, ok in [(o, True) for o in allowed] + [(o, False) for o in refused]:
+                r = httpx.options(base + "/v1/chat/completions", headers={
+                    "Origin": origin, "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "authorization, content-type"})
+                if ok:            # answered before authentication: a preflight carries no key
+                    assert r.status_code == 200, r.text
+                    assert r.headers["access-control-allow-origin"] in ("*", origin)
+                    assert "POST" in r.headers["access-control-allow-methods"]
+                    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+                else:
+                    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+                r = httpx.get(base + "/v1/models", headers={"Origin": origin, "Authorization": "Bearer k"})
+                assert r.status_code == 200
+                assert ("access-control-allow-origin" in r.headers) == ok
+
+
+def test_chat_template_flag_replaces_the_checkpoints(tiny_dir, tmp_path):
+    """`gem4 serve --chat-template FILE`: the file's template renders every chat prompt (/tokenize with messages
+    shows it), the checkpoint's is not used."""
+    template = tmp_path / "plain.jinja"
+    template.write_text("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}[model] {% endif %}")
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, *user("Hello there")],
+            "return_token_strs": True}
+    with gem4_serve([str(tiny_dir), "--dtype", "float32", "--chat-template", str(template)],
+                    tmp_path / "log.txt") as url:
+        got = httpx.post(url + "/tokenize", json=body, timeout=30).json()
+    text = tiny_tokenizer().decode(got["tokens"]).replace("\u2581", " ")       # the tiny vocabulary keeps ▁
+    assert text.endswith("[system] Be brief.\n[user] Hello there\n[model] "), text
+    assert "<|turn>" not in text
+
+
+def test_sigterm_ends_open_streams_with_an_error_and_exits_zero(tiny_dir, tmp_path):
+    """SIGTERM with a stream open: the stream ends with an error event and [DONE], the engine request is aborted,
+    and the process exits 0 within a few seconds (uvicorn alone waited, cut the stream, and died of the signal)."""
+    log = tmp_path / "log.txt"
+    with gem4_serve_process([str(tiny_dir), "--dtype", "float32"], log) as (url, proc):
+        lines: list[str] = []
+        body = {"model": "tiny", "messages": user("Go on"), "stream": True, "max_tokens": 4000, "ignore_eos": True}
+
+        def read():
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+                lines.extend(line for line in r.iter_lines() if line)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        wait_for(lambda: metric(url, "gem4:generation_tokens_total") >= 4, timeout=60)
+        start = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0, log.read_text()
+        assert time.perf_counter() - start < 5
+        reader.join(timeout=10)
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2].removeprefix("data: "))["error"]
+    assert error["code"] == "server_shutting_down" and "shutting down" in error["message"], lines[-3:]
+    assert not any('"finish_reason":"' in line for line in lines)          # cut by the shutdown, not finished
+    text = log.read_text()
+    assert "SIGTERM: shutting down" in text and "stopped 1 running request" in text
+    assert "terminate called" not in text and "Traceback" not in text
+
+
+def test_a_busy_port_is_one_line(tiny_dir):
+    """Another server on the port: one gem4 line naming the port and the way out, before anything loads."""
+    with socket.socket() as other:
+        other.bind((HOST, 0))
+        other.listen()
+        port = other.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "gem4.cli", "serve", str(tiny_dir), "--host", HOST, "--port",
+                            str(port)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == [f"gem4: error: port {port} on {HOST} is already in use (another server?): "
+                                     "stop it, or pass --port N (--port 0 picks a free port)"], r.stderr
 
 
 def test_extreme_valid_sampling_values_give_finite_logprobs(served):

@@ -9,6 +9,17 @@ import argparse
 import math
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help once: not when the help already says its default in words
+    ("(default: one per core)"), and not for a default of None or a flag's False, which say nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False:
+            return text
+        return super()._get_help_string(action)
+
+
 class ArgParser(argparse.ArgumentParser):
     """argparse with a one-line error (no usage block) and every default shown in --help.
 
@@ -16,7 +27,7 @@ class ArgParser(argparse.ArgumentParser):
     """
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
@@ -68,6 +79,31 @@ def speculative_config(text: str):
         raise argparse.ArgumentTypeError(str(e).removeprefix("speculative config: ")) from None
 
 
+def chat_template(text: str) -> str:
+    """--chat-template: a Jinja file, or the template itself (vLLM's rule: text with a brace or a newline
+    that is not a file is a template); checked to compile."""
+    from pathlib import Path
+
+    path = Path(text)
+    try:
+        source = path.read_text(encoding="utf-8") if path.is_file() else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {getattr(e, 'strerror', None) or e}") from None
+    if source is None:
+        if not any(c in text for c in "{}\n"):
+            raise argparse.ArgumentTypeError(f"no such file: {text} (an inline template holds '{{{{' or '{{%')")
+        source = text
+    from gem4.chat import ChatTemplateError, check_template
+
+    try:
+        check_template(source)
+    except ChatTemplateError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return source
+
+
+CHAT_TEMPLATE_HELP = ("a Jinja chat template file (or the template itself) to use instead of the checkpoint's "
+                      "(default: the checkpoint's own, else the official Gemma 4 template)")
 SPECULATIVE_HELP = ('speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                     '(prompt lookup; "prompt_lookup_max" / "_min" optional) or \'{"method": "mtp", "model": '
                     'ASSISTANT, "num_speculative_tokens": 4}\' (the Gemma 4 assistant: an HF directory or GGUF)')

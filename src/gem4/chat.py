@@ -50,6 +50,7 @@ __all__ = [
     "ChatTemplateError",
     "render",
     "render_jinja",
+    "check_template",
     "official_template",
     "prepare_messages",
     "convert_tool_messages",
@@ -380,6 +381,16 @@ def _compile(template: str):
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
     return env.from_string(template)
+
+
+def check_template(template: str) -> None:
+    """Raise ChatTemplateError if `template` is not valid Jinja (a syntax error, with its line)."""
+    import jinja2
+
+    try:
+        _compile(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template syntax error on line {e.lineno}: {e.message}") from None
 
 
 def render_jinja(

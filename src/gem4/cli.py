@@ -13,13 +13,17 @@ stderr. With --chat / in `chat`, thinking is shown apart from the answer: betwee
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 
-from gem4.argtypes import (EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser, check_model_or_demo,
-                           int_at_least, positive_float, speculative_config)
+from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser,
+                           chat_template, check_model_or_demo, int_at_least, positive_float, speculative_config)
 
 
 def log(message: str) -> None:
@@ -74,25 +78,35 @@ def _model_path(args: argparse.Namespace) -> str:
 
 
 def _open(args: argparse.Namespace):
-    """-> (Engine, Tokenizer) for MODEL or --demo, with a load progress bar on stderr (errors name the real
-    cause first: weights.loader.load_with_tokenizer)."""
-    import gem4
-    from gem4.model.experts import expert_cache_summary
-    from gem4.tokenizer import TokenizerError
-    from gem4.weights.loader import load_with_tokenizer
+    """-> (Engine, Tokenizer) for MODEL or --demo (gem4.launch.open_engine)."""
+    from gem4.launch import open_engine
 
+    engine = open_engine(args, _model_path(args), log)
+    return engine, engine.tokenizer
+
+
+@contextlib.contextmanager
+def _ctrl_c_aborts(events):
+    """While a reply streams, the first Ctrl-C (SIGINT) aborts its request instead of raising: the engine
+    ends it within one step with its final "abort" event, so the text so far and the stats still come;
+    a second Ctrl-C raises KeyboardInterrupt. Yields a function that says whether Ctrl-C was pressed.
+    (Signal handlers belong to the main thread; elsewhere Ctrl-C is left as it is.)"""
+    pressed: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: bool(pressed)
+        return
+
+    def on_sigint(signum, frame):
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(signum)
+        events.close()                                # Engine.abort: a flag the engine reads between steps
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        model, tokenizer = load_with_tokenizer(_model_path(args), args.tokenizer, dtype=args.dtype, progress=True,
-                                               expert_cache_slots=args.expert_cache_slots,
-                                               memory_limit=args.memory_limit)
-    except TokenizerError as e:
-        hint = "" if args.tokenizer else " (MODEL carries no usable tokenizer: pass --tokenizer PATH, a GGUF " \
-                                         "file, an HF directory or a tokenizer.json)"
-        raise ValueError(f"{e}{hint}") from None
-    if model.expert_cache is not None:
-        log(expert_cache_summary(model.expert_cache))
-    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, speculative_config=args.speculative_config,
-                       enable_prefix_caching=args.enable_prefix_caching), tokenizer
+        yield lambda: bool(pressed)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _params(args: argparse.Namespace, max_tokens: int | None):
@@ -173,22 +187,22 @@ class ChatPrinter:
 
 
 def _stream_chat(engine, tokenizer, prompt_ids: list[int], params, out):
-    """Generate from a rendered chat prompt, printing parsed output. -> (ParseResult, final event)."""
+    """Generate from a rendered chat prompt, printing parsed output. -> (ParseResult, final event, whether
+    Ctrl-C stopped it)."""
     from gem4.parser import Gemma4Parser
 
     parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids)
     printer = ChatPrinter(out)
     last = None
-    events = engine.generate(prompt_ids, params)
-    try:
-        for last in events:
-            if last.token_id is not None:
-                printer.events(parser.feed([last.token_id]))
-    finally:
-        events.close()                                 # aborts the request if interrupted
-        printer.events(parser.finish())
-        printer.close()
-    return parser.result, last
+    with engine.generate(prompt_ids, params) as events, _ctrl_c_aborts(events) as interrupted:
+        try:
+            for last in events:
+                if last.token_id is not None:
+                    printer.events(parser.feed([last.token_id]))
+        finally:
+            printer.events(parser.finish())
+            printer.close()
+    return parser.result, last, interrupted()
 
 
 def _reconfigure_stdout() -> None:
@@ -209,25 +223,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     _reconfigure_stdout()
     engine, tokenizer = _open(args)
     params = _params(args, args.max_tokens)
-    if args.chat or args.system is not None:
-        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
-        messages.append({"role": "user", "content": args.prompt})
-        ids = encode_prompt(tokenizer, messages, enable_thinking=args.think)
-        _, last = _stream_chat(engine, tokenizer, ids, params, sys.stdout)
-    else:
-        last = None
-        wrote = ""
-        with engine.generate(args.prompt, params) as events:
-            for last in events:
-                if last.text:
-                    sys.stdout.write(last.text)
-                    sys.stdout.flush()
-                    wrote = last.text
-        if not wrote.endswith("\n"):
-            sys.stdout.write("\n")
-        sys.stdout.flush()
+    with engine:                                       # on the way out the engine thread has ended
+        if args.chat or args.system is not None:
+            messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+            messages.append({"role": "user", "content": args.prompt})
+            ids = encode_prompt(tokenizer, messages, enable_thinking=args.think)
+            _, last, interrupted = _stream_chat(engine, tokenizer, ids, params, sys.stdout)
+        else:
+            last = None
+            wrote = ""
+            with engine.generate(args.prompt, params) as events, _ctrl_c_aborts(events) as pressed:
+                for last in events:
+                    if last.text:
+                        sys.stdout.write(last.text)
+                        sys.stdout.flush()
+                        wrote = last.text
+            interrupted = pressed()
+            if not wrote.endswith("\n"):
+                sys.stdout.write("\n")
+            sys.stdout.flush()
     log(_stats_line(last, engine.model.expert_cache))
-    return 0
+    return 130 if interrupted else 0                   # 128 + SIGINT, as a shell reports an interrupted command
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,11 +266,16 @@ def assistant_message(result) -> dict:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    _reconfigure_stdout()
+    engine, tokenizer = _open(args)
+    with engine:                                       # on the way out the engine thread has ended
+        return _chat_loop(args, engine, tokenizer)
+
+
+def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
     from gem4.chat import encode_prompt
     from gem4.repl import turn_reader
 
-    _reconfigure_stdout()
-    engine, tokenizer = _open(args)
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     history: list[dict] = list(system)
     thinking = args.think
@@ -288,12 +309,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 raise ValueError(f"the conversation has {len(ids)} tokens and fills the context of "
                                  f"{engine.max_model_len}: /reset")
             with reader.replying():                    # keys typed during the reply are dropped
-                result, last = _stream_chat(engine, tokenizer, ids, _params(args, min(args.max_tokens, room)),
-                                            sys.stdout)
+                result, last, interrupted = _stream_chat(engine, tokenizer, ids,
+                                                         _params(args, min(args.max_tokens, room)), sys.stdout)
         except ValueError as e:                        # this turn cannot run; the session goes on
             log(f"gem4: error: {e}")
             continue
-        except KeyboardInterrupt:                      # the request was aborted on the way out
+        except KeyboardInterrupt:                      # a second Ctrl-C: the request was aborted on the way out
+            interrupted = True
+        if interrupted:                                # Ctrl-C stopped the reply: the turn is not kept
             log("(interrupted)")
             continue
         history = turn + [assistant_message(result)]
@@ -347,6 +370,7 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--system", default=None, help="system prompt (implies --chat for run)")
     g.add_argument("--think", action="store_true", help="enable thinking in the chat template")
+    g.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE", help=CHAT_TEMPLATE_HELP)
     g.add_argument("--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens per forward pass")
     g.add_argument("--expert-cache-slots", type=int_at_least(1), default=None, metavar="N", help=EXPERT_SLOTS_HELP)
     g.add_argument("--memory-limit", type=positive_float, default=None, metavar="GB", help=MEMORY_LIMIT_HELP)
@@ -455,7 +479,9 @@ def _flag_message(message: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:                                     # named by the command they were given to
+            args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _check_arguments(args, args.command_parser)
     except SystemExit as e:                           # --help, --version, or a one-line argument error
         return e.code
@@ -467,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except BrokenPipeError:                           # `gem4 inspect --json | head`: the reader has gone
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit's flush
+        return 141                                    # 128 + SIGPIPE, what a shell reports for such a writer
     except (CheckpointError, ValueError, OSError) as e:
         print(f"gem4: error: {e}", file=sys.stderr)
         return 2

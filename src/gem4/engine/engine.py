@@ -23,6 +23,8 @@ Thread model (what runs where):
 - **Cancellation** is a flag checked between steps: an aborted request gets its final "abort" event
   before the next step starts, so it stops within one step of `abort()` returning. A consumer that
   closes or drops the iterator `generate()` returned before the end aborts its request the same way.
+  `shutdown()` aborts every request, refuses new ones and joins the engine thread (a CLI interrupted by
+  Ctrl-C, a server stopped by SIGTERM: the process must not exit while the thread is inside a compiled op).
 
 Errors:
 - **Bad requests** are refused by `submit`, in the caller's thread, before the engine sees them:
@@ -67,6 +69,10 @@ log = logging.getLogger("gem4.engine")
 
 class EngineError(RuntimeError):
     """The engine failed while serving this request (the cause is chained)."""
+
+
+class EngineClosed(RuntimeError):
+    """`submit` after `shutdown`."""
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,7 @@ class Engine:
         self._streams: dict[str, Stream] = {}
         self._open: dict[str, int] = {}                 # request id -> choices not finished yet
         self._thread: threading.Thread | None = None
+        self._closed = False                            # shutdown() was called: submit refuses
         self.steps = 0                                  # engine steps run (forward passes)
         self.spec_drafts = 0                            # verification steps with drafts
         self.spec_draft_tokens = 0                      # drafts checked
@@ -282,6 +289,8 @@ class Engine:
         seq.forks = seqs[1:]
         stream = Stream(self, request_id, prompt_ids, n)
         with self._lock:
+            if self._closed:
+                raise EngineClosed("the engine is shut down")
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
@@ -291,6 +300,26 @@ class Engine:
                 self._thread = threading.Thread(target=self._loop, name="gem4-engine", daemon=True)
                 self._thread.start()
         return stream
+
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Abort every request in flight (each stream gets its final "abort" event, as with `abort`), refuse
+        new ones, and wait up to `timeout` seconds (None: no limit) for the engine thread to end: within one
+        step. True when no engine thread is left. Call it before the process exits while requests may run:
+        a daemon thread still inside a compiled op when the interpreter finalizes aborts the process."""
+        with self._lock:
+            self._closed = True
+            self._aborts.update((request_id, None) for request_id in self._streams)
+            thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
                  request_id: str | None = None, n: int = 1) -> Generation:

@@ -4,6 +4,7 @@
     POST /v1/completions        raw text completion, stream or not
     GET  /v1/models[/{id}]      the served model, with max_model_len
     GET  /health                200 when ready, 503 while the model loads
+    GET  /version               {"version": gem4's}
     POST /tokenize, /detokenize vLLM's bodies
     GET  /metrics               Prometheus text, `gem4:*` (metrics.py)
 
@@ -78,6 +79,7 @@ from typing import Any, Protocol
 import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import (
     JSONResponse,
     PlainTextResponse,
@@ -87,6 +89,7 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from gem4 import __version__
 from gem4.chat import ChatTemplateError, encode_prompt
 from gem4.engine import EngineError, GenerationEvent
 from gem4.engine.sequence import StopStrings
@@ -137,6 +140,11 @@ class ServerConfig:
     heartbeat_s: float = 10.0                   # SSE `: ping` after this long without output
     log_interval_s: float = 10.0                # a throughput line (logger gem4.server, info) this often
     max_request_body: int | None = None         # bytes; None: default_body_limit(max_model_len)
+    # CORS (vLLM's flags and defaults: any origin, method and header; no credentials)
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 class ServerState:
@@ -148,8 +156,21 @@ class ServerState:
         self.engine: EngineLike | None = engine
         self.metrics = Metrics(config.served_model_name, config.max_num_seqs, engine=lambda: self.engine)
         self.created = int(time.time())
+        self.generations: set[Generation] = set()   # admitted and not closed yet
+        self.shutting_down = False
+
+    def shut_down(self) -> int:
+        """The server is stopping (SIGTERM, Ctrl-C): refuse new requests, and end every open one with an
+        error (a stream's error event; a whole reply's 503) and its engine request aborted. -> how many."""
+        self.shutting_down = True
+        open_ = list(self.generations)
+        for gen in open_:
+            gen.fail(ServerShuttingDown("the server is shutting down"))
+        return len(open_)
 
     def ready_engine(self) -> EngineLike:
+        if self.shutting_down:
+            raise APIError(503, "The server is shutting down.", type="server_error", code="server_shutting_down")
         if self.engine is None:
             raise APIError(503, "The model is still loading; retry shortly.", type="server_error",
                            code="model_loading", headers={"Retry-After": "1"})
@@ -191,6 +212,10 @@ def _relay(stream, loop: asyncio.AbstractEventLoop, deliver: Callable[[object], 
             return
 
 
+class ServerShuttingDown(EngineError):
+    """Ends a request the engine was still running when the server stopped."""
+
+
 class Generation:
     """Submit one request to the engine and receive its events on the event loop.
 
@@ -229,6 +254,7 @@ class Generation:
         except ValueError as e:
             raise bad_request(str(e)) from None
         metrics.request_admitted(len(prompt_ids))
+        state.generations.add(self)
         loop = asyncio.get_running_loop()
         threading.Thread(target=_relay, args=(stream, loop, self._deliver), daemon=True,
                          name=f"gem4-relay-{request_id}").start()
@@ -282,6 +308,11 @@ class Generation:
             raise item
         return item
 
+    def fail(self, error: EngineError) -> None:
+        """End the request here with `error` (the handler's next read raises it), before the engine has."""
+        if not self.finished:
+            self._deliver(error)
+
     def end_choice(self, index: int) -> None:
         """The server ended choice `index` before the engine did (a stop string, a single tool call): stop
         generating it; the request's other choices go on (with one choice, `close` stops the request)."""
@@ -294,6 +325,7 @@ class Generation:
         if self.closed:
             return
         self.closed = True
+        self.state.generations.discard(self)
         if self._getter is not None:
             self._getter.cancel()
         if not self.finished:
@@ -547,18 +579,19 @@ def _sampling(req: P._SamplingRequest, vocab_size: int, *, max_tokens: int | Non
         raise bad_request(f"Invalid '{e.param}': {e.reason}", e.param) from None
 
 
-def _check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, where: str) -> None:
-    """OpenAI's context_length_exceeded error, before the engine sees the request."""
-    if max_tokens is None and n_prompt >= max_model_len:
-        msg = (f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
-               f"resulted in {n_prompt} tokens. Please reduce the length of the {where}.")
-    elif max_tokens is not None and n_prompt + max_tokens > max_model_len:
-        msg = (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-               f"{n_prompt + max_tokens} tokens ({n_prompt} in the {where}, {max_tokens} in the completion). "
-               f"Please reduce the length of the {where} or completion.")
-    else:
-        return
-    raise bad_request(msg, where, code="context_length_exceeded")
+def _check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, where: str,
+                  max_tokens_name: str = "max_tokens") -> None:
+    """OpenAI's context_length_exceeded error (in vLLM's words), before the engine sees the request: a prompt
+    that leaves no room for one token names the prompt (`where`), a prompt that fits with a `max_tokens` that
+    does not names max_tokens, each with the context length, the prompt's tokens and the tokens requested."""
+    if n_prompt >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                          f"has {n_prompt} input tokens. Please reduce the length of the {where}.", where,
+                          code="context_length_exceeded")
+    if max_tokens is not None and n_prompt + max_tokens > max_model_len:
+        raise bad_request(f"'{max_tokens_name}' is too large: {max_tokens}. This model's maximum context length is "
+                          f"{max_model_len} tokens and your request has {n_prompt} input tokens ({max_tokens} > "
+                          f"{max_model_len} - {n_prompt}).", max_tokens_name, code="context_length_exceeded")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -602,15 +635,15 @@ def _too_large(size: str, limit: int) -> APIError:
                     headers={"Connection": "close"})
 
 
-def _check_chars(n_chars: int, token_chars: int | None, max_tokens: int | None, max_model_len: int,
-                 where: str) -> None:
-    """The early bound: refuse a text of `n_chars` characters if even ceil(n_chars / token_chars)
-    tokens break `_check_length`'s rule, without tokenizing it. Never refuses what the exact check
-    would accept."""
+def _check_chars(n_chars: int, token_chars: int | None, max_model_len: int, where: str, room: int = 1) -> None:
+    """The early bound: refuse a text of `n_chars` characters that cannot fit the context, leaving `room`
+    tokens (1 to generate; 0 for /tokenize), even as ceil(n_chars / token_chars) tokens, without tokenizing
+    it. A text that may fit is tokenized (its cost is bounded by the context) and `_check_length` says
+    exactly what does not fit, max_tokens included."""
     if token_chars is None:
         return
     least = -(-n_chars // token_chars)
-    if (least >= max_model_len) if max_tokens is None else (least + max_tokens > max_model_len):
+    if least > max_model_len - room:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
                           f"({n_chars} characters) would be at least {least} tokens (no token is longer than "
                           f"{token_chars} characters). Please reduce the length of the {where}.", where,
@@ -664,9 +697,15 @@ def _sse(model) -> str:
     return f"data: {P.dump_json(model)}\n\n"
 
 
-def _sse_error(e: Exception) -> str:
-    err = APIError(500, f"Generation failed: {e}", type="server_error", code="engine_error")
-    return f"data: {json.dumps(err.body())}\n\n"
+def _engine_error(e: EngineError) -> APIError:
+    if isinstance(e, ServerShuttingDown):
+        return APIError(503, "The server is shutting down; this request was stopped.", type="server_error",
+                        code="server_shutting_down")
+    return APIError(500, f"Generation failed: {e}", type="server_error", code="engine_error")
+
+
+def _sse_error(e: EngineError) -> str:
+    return f"data: {json.dumps(_engine_error(e).body())}\n\n"
 
 
 _DONE = "data: [DONE]\n\n"
@@ -740,7 +779,7 @@ async def _whole_reply(request: Request, gen: Generation, outs: list, build: Cal
         result = await _unless_disconnected(request, collect())
     except EngineError as e:
         gen.close("error")
-        raise APIError(500, f"Generation failed: {e}", type="server_error", code="engine_error") from None
+        raise _engine_error(e) from None
     if result is None:                       # nobody is listening any more
         gen.close("abort")
         return Response(status_code=499)
@@ -778,6 +817,10 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
     app = FastAPI(title="gem4", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.gem4 = state
+    # CORS: a browser page on another origin may call the server (preflights are answered here, before auth)
+    app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                       allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                       allow_credentials=config.allow_credentials)
 
     # ---- errors: always OpenAI error objects ----
 
@@ -834,6 +877,10 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
         state.ready_engine()
         return {"status": "ok"}
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(state.metrics.render(), media_type=METRICS_CONTENT_TYPE)
@@ -861,19 +908,19 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
         engine = state.ready_engine()
         state.check_model(req.model)
         tok = engine.tokenizer
-        # only what cannot fit the context at all is refused (max_tokens 0): the early bound keeps
+        # only what cannot fit the context at all is refused (room 0): the early bound keeps
         # /tokenize from tokenizing megabytes
         token_chars = getattr(tok, "max_token_chars", None)
         if req.prompt is not None:
-            _check_chars(len(req.prompt), token_chars, 0, engine.max_model_len, "prompt")
+            _check_chars(len(req.prompt), token_chars, engine.max_model_len, "prompt", room=0)
             add_bos = req.add_special_tokens and tok.add_bos and not req.prompt.startswith("<bos>")
             ids = await asyncio.to_thread(tok.encode, req.prompt, add_bos=add_bos, parse_special=True)
         else:
-            _check_chars(_chat_chars(req.messages), token_chars, 0, engine.max_model_len, "messages")
+            _check_chars(_chat_chars(req.messages), token_chars, engine.max_model_len, "messages", room=0)
             thinking, kwargs = _template_kwargs(config.default_chat_template_kwargs, req.chat_template_kwargs)
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            bounded = _PromptTokenizer(tok, lambda n: _check_chars(n, token_chars, 0, engine.max_model_len,
-                                                                   "messages"))
+            bounded = _PromptTokenizer(tok, lambda n: _check_chars(n, token_chars, engine.max_model_len,
+                                                                   "messages", room=0))
             ids = await asyncio.to_thread(render_chat, bounded, [_message_dict(m) for m in req.messages], tools,
                                           add_generation_prompt=req.add_generation_prompt,
                                           enable_thinking=thinking, kwargs=kwargs)
@@ -911,14 +958,15 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
         params = _sampling(req, _vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
                            top_logprobs=req.top_logprobs or 0)
         token_chars = getattr(engine.tokenizer, "max_token_chars", None)
-        _check_chars(_chat_chars(req.messages), token_chars, max_tokens, engine.max_model_len, "messages")
+        _check_chars(_chat_chars(req.messages), token_chars, engine.max_model_len, "messages")
         messages = [_message_dict(m) for m in req.messages]
-        bounded = _PromptTokenizer(engine.tokenizer, lambda n: _check_chars(n, token_chars, max_tokens,
-                                                                            engine.max_model_len, "messages"))
+        bounded = _PromptTokenizer(engine.tokenizer, lambda n: _check_chars(n, token_chars, engine.max_model_len,
+                                                                            "messages"))
         prompt_ids = await asyncio.to_thread(render_chat, bounded, messages, tools,
                                              add_generation_prompt=req.add_generation_prompt,
                                              enable_thinking=thinking, kwargs=kwargs)
-        _check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages")
+        _check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages",
+                      "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
         outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
                            parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
                            top_logprobs=req.top_logprobs or 0) for _ in range(req.n)]
@@ -949,7 +997,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
             raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
         tok = engine.tokenizer
         if isinstance(req.prompt, str):
-            _check_chars(len(req.prompt), getattr(tok, "max_token_chars", None), req.max_tokens, engine.max_model_len, "prompt")
+            _check_chars(len(req.prompt), getattr(tok, "max_token_chars", None), engine.max_model_len, "prompt")
             add_bos = tok.add_bos and not req.prompt.startswith("<bos>")
             prompt_ids = await asyncio.to_thread(tok.encode, req.prompt, add_bos=add_bos, parse_special=True)
             prompt_text = req.prompt

@@ -10,15 +10,17 @@ This module imports nothing heavy at import time: `gem4.cli` builds its parser f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
 
-from gem4.argtypes import (EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser, check_model_or_demo,
-                           int_at_least, port, positive_float, speculative_config)
+from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser,
+                           chat_template, check_model_or_demo, int_at_least, port, positive_float, speculative_config)
 
 
 def _json_object(text: str) -> dict:
@@ -29,6 +31,18 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"enable_thinking\": true}'")
     return value
+
+
+def _json_list(text: str) -> tuple[str, ...]:
+    """vLLM's form of the CORS lists: a JSON list of strings, e.g. '["http://localhost:3000"]'."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, e.g. '[\"http://localhost:3000\"]', "
+                                         f"got {text!r}")
+    return tuple(value)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,8 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stem and file name, or its directory name)")
     p.add_argument("--max-model-len", type=int_at_least(1), default=None,
                    help="context length cap, prompt + output (default: the model's context length)")
+    p.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE", help=CHAT_TEMPLATE_HELP)
     p.add_argument("--default-chat-template-kwargs", type=_json_object, default={},
                    help="JSON object of chat template variables, e.g. '{\"enable_thinking\": true}'")
+    p.add_argument("--allowed-origins", type=_json_list, default=("*",), metavar="JSON",
+                   help='CORS: origins a browser page may call from, a JSON list (default: ["*"], any origin, as '
+                        'vLLM and llama-server do; e.g. \'["http://localhost:3000"]\')')
+    p.add_argument("--allowed-methods", type=_json_list, default=("*",), metavar="JSON",
+                   help='CORS: allowed methods, a JSON list (default: ["*"])')
+    p.add_argument("--allowed-headers", type=_json_list, default=("*",), metavar="JSON",
+                   help='CORS: allowed request headers, a JSON list (default: ["*"])')
+    p.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization) in cross-origin requests")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto = bfloat16, the fast mode; float32 is the reference mode")
     p.add_argument("--device", default="cpu", help="torch device")
@@ -145,20 +169,42 @@ def max_connections(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace, path: str):
     """-> a gem4.Engine for the checkpoint at `path` (runs in the loader thread)."""
-    import gem4
+    from gem4.launch import open_engine
     from gem4.weights.hub import resolve
-    from gem4.weights.loader import load_with_tokenizer
 
     path = str(resolve(path, _log))                     # a local path as is; owner/name[:TAG] from the hub
-    model, tokenizer = load_with_tokenizer(path, args.tokenizer, dtype=args.dtype, device=args.device, progress=True,
-                                           expert_cache_slots=args.expert_cache_slots, memory_limit=args.memory_limit)
-    if model.expert_cache is not None:
-        from gem4.model.experts import expert_cache_summary
-        _log(expert_cache_summary(model.expert_cache))
-    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, max_model_len=args.max_model_len,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30),
-                       enable_prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config)
+    return open_engine(args, path, _log, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       kv_cache_bytes=None if args.kv_cache_memory is None else int(args.kv_cache_memory * 2**30))
+
+
+def bind(host: str, port_: int):
+    """The listening socket, bound before anything loads; an address that cannot be had is one ValueError
+    naming it and the way out (uvicorn would log a traceback-like line and its shutdown steps)."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port_, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot serve on {host}: {e.strerror} (--host takes an address or a host name)") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: a restart reuses the port at once
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        where = f"{host}:{port_}" if ":" not in host else f"[{host}]:{port_}"
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port_} on {host} is already in use (another server?): stop it, or pass "
+                             f"--port N (--port 0 picks a free port)") from None
+        if e.errno == errno.EACCES:
+            raise ValueError(f"no permission to listen on {where} (ports below 1024 need privileges): "
+                             f"pass --port N with N >= 1024") from None
+        raise ValueError(f"cannot listen on {where}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def startup_summary(name: str, engine) -> str:
@@ -184,6 +230,7 @@ def serve(args: argparse.Namespace) -> int:
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         _log(f"gem4: warning: serving on {args.host} without --api-key: anyone who can reach it can use it")
     configure_logging(args.log_level)
+    sock = bind(args.host, args.port)                  # first: a busy port is said before anything loads
 
     import uvicorn
 
@@ -202,16 +249,18 @@ def serve(args: argparse.Namespace) -> int:
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                           heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
                           max_request_body=None if args.max_request_body_mb is None
-                          else int(args.max_request_body_mb * 2**20))
+                          else int(args.max_request_body_mb * 2**20),
+                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = create_app(config)
     http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                             max_connections=max_connections(args))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           access_log=args.log_level == "debug", timeout_graceful_shutdown=2,
-                                           http=http))
+    server = _uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
+                                            timeout_graceful_shutdown=2, http=http), app.state.gem4)
     logging.getLogger("uvicorn.error").addFilter(_NoEarlyReadiness())
     _log(f"gem4: loading {path} ...")
     failure: list[BaseException] = []
+    loaded: list = []
 
     def loader() -> None:
         try:
@@ -221,6 +270,7 @@ def serve(args: argparse.Namespace) -> int:
             _log(f"gem4: error: {e}")
             server.should_exit = True
             return
+        loaded.append(engine)
         while not server.started and not server.should_exit:
             time.sleep(0.02)
         if server.should_exit:
@@ -231,19 +281,48 @@ def serve(args: argparse.Namespace) -> int:
         _log(startup_summary(names[0], engine))
         print(f"gem4: serving {', '.join(names)}; ready at http://{shown}:{port_}", flush=True)
 
-    threading.Thread(target=loader, name="gem4-loader", daemon=True).start()
-    server.run()
-    return 1 if failure else 0
+    thread = threading.Thread(target=loader, name="gem4-loader", daemon=True)
+    thread.start()
+    server.run(sockets=[sock])
+    for engine in loaded:                               # the engine thread ends before the process does
+        engine.shutdown()
+    if failure:
+        return 1
+    return 130 if server.signal == signal.SIGINT else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m gem4.server MODEL ...` (the same as `gem4 serve`)."""
-    parser = ArgParser(prog="gem4 serve", description="OpenAI-compatible server")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    check_model_or_demo(args, parser)
-    try:
-        return serve(args)
-    except (ValueError, OSError) as e:
-        print(f"gem4: error: {e}", file=sys.stderr)
-        return 2
+def _uvicorn_server(config, state):
+    """uvicorn's Server, with gem4's shutdown: on SIGTERM or Ctrl-C every open request ends at once (a stream
+    with an error event, then [DONE]; its engine request aborted) instead of uvicorn waiting for it and
+    then cutting it, and the process exits 0 (130 after Ctrl-C) rather than dying of the signal again.
+    `.signal` is the signal that stopped it."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        signal: int | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self):                      # uvicorn's re-raises the signal after the shutdown
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame) -> None:
+            if self.signal is None:
+                self.signal = sig
+                _log(f"gem4: {signal.Signals(sig).name}: shutting down")
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None) -> None:
+            stopped = state.shut_down()
+            if stopped:
+                _log(f"gem4: stopped {stopped} running request{'s' if stopped != 1 else ''}")
+            await super().shutdown(sockets)
+
+    return Server(config)
