@@ -267,6 +267,24 @@ def test_a_finished_prefix_is_reused_to_the_token_and_its_last_block_copied_on_w
         bm.match("b", b)
 
 
+def test_free_registers_what_was_computed_since_the_last_commit():
+    """A sequence that ends in the step that completes its prompt (or in any step) is freed without a commit
+    after that step: `free` registers every block it computed, so the whole prompt is cached."""
+    bm = BlockManager(num_blocks=8, block_size=4, num_sliding_blocks=8, window=3)
+    a = list(range(100, 111))                                          # 11 tokens: two whole blocks, 3 more
+    bm.reserve("a", 6)
+    bm.commit("a", a, 6)                                               # the first chunk: block 0 registered
+    bm.reserve("a", 11, 6)
+    bm.free("a", a, 11)                                                # the last chunk ran; no commit after it
+    assert bm.cached_blocks == 3
+    assert bm.match("b", a) == 10 and bm.match("c", a + [1, 2]) == 11
+    bm.free("b")
+    bm.free("c")
+    bm.reserve("d", 8)
+    bm.free("d", None, 8)                                              # a failed sequence: nothing cached
+    assert bm.cached_blocks == 3 and bm.free_blocks == 8
+
+
 def test_a_hit_needs_the_sliding_window_before_it_and_is_cut_back_when_it_was_evicted():
     def cached_a(num_sliding_blocks):
         bm = BlockManager(num_blocks=16, block_size=4, num_sliding_blocks=num_sliding_blocks, window=3)
@@ -358,7 +376,8 @@ def test_block_manager_random_walk_keeps_its_invariants():
                 del row[p % bs:]
                 row.append(tokens[p])
             assert all(s >= 0 for s in bm.sliding_table(name)[max(0, done - window + 1) // bs:])
-            bm.commit(name, tokens, done + n)
+            if rng.random() < 0.8:                                     # else a later commit or free registers it
+                bm.commit(name, tokens, done + n)
             live[name] = (tokens, done + n)
         elif op < 0.85 and live and len(live) < 4:
             parent = rng.choice(list(live))

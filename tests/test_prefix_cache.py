@@ -183,3 +183,50 @@ def test_n_choices_after_a_hit(variants):
     assert {e.cached_tokens for e in events} == {26}                          # the request's, on every choice
     wait_idle(engine)
     assert engine.kv_cache_usage == 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk", [6, 8])
+def test_a_repeated_or_extended_prompt_reuses_all_of_it_at_any_length(variants, chunk, dtype):
+    """Whatever step a request ends in -- the one that completes its prompt (max_tokens 1; a stop at the first
+    token ends there too) or a decode step that fills a block -- everything it computed stays cached: the
+    same prompt again reuses all but its last token (computed again for its logits), the prompt and a few
+    more tokens reuse all of it. Prompt lengths on and off the chunk and block (4) boundaries, shorter and
+    longer than the window (8); a chunk of 6 ends inside blocks."""
+    fx = variants["ple_kvshare"]
+    model = load(fx, dtype)
+    extra = prompt_ids(4, seed=99)[1:]
+    for max_tokens in (1, 2):
+        params = dataclasses.replace(GREEDY, max_tokens=max_tokens, ignore_eos=True)
+        for n in (2, 3, 4, 5, 7, 8, 9, 11, 12, 13, 16, 18, 23, 24, 31, 45):
+            prompt = prompt_ids(n, seed=300 + n)
+            longer = prompt + extra
+            want, want_longer = cold(model, prompt, params), cold(model, longer, params)
+            engine = Engine(model, prefill_chunk=chunk, block_size=4)
+            got = []
+            for p, hit, w in ((prompt, 0, want), (prompt, n - 1, want), (longer, n, want_longer),
+                              (longer, n + len(extra) - 1, want_longer), (prompt, n - 1, want)):
+                out, end = last_event(engine, p, params)
+                got.append(end.stats.cached_tokens)
+                assert same(out, w, dtype), (max_tokens, n, len(got))
+            assert got == [0, n - 1, n, n + len(extra) - 1, n - 1], (max_tokens, n)
+            wait_idle(engine)
+            assert engine.kv_cache_usage == 0
+
+
+def test_the_server_reports_the_reuse(variants):
+    """`usage.prompt_tokens_details.cached_tokens` of /v1/completions with token ids is the engine's count: a
+    one-token completion, the same prompt again, then that prompt and two more tokens."""
+    from fastapi.testclient import TestClient
+    from text_fixtures import tiny_tokenizer
+
+    from gem4.server import ServerConfig, create_app
+
+    model = gem4.load(variants["dense_plain"].hf_causal, dtype="float32")
+    engine = Engine(model, tiny_tokenizer(), prefill_chunk=8, block_size=4)
+    prompt = prompt_ids(29, seed=5)
+    with TestClient(create_app(ServerConfig(served_model_name="tiny"), engine)) as client:
+        for ids, hit in ((prompt, 0), (prompt, 28), (prompt + [7, 8], 29)):
+            body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0}
+            usage = client.post("/v1/completions", json=body).json()["usage"]
+            assert (usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]) == (len(ids), hit)

@@ -24,8 +24,10 @@ integer id, so a chain of entries names a whole prefix and dict lookups compare 
 hash collision can hand a request another prompt's K/V).
 - `commit` registers each block of a sequence once its `block_size` positions are computed (a block whose
   content is already registered stays the sequence's own and unregistered; the chain goes on through the
-  existing entry). `free` registers the computed part of the sequence's last, partly filled block too, so
-  a finished turn of a conversation is cached to its last computed token.
+  existing entry). `free` registers whatever the sequence computed since its last `commit` (a request that
+  ends in the step that completes its prompt, or in any later step, is freed before a commit could follow
+  that step) and the computed part of its last, partly filled block too, so a finished turn of a
+  conversation, or a one-token completion, is cached to its last computed token.
 - A block whose last holder lets go stays cached (least recently used first out) until a block is needed
   and no free one is left; the same for sliding parts, on their own list. A full block that is evicted
   takes its sliding part with it; a sliding part can be evicted alone (its block stays cached).
@@ -243,15 +245,19 @@ class BlockManager:
         """Positions [0, computed) of the sequence (whose tokens begin with `tokens`) are in the cache:
         register its whole blocks, give back the sliding parts behind its window."""
         s = self._seqs[seq_id]
+        self._register_whole(s, tokens, computed)
+        start = min(self._window_start(computed), len(s.table))
+        for b in s.table[s.window_start:start]:
+            self._release_sliding(b)
+        s.window_start = max(s.window_start, start)
+
+    def _register_whole(self, s: _Seq, tokens: Sequence[int], computed: int) -> None:
+        """Register the sequence's whole blocks of positions [0, computed) not registered yet, in order."""
         bs = self.block_size
         while self.caching and len(s.ids) < min(computed // bs, len(s.table)):
             j = len(s.ids)
             s.ids.append(self._register(s.table[j], s.ids[-1] if s.ids else -1,
                                         tuple(tokens[j * bs:(j + 1) * bs])).id)
-        start = min(self._window_start(computed), len(s.table))
-        for b in s.table[s.window_start:start]:
-            self._release_sliding(b)
-        s.window_start = max(s.window_start, start)
 
     def _register(self, block: int, parent: int, tokens: tuple[int, ...]) -> _Entry:
         """The entry of this content: the existing one, or `block` registered as it."""
@@ -337,11 +343,15 @@ class BlockManager:
 
     def free(self, seq_id: Hashable, tokens: Sequence[int] | None = None, computed: int = 0) -> None:
         """Drop everything the sequence holds (finished, aborted, preempted or failed). With `tokens` (whose
-        first `computed` positions are in the cache) its last, partly filled block is registered first, so
-        the cache keeps it to the last computed token. No-op if it holds nothing."""
+        first `computed` positions are in the cache) what it computed is registered first, as `commit` does,
+        and its last, partly filled block too, so the cache keeps it to the last computed token (a sequence
+        that finishes in the step that completes its prompt, or in any step, has not been committed since
+        that step ran). No-op if it holds nothing."""
         s = self._seqs.pop(seq_id, None)
         if s is None:
             return
+        if tokens is not None:
+            self._register_whole(s, tokens, computed)
         bs = self.block_size
         j = computed // bs
         if (self.caching and tokens is not None and computed % bs and j < len(s.table) and len(s.ids) == j

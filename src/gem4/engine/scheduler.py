@@ -16,7 +16,8 @@ Prefix cache: a sequence admitted while holding nothing first takes the longest 
 tokens (`BlockManager.match`; block_manager.py says what is cached and when a hit is exact) and starts
 computing after it. After each step the computed blocks are registered (`BlockManager.commit`), so later
 requests can hit the prefix of a running one; a finished, aborted or preempted sequence leaves its blocks
-in the cache. `prefix_queries` / `prefix_hits` count prompt tokens looked up and found (vLLM's
+in the cache, to its last computed token (one that finishes in a step, even the step that completes its
+prompt, has that step's blocks registered as it is freed). `prefix_queries` / `prefix_hits` count prompt tokens looked up and found (vLLM's
 prefix_cache_queries / prefix_cache_hits), once per request, at its first admission.
 
 When a decoding sequence needs a block and the pool has none, the newest running sequence is preempted
