@@ -339,7 +339,7 @@ def test_q8_0_assistant_in_fast_mode(variants, assistants, tmp_path):
     target = gem4.load(fx.gguf["q8_0"])                                   # dtype auto: the fast mode
     assistant = gem4.load_assistant(tmp_path / "q8.gguf", target)
     if kernels.available():
-        assert assistant.layers[0].self_attn.q_proj.layout == "packed" and assistant.norm.fused
+        assert assistant.layers[0].self_attn.q_proj.layout == "packed" and assistant.backend == "cpu"
     got = gem4_drafts(target, assistant, fx.ids, 30)
     drift = float(((got.logits - ref.logits) ** 2).mean() / (ref.logits ** 2).mean())
     print(f"q8_0 fast-mode draft logits NMSE vs float32 = {drift:.2e}")

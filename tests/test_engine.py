@@ -17,7 +17,7 @@ import torch
 
 import gem4
 from gem4 import Engine, SamplingParams
-from gem4.model.layers import DECODE_ROWS
+from gem4.model.gemma4 import DECODE_ROWS
 from gem4.demo import demo_tokenizer
 from gem4.engine import EngineError, InvalidParameter, NonFiniteLogits
 from gem4.config import FULL, SLIDING, build_config, rope_default

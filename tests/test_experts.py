@@ -82,7 +82,7 @@ def test_streamed_experts_give_the_resident_logits(moe, gguf, dtype):
     for slots in range(TOP_K, E + 1):
         model = gem4.load(files[gguf], dtype=dtype, expert_cache_slots=slots)
         assert model.expert_cache.slots == slots
-        assert all(layer.plan is None for layer in model.layers)
+        assert all(getattr(layer, "plan", None) is None for layer in model.layers)   # the Python layer decodes
         got = steps(model)
         assert torch.equal(got, want), (gguf, slots, (got - want).abs().max())
         check_counters(model)

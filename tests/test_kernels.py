@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import gem4
-from gem4.model import kernels, layers
-from gem4.model.layers import DECODE_ROWS, QuantLinear
+from gem4.model import cpu, kernels
+from gem4.model.cpu import DECODE_ROWS, DECODE_ROWS_BF16, KernelExperts, PackedLinear
+from gem4.model.layers import QuantLinear
 from gem4.weights.quants import GGMLType, dequantize, quantize
 from model_fixtures import VARIANTS
 
@@ -18,10 +19,10 @@ def test_kernels_build_on_this_machine():
     assert kernels.available()
 
 
-def packed_linear(weight: torch.Tensor, ggml_type: GGMLType) -> tuple[QuantLinear, torch.Tensor]:
+def packed_linear(weight: torch.Tensor, ggml_type: GGMLType) -> tuple[PackedLinear, torch.Tensor]:
     out_f, in_f = weight.shape
     raw = quantize(weight, ggml_type)
-    layer = QuantLinear(in_f, out_f)
+    layer = PackedLinear(in_f, out_f)
     layer.pack(raw, ggml_type)
     return layer, dequantize(raw, ggml_type, (out_f, in_f))
 
@@ -171,7 +172,10 @@ def greedy(model, ids, n):
     return out
 
 
-def first_difference_is_a_near_tie(ref_model, ids, fast: list[int], ref: list[int], margin: float = 0.05) -> bool:
+NEAR_TIE = 0.05          # top-2 logit margin (logit std ~0.5-1 on these models) under which a greedy flip is rounding
+
+
+def first_difference_is_a_near_tie(ref_model, ids, fast: list[int], ref: list[int], margin: float = NEAR_TIE) -> bool:
     """Greedy tokens of the fast mode vs the float32 path after the prompt ids: equal, or where they first part,
     the token the fast mode chose is within `margin` of the float32 path's best logit there."""
     i = next((i for i, (a, b) in enumerate(zip(fast, ref)) if a != b), None)
@@ -191,7 +195,8 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
     # Greedy output over 32 tokens: these random models have flat logits (top-2 margins ~0.01), so the bf16 KV
     # cache and the prompt's bf16 activations flip near-ties: on every variant the two must agree up to a
     # near-tie (the fast mode's token within 0.05 of the float32 path's best logit where they first part), and
-    # all 32 tokens must agree on at least one (with both in float32 all 4 agree).
+    # along the float32 path every decisive token must be the fast mode's too. (How many whole runs agree depends
+    # on the host: the AMX and vdpbf16ps prefill GEMMs round differently; it is printed, not asserted.)
     same_greedy = {}
     for name in VARIANTS:
         path = variants[name].gguf[qtype] if qtype != "bf16" else variants[name].hf_causal   # bf16: as stored
@@ -209,6 +214,14 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
         fast_tokens, ref_tokens = greedy(fast_model, ids[:20], 32), greedy(ref_model, ids[:20], 32)
         same_greedy[name] = fast_tokens == ref_tokens
         assert first_difference_is_a_near_tie(ref_model, ids[:20], fast_tokens, ref_tokens), (name, fast_tokens, ref_tokens)
+        # along the float32 path's greedy tokens, the fast mode picks the same token wherever that choice is
+        # decisive (top two logits NEAR_TIE apart or more): host-independent, unlike whole greedy runs
+        path = ids[:20] + ref_tokens
+        ref_steps, fast_steps = decode_logits(ref_model, path, 19)[:32], decode_logits(fast_model, path, 19)[:32]
+        top2 = ref_steps.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
+        assert torch.equal(ref_steps.argmax(-1), torch.tensor(ref_tokens))
+        assert (fast_steps.argmax(-1) == torch.tensor(ref_tokens))[decisive].all(), name
         print(f"{qtype} {name}: fast-mode NMSE vs float32 = {drift:.2e} (prefill), {decode_drift:.2e} (decode), "
               f"greedy 32 equal: {same_greedy[name]}")
         if name == "moe":
@@ -218,14 +231,13 @@ def test_fast_mode_tracks_the_float32_path(variants, qtype):
         else:
             assert drift <= 1e-3 and decode_drift <= (1e-3 if qtype == "bf16" else 4e-3)
     print(f"{qtype}: greedy 32 tokens equal on {sum(same_greedy.values())}/4 variants")
-    assert sum(same_greedy.values()) >= 1, same_greedy
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 @pytest.mark.parametrize("name", VARIANTS)
 def test_a_prompt_gives_the_same_logits_however_it_is_chunked(variants, name, qtype):
     """Fast mode: a prompt's K/V and logits do not depend on how it is cut into prefill chunks (row-invariant
-    GEMMs and chunk attention, layers.prefill_pass): 40 tokens in one pass and in chunks of 1, 5, 13, 8 and 13
+    GEMMs and chunk attention, model/cpu.py): 40 tokens in one pass and in chunks of 1, 5, 13, 8 and 13
     tokens (across the fixtures' sliding window of 8), then three decoded tokens: the same logits, bit for bit --
     without the AMX kernels, and with them where the CPU grants them."""
     model = gem4.load(variants[name].gguf[qtype], dtype="bfloat16")
@@ -380,7 +392,7 @@ def test_attend_chunk_kernel_equals_attention_with_bf16_q_and_probabilities(T, S
 def test_attend_chunk_rows_do_not_depend_on_the_other_rows_of_their_block():
     """attend_chunk is row-invariant: a row's output is the same float alone and among rows that see other keys
     (sliding windows of 40 keys starting at every offset mod 16, so the block's first seen key moves), as long as
-    the key list starts at a position = 0 (mod 16) (layers.attend pads it so)."""
+    the key list starts at a position = 0 (mod 16) (cpu.attend_chunk pads it so)."""
     g = torch.Generator().manual_seed(8)
     T, S, nh, d, window = 48, 96, 4, 64, 40
     q = torch.randn(T, nh, d, generator=g)
@@ -418,23 +430,25 @@ def test_attend_kernels_refuse_wrong_inputs(attend):
 
 
 def test_fused_projections_equal_separate_calls():
-    from gem4.model.layers import glu, gelu_tanh, project
+    from gem4.model.layers import gelu_tanh
     g = torch.Generator().manual_seed(10)
     for ggml_type in PACKED:
         layers = [packed_linear(torch.randn(n, 160, generator=g), ggml_type)[0] for n in (96, 32, 32)]
         x = torch.randn(3, 160, generator=g)
-        fused = project(x, layers)
-        for lin, out in zip(layers, fused):
-            assert torch.equal(out, lin(x))                         # same kernel, same rows: bit-identical
+        for prefill in (False, None):                                # a decode pass, a layer called alone
+            fused = cpu.project(x, layers, prefill)
+            for lin, out in zip(layers, fused):
+                assert torch.equal(out, lin(x, prefill))             # same kernel, same rows: bit-identical
         gate, up = layers[1], layers[2]
         ref = gelu_tanh(gate(x)) * up(x)
-        torch.testing.assert_close(glu(x, gate, up, fused=True), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+        torch.testing.assert_close(cpu.glu(x, gate, up, False), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+        assert torch.equal(cpu.project(x, layers, True)[0], layers[0](x, True))   # a prefill pass: the GEMM each
     # mixed types or too many rows: one call each, same results
     mixed = [packed_linear(torch.randn(32, 64, generator=g), t)[0] for t in PACKED]
     x = torch.randn(2, 64, generator=g)
-    assert all(torch.equal(a, lin(x)) for a, lin in zip(project(x, mixed), mixed))
+    assert all(torch.equal(a, lin(x)) for a, lin in zip(cpu.project(x, mixed, None), mixed))
     x = torch.randn(DECODE_ROWS + 4, 64, generator=g)
-    assert all(torch.equal(a, lin(x)) for a, lin in zip(project(x, mixed), mixed))
+    assert all(torch.equal(a, lin(x)) for a, lin in zip(cpu.project(x, mixed, None), mixed))
 
 
 def test_gelu_mul_and_softcap_kernels_equal_reference():
@@ -524,7 +538,7 @@ def test_gemv_bf16_takes_x_as_two_bf16_terms(M, N, K):
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q8_0, GGMLType.Q4_0])
 @pytest.mark.parametrize("T", [1, 3, DECODE_ROWS + 4])
 def test_packed_experts_equal_their_dequantized_weights(ggml_type, T):
-    """26B-A4B experts packed as [E * rows, k] (Experts.pack): expert e's products read its own rows, through
+    """26B-A4B experts packed as [E * rows, k] (KernelExperts.pack): expert e's products read its own rows, through
     the GEMV (T <= DECODE_ROWS) and the tiled GEMM; equal to the dense dequantized experts within the
     kernels' rounding (int8 / bf16 activations)."""
     from gem4.config import MoEConfig
@@ -533,7 +547,7 @@ def test_packed_experts_equal_their_dequantized_weights(ggml_type, T):
     E, H, Im, K = 6, 64, 32, 2
     config = SimpleNamespace(hidden_size=H, moe=MoEConfig(num_experts=E, top_k=K, intermediate_size=Im))
     g = torch.Generator().manual_seed(T)
-    dense, packed = Experts(config), Experts(config)
+    dense, packed = Experts(config), KernelExperts(config)
     for name, (rows, k) in dense.dims.items():
         raw = quantize(torch.randn(E, rows, k, generator=g) * 0.1, ggml_type)
         setattr(dense, name, torch.nn.Parameter(dequantize(raw, ggml_type, (E, rows, k)), requires_grad=False))
@@ -601,15 +615,12 @@ def test_openmp_defaults_and_an_explicit_value_wins(key, preset, expect):
 
 
 def test_a_model_switches_from_gemv_to_gemm_at_one_row_count(variants):
-    """set_decode_rows: packed weights take the GEMV up to DECODE_ROWS rows; a model whose decoder layers' weights
-    gemv_bf16 reads switches at DECODE_ROWS_BF16 (the bf16 GEMM is faster beyond); every layer and linear of a
-    model agrees, which the runner's passes rely on (engine/runner.py, batch invariance). One bf16 matrix outside
-    the layers: test_kquants."""
-    from gem4.model.gemma4 import DecoderLayer
+    """The CPU backend's decode_rows: packed weights take the GEMV in decode passes of up to DECODE_ROWS rows; a
+    model whose decoder layers' weights gemv_bf16 reads packs decode passes of DECODE_ROWS_BF16 (the bf16 GEMM is
+    faster beyond). The runner's passes and every layer's decode plan agree (engine/runner.py, batch
+    invariance). One bf16 matrix outside the layers: test_kquants."""
     fx = variants["dense_plain"]
-    for path, rows in ((fx.gguf["q4_0"], layers.DECODE_ROWS), (fx.hf_causal, layers.DECODE_ROWS_BF16)):
+    for path, rows in ((fx.gguf["q4_0"], DECODE_ROWS), (fx.hf_causal, DECODE_ROWS_BF16)):
         model = gem4.load(path, dtype="bfloat16")
-        owners = [m for m in model.modules() if isinstance(m, (QuantLinear, DecoderLayer))]
-        assert model.decode_rows == rows and {m.decode_rows for m in owners} == {rows}
-        x = torch.randn(rows + 1, model.config.hidden_size)
-        assert model.layers[0].mlp.up_proj.takes_gemv(x[:rows]) and not model.layers[0].mlp.up_proj.takes_gemv(x)
+        assert model.backend == "cpu" and model.decode_rows == rows
+        assert {layer.plan.max_rows for layer in model.layers} == {rows}

@@ -8,9 +8,10 @@ import torch
 
 import gem4
 from gem4.model import kernels
-from gem4.model.layers import DECODE_ROWS, QuantLinear
+from gem4.model.cpu import DECODE_ROWS, KernelExperts, PackedLinear
+from gem4.model.layers import QuantLinear
 from gem4.weights.quants import BLOCK_INFO, GGMLType, dequantize, quantize
-from test_kernels import decode_logits, greedy
+from test_kernels import NEAR_TIE, decode_logits, greedy
 
 K_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 # the 32-weight formats llama.cpp falls back to for rows that are not whole 256-blocks (Q5_0 / Q5_1), and Q4_1
@@ -40,8 +41,8 @@ def random_blocks(t: GGMLType, rows: int, k: int, g: torch.Generator, d_bits=Non
     return raw.reshape(-1)
 
 
-def packed(raw: torch.Tensor, t: GGMLType, rows: int, k: int) -> QuantLinear:
-    layer = QuantLinear(k, rows)
+def packed(raw: torch.Tensor, t: GGMLType, rows: int, k: int) -> PackedLinear:
+    layer = PackedLinear(k, rows)
     layer.pack(raw, t)
     return layer
 
@@ -127,7 +128,7 @@ def test_packed_experts_read_their_own_rows(t):
     E, H, Im, K = 4, 256, 256, 2
     config = SimpleNamespace(hidden_size=H, moe=MoEConfig(num_experts=E, top_k=K, intermediate_size=Im))
     g = torch.Generator().manual_seed(40 + int(t))
-    dense, fast = Experts(config), Experts(config)
+    dense, fast = Experts(config), KernelExperts(config)
     for name, (rows, k) in dense.dims.items():
         raw = quantize(torch.randn(E, rows, k, generator=g) * 0.1, t)
         setattr(dense, name, torch.nn.Parameter(dequantize(raw, t, (E, rows, k)), requires_grad=False))
@@ -217,14 +218,13 @@ def k_models(tmp_path_factory):
 
 def test_a_bf16_matrix_outside_the_layers_keeps_the_gemv_rows(k_models):
     """The Q4_K_M mix keeps the per-layer model projection in BF16 (as llama.cpp's files do); it is outside the
-    decoder layers, so the model keeps DECODE_ROWS (layers.set_decode_rows)."""
+    decoder layers, so the model keeps DECODE_ROWS (CpuBackend.finish)."""
     paths, _ = k_models
     model = gem4.load(paths["ple_kvshare", "q4_k_m"], dtype="bfloat16")
     assert model.per_layer_model_projection.gemv_type == GGMLType.BF16
     assert model.decode_rows == DECODE_ROWS
 
 
-NEAR_TIE = 0.05          # top-2 logit margin (logit std ~0.5-1 on these models) under which a greedy flip is rounding
 
 
 @pytest.mark.parametrize("qtype", ["q4_k_m", "q5_k", "q6_k"])

@@ -38,12 +38,20 @@ def same(got, want, dtype, generated=False):
     cold run, and float32 GEMMs of other shapes round differently in the last bits), bit for bit in the fast
     mode (its kernels are row-invariant and each position is computed by the kernels of its kind: runner.py).
     `generated`: the hit holds generated tokens, which the fast mode computed with its decode kernels (int8
-    activations on these Q8_0 files) where a cold run computes them as prompt tokens (bf16): the same tokens,
-    every logprob within 5e-2, and the alternatives may trade places where their logprobs are that close."""
+    activations on these Q8_0 files) where a cold run computes them as prompt tokens (bf16): every logprob
+    within 5e-2, alternatives may trade places where their logprobs are that close, and so may the chosen
+    token -- a near-tie (within 5e-2 of the cold run's choice), after which the two paths part and are not
+    compared (which near-ties flip depends on the CPU's kernels: AMX or not)."""
+    if dtype == "bfloat16" and generated:
+        for (t, lp, top), (t0, lp0, top0) in zip(got, want):
+            if t != t0:
+                return t in dict(top0) and lp0 - dict(top0)[t] <= 5e-2
+            near = [abs(v - dict(top0)[i]) <= 5e-2 for i, v in top if i in dict(top0)]
+            if abs(lp - lp0) > 5e-2 or not all(near):
+                return False
+        return len(got) == len(want)
     floats = [x for _, lp, top in got for x in (lp, *(v for _, v in top))]
     ref = [x for _, lp, top in want for x in (lp, *(v for _, v in top))]
-    if dtype == "bfloat16" and generated:
-        return [t for t, _, _ in got] == [t for t, _, _ in want] and floats == pytest.approx(ref, abs=5e-2)
     if [(t, [i for i, _ in top]) for t, _, top in got] != [(t, [i for i, _ in top]) for t, _, top in want]:
         return False
     return floats == (ref if dtype == "bfloat16" else pytest.approx(ref, rel=1e-5, abs=1e-6))

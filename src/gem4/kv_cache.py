@@ -96,7 +96,7 @@ class StepLayout:
     `prefill`: the step's tokens are prompt tokens (a prefill pass), else generated ones (a decode pass: one
     token per sequence, or a few with speculation). The fast mode computes each kind with its own kernels,
     whatever the number of rows, so a token's K/V never depend on how its prompt was chunked or on its batch
-    mates (model/layers.py `prefill_pass`)."""
+    mates (model/cpu.py)."""
 
     positions: torch.Tensor                   # [T] int64, each token's position in its sequence
     write: dict[str, torch.Tensor]            # layer type -> [T] rows the new K/V go to

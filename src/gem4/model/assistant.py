@@ -42,7 +42,7 @@ row). llama.cpp drops this head (its converter skips the tensors) and always sco
 a GGUF assistant therefore runs the full head. Either way the target verifies every draft.
 
 Precision as in model/gemma4.py: activations, norms, RoPE and softmax in float32, matmul inputs in the
-weight dtype; fast mode (`use_kernels`) runs the compiled norm / attention / GEMV kernels.
+weight dtype; the fast mode's backend (model/cpu.py) runs the compiled norm / attention / GEMV kernels.
 """
 from __future__ import annotations
 
@@ -216,9 +216,8 @@ def draft_view(pool: KVPool, seqs: Sequence[DraftSeq]) -> DraftView:
 # ---- modules ----
 
 class AssistantAttention(nn.Module):
-    """Query-only attention: q from the assistant, K/V from the target's store (no k/v weights)."""
-
-    fused = False          # fast mode: attention runs kernels.attend
+    """Query-only attention: q from the assistant, K/V from the target's store (no k/v weights). A draft step
+    is a decode pass (one query row a sequence): every layer here is told prefill=False."""
 
     def __init__(self, config: AssistantConfig, spec: AssistantLayer):
         super().__init__()
@@ -227,10 +226,13 @@ class AssistantAttention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
         self.o_proj = QuantLinear(spec.n_heads * spec.head_dim, config.hidden_size)
 
+    def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], a: Attend) -> torch.Tensor:
+        return attend(q, kv[0], kv[1], a, prefill=False)
+
     def forward(self, h: torch.Tensor, rope, kv: tuple[torch.Tensor, torch.Tensor], a: Attend) -> torch.Tensor:
         spec, B = self.spec, h.shape[0]
-        q = self.q_norm.with_rope(self.q_proj(h).view(B, spec.n_heads, spec.head_dim), *rope)   # [B, nh, d]
-        return self.o_proj(attend(q, kv[0], kv[1], a, self.fused))                                # [B, Ha]
+        q = self.q_norm.with_rope(self.q_proj(h, False).view(B, spec.n_heads, spec.head_dim), *rope)   # [B, nh, d]
+        return self.o_proj(self.attend(q, kv, a), False)                                        # [B, Ha]
 
 
 class AssistantLayerModule(nn.Module):
@@ -250,7 +252,7 @@ class AssistantLayerModule(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, kv, a: Attend) -> torch.Tensor:
         x = self.post_attention_layernorm.add_to(x, self.self_attn(self.input_layernorm(x), rope, kv, a))
-        x = self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x)))
+        x = self.post_feedforward_layernorm.add_to(x, self.mlp(self.pre_feedforward_layernorm(x), False))
         return x * self.layer_scalar
 
 
@@ -268,7 +270,7 @@ class MaskedEmbedding(nn.Module):
     def forward(self, hn: torch.Tensor, table: QuantLinear) -> torch.Tensor:
         """hn [B, Ha], table: the [V, Ha] embedding -> logits [B, V] float32."""
         B, C, V = hn.shape[0], self.centroids.out_features, self.token_ordering.numel()
-        top = self.centroids(hn).topk(self.top_k, dim=-1).indices                   # [B, k]
+        top = self.centroids(hn, False).topk(self.top_k, dim=-1).indices            # [B, k]
         ids = self.token_ordering.view(C, V // C)[top].reshape(B, -1)                # [B, k*V/C]
         rows = table.rows(ids.reshape(-1)).view(B, ids.shape[1], -1)                 # [B, k*V/C, Ha] float32
         picked = torch.bmm(rows, hn.float()[:, :, None]).squeeze(-1)                 # [B, k*V/C]
@@ -289,6 +291,7 @@ class Assistant(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.backend = "torch"                 # which backend computes it (model/backends.py; set once at load)
         Ha, Hb = config.hidden_size, config.backbone_hidden_size
         self.embed_tokens = QuantLinear(Ha, config.vocab_size)       # [V, Ha]: the head only
         self.pre_projection = QuantLinear(2 * Hb, Ha)
@@ -318,7 +321,7 @@ class Assistant(nn.Module):
         """
         if not self.kv_layers:
             raise RuntimeError("the assistant is not bound to a target (bind_target / load_assistant(target=...))")
-        z = self.pre_projection(torch.cat([embedded.float(), h_prev.float()], dim=-1))   # [B, Ha]; no sqrt(Ha) scale
+        z = self.pre_projection(torch.cat([embedded.float(), h_prev.float()], dim=-1), False)   # [B, Ha]; no sqrt(Ha)
         ropes = {t: rope_cos_sin(view.positions, getattr(self, f"inv_freq_{t}")) for t in self.config.layer_types}
         stores = {t: pool.store(i) for t, i in self.kv_layers.items()}
         for layer in self.layers:
@@ -328,8 +331,8 @@ class Assistant(nn.Module):
         if self.config.centroids is not None:
             logits = self.masked_embedding(hn, self.embed_tokens)
         else:
-            logits = self.embed_tokens(hn).float()                                       # no softcap (§5.7)
-        return logits, self.post_projection(hn).float()
+            logits = self.embed_tokens(hn, False).float()                                # no softcap (§5.7)
+        return logits, self.post_projection(hn, False).float()
 
     @torch.inference_mode()
     def draft(self, target, tokens: torch.Tensor, hidden: torch.Tensor, view: DraftView, pool: KVPool,
@@ -351,12 +354,6 @@ class Assistant(nn.Module):
         if not out_tokens:
             return Draft(tokens.new_empty((B, 0)), torch.empty((B, 0, V)) if keep_logits else None)
         return Draft(torch.stack(out_tokens, dim=1), torch.stack(out_logits, dim=1) if keep_logits else None)
-
-    def use_kernels(self) -> None:
-        """Fast mode: the compiled kernels for every module that has them (as Model.use_kernels)."""
-        for module in self.modules():
-            if hasattr(type(module), "fused"):
-                module.fused = True
 
     @property
     def device(self) -> torch.device:

@@ -9,6 +9,10 @@ tokens, laid out one sequence after another; `StepLayout` (kv_cache.py) tells ea
 K/V go and which stored keys each row sees. Every linear layer runs once per step over all T rows. A lone
 sequence is a step of one (`Model.extend` with a `KVCache`).
 
+This file is the reference and knows no backend: a backend chosen at load (model/backends.py) replaces its
+modules by subclasses (the CPU kernels: model/cpu.py) and installs per-layer plans. The only thing a forward
+tells its layers beyond the data is the step's `StepLayout` (prefill or decode among it).
+
 Precision: the residual stream, norms, RoPE, softmax and router run in float32 in every mode. The
 weight dtype (float32, or bfloat16 in "bfloat16" mode) is what matmul inputs are rounded to (products
 accumulate in float32) and what the KV cache stores -- the llama.cpp arrangement, which keeps bf16
@@ -24,18 +28,16 @@ from torch import nn
 
 from gem4.config import ModelConfig, LayerSpec
 from gem4.kv_cache import KVCache, KVPool, StepLayout
-from gem4.model import kernels
 from gem4.model.experts import Resident
 from gem4.model.layers import (
-    DECODE_ROWS, QuantLinear, RMSNorm, attend, embed_scale, experts_forward, gelu_mul, glu,
-    packed_linear, prefill_pass, project, rms_norm, rope_cos_sin, set_decode_rows, softcap,
+    GeluMul, QuantLinear, RMSNorm, Softcap, attend, embed_scale, experts_forward, rms_norm, rope_cos_sin,
 )
 from gem4.weights.quants import GGMLType
 
+DECODE_ROWS = 32   # the most rows of a decode pass: the engine packs generated tokens into passes of this size
+
 
 class Attention(nn.Module):
-    fused = False          # fast mode (Model.use_kernels): v-norm and attention run compiled kernels
-
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
         H, d = config.hidden_size, spec.head_dim
@@ -47,42 +49,56 @@ class Attention(nn.Module):
         if spec.owns_kv:                       # E2B/E4B: KV-shared layers have no k/v weights
             self.k_proj = QuantLinear(H, spec.n_kv_heads * d)
             self.k_norm = RMSNorm(d, self.eps)
+            self.v_norm = RMSNorm(d, self.eps, scale=False)      # no weight, no rope
             if not spec.k_eq_v:                # 12B/31B/26B full layers: V is the raw K projection
                 self.v_proj = QuantLinear(H, spec.n_kv_heads * d)
+
+    def projections(self) -> list[QuantLinear]:
+        """The layers that read the attention's input: Q, then K and V where the layer owns its KV."""
+        if not self.spec.owns_kv:
+            return [self.q_proj]
+        return [self.q_proj, self.k_proj] if self.spec.k_eq_v else [self.q_proj, self.k_proj, self.v_proj]
+
+    def project(self, h: torch.Tensor, prefill: bool) -> list[torch.Tensor]:
+        """h through Q (and K, V): one output each."""
+        return [lin(h, prefill) for lin in self.projections()]
+
+    def attend(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, step: StepLayout) -> torch.Tensor:
+        return attend(q, k_store, v_store, step.attend[self.spec.layer_type], step.prefill)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: StepLayout, pool: KVPool) -> torch.Tensor:
         spec, T = self.spec, h.shape[0]
         cos, sin = rope
-        projections = [self.q_proj]
-        if spec.owns_kv:                       # k_eq_v layers: V is the raw K projection
-            projections += [self.k_proj] if spec.k_eq_v else [self.k_proj, self.v_proj]
-        qkv = project(h, projections)
+        qkv = self.project(h, step.prefill)
         q = self.q_norm.with_rope(qkv[0].view(T, spec.n_heads, spec.head_dim), cos, sin)    # [T, nh, d]
         if spec.owns_kv:
             k_raw = qkv[1].view(T, spec.n_kv_heads, spec.head_dim)                 # [T, nkv, d]
-            v_raw = k_raw if spec.k_eq_v else qkv[2].view(T, spec.n_kv_heads, spec.head_dim)
+            v_raw = k_raw if spec.k_eq_v else qkv[2].view(T, spec.n_kv_heads, spec.head_dim)   # k_eq_v: V = raw K
             k = self.k_norm.with_rope(k_raw, cos, sin)
-            v = (kernels.rms_norm if self.fused else rms_norm)(v_raw, None, self.eps)   # v_norm: no weight, no rope
+            v = self.v_norm(v_raw)
         k_store, v_store = pool.store(spec.index)                                 # [R, nkv, d]: every sequence's rows
         if spec.owns_kv:                       # E2B/E4B: a KV-shared layer reads what its donor wrote this step
             rows = step.write[spec.layer_type]                                    # [T]
             k_store[rows] = k.to(k_store.dtype)
             v_store[rows] = v.to(v_store.dtype)
-        out = attend(q, k_store, v_store, step.attend[spec.layer_type], self.fused, step.prefill)   # [T, nh*d]
-        return self.o_proj(out)
+        out = self.attend(q, k_store, v_store, step)                              # [T, nh*d]
+        return self.o_proj(out, step.prefill)
 
 
 class MLP(nn.Module):
-    fused = False          # fast mode (Model.use_kernels): the gelu gate runs kernels.gelu_mul
-
     def __init__(self, hidden: int, inner: int):
         super().__init__()
         self.gate_proj = QuantLinear(hidden, inner)
         self.up_proj = QuantLinear(hidden, inner)
         self.down_proj = QuantLinear(inner, hidden)
+        self.act = GeluMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu(x, self.gate_proj, self.up_proj, self.fused))
+    def glu(self, x: torch.Tensor, prefill: bool | None) -> torch.Tensor:
+        """gelu_tanh(gate(x)) * up(x)."""
+        return self.act(self.gate_proj(x, prefill), self.up_proj(x, prefill))
+
+    def forward(self, x: torch.Tensor, prefill: bool | None = None) -> torch.Tensor:
+        return self.down_proj(self.glu(x, prefill), prefill)
 
 
 class Router(nn.Module):
@@ -111,13 +127,10 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """26B-A4B routed experts: gate_up_proj [E, 2*Im, H] and down_proj [E, H, Im], dense in the weight dtype,
-    or (fast mode, `pack`) Q8_0 / Q4_0 packed as [E * rows, ...] in the kernels' layout: expert e is the row
-    range [e * rows, (e + 1) * rows) of it, read only when a token is routed to e. The weights are a slab of
-    slots and `store` (model/experts.py) says which slot holds expert e: every expert in its own slot
-    (Resident), or N slots filled from the GGUF on demand (SlotCache, `stream`)."""
-
-    fused = False          # fast mode (Model.use_kernels): the gelu gate runs kernels.gelu_mul
+    """26B-A4B routed experts: gate_up_proj [E, 2*Im, H] and down_proj [E, H, Im] in the weight dtype (a backend
+    may keep them packed: model/cpu.py). The weights are a slab of slots and `store` (model/experts.py) says which
+    slot holds expert e: every expert in its own slot (Resident), or N slots filled from the GGUF on demand
+    (SlotCache, `stream`)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -126,53 +139,35 @@ class Experts(nn.Module):
         self.dims = {"gate_up_proj": (2 * moe.intermediate_size, H), "down_proj": (H, moe.intermediate_size)}  # rows, k
         for name, dims in self.dims.items():
             setattr(self, name, nn.Parameter(torch.empty(moe.num_experts, *dims), requires_grad=False))
-        self.packed_types: dict[str, GGMLType] = {}                # name -> type, for the packed ones
+        self.packed_types: dict[str, GGMLType] = {}                # name -> type, for a backend's packed ones
         self.store = Resident()
-
-    def pack(self, name: str, raw: torch.Tensor, ggml_type: GGMLType) -> None:
-        """Load time: GGML bytes of `name` ("gate_up_proj" / "down_proj", [E, rows, k]) -> the kernels' layout."""
-        rows, k = self.dims[name]
-        if ggml_type in kernels.PANEL_TYPES and rows % 16:                  # expert e's rows must start a panel
-            raise ValueError(f"{name}: {rows} rows per expert are not a multiple of 16, which packed "
-                             f"{GGMLType(ggml_type).name} experts need; load in float32 mode")
-        packed = kernels.repack(raw, self.num_experts * rows, k, ggml_type)
-        delattr(self, name)
-        self.register_buffer(name, packed, persistent=False)
-        self.packed_types[name] = GGMLType(ggml_type)
+        self.act = GeluMul()
 
     def stream(self, store, slots: dict[str, torch.Tensor], packed_types: dict[str, GGMLType]) -> None:
-        """Load time: the weights become views of `store`'s slots, [slots, rows, ...] each (one expert as
-        `pack` lays it out, or dense)."""
+        """Load time: the weights become views of `store`'s slots, [slots, rows, ...] each (one expert as a
+        backend packs it, or dense)."""
         for name, view in slots.items():
             delattr(self, name)
             self.register_buffer(name, view, persistent=False)
         self.packed_types = dict(packed_types)
         self.store = store
 
-    def _product(self, name: str):
+    def product(self, name: str, prefill: bool | None):
         """Expert e's x @ W_e.T for the weight `name`: (e, xs [n, k]) -> [n, rows] float32."""
         w, slot = getattr(self, name), self.store.slot
-        if name not in self.packed_types:
-            return lambda e, xs: F.linear(xs.to(w.dtype), w[slot(e)]).to(xs.dtype)
-        (rows, k), ggml_type = self.dims[name], self.packed_types[name]
-        per_slot = w.view(-1, rows, w.shape[-1])          # resident [E * rows, ...] or slots [slots, rows, ...]
-        return lambda e, xs: packed_linear(xs, per_slot[slot(e)], rows, k, ggml_type)
+        return lambda e, xs: F.linear(xs.to(w.dtype), w[slot(e)]).to(xs.dtype)
 
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_forward(x, self._product("gate_up_proj"), self._product("down_proj"), idx, weights, self.fused,
-                               self.store.tiles)
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, prefill: bool | None = None) -> torch.Tensor:
+        return experts_forward(x, self.product("gate_up_proj", prefill), self.product("down_proj", prefill), self.act,
+                               idx, weights, self.store.tiles)
 
 
 class DecoderLayer(nn.Module):
-    fused = False          # fast mode (Model.use_kernels): the per-layer input gate runs kernels.gelu_mul
-    decode_rows = DECODE_ROWS   # fast mode: a decode pass of up to this many rows is one kernels.decode_layer call
-
     def __init__(self, config: ModelConfig, spec: LayerSpec):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.spec = spec
         self.eps = eps
-        self.plan: tuple[list[torch.Tensor], list[int]] | None = None   # fast mode: see decode_plan
         self.self_attn = Attention(config, spec)
         self.mlp = MLP(H, spec.intermediate_size)
         self.input_layernorm = RMSNorm(H, eps)
@@ -190,47 +185,10 @@ class DecoderLayer(nn.Module):
             self.per_layer_input_gate = QuantLinear(H, config.ple_dim)
             self.per_layer_projection = QuantLinear(config.ple_dim, H)
             self.post_per_layer_input_norm = RMSNorm(H, eps)
-
-    def decode_plan(self) -> tuple[list[torch.Tensor], list[int]] | None:
-        """Fast mode, once at load: the weights and dims with which kernels.decode_layer runs this whole layer
-        for a decode step (decode_layer.cpp lists them), or None where it does not cover the layer: a
-        projection that no GEMV kernel reads (neither packed nor bf16), or a 26B-A4B router projection that
-        is not a dense float32 matrix, or streamed experts (their slots are filled by the Python store)."""
-        attn, mlp, spec = self.self_attn, self.mlp, self.spec
-        linears = [attn.q_proj, getattr(attn, "k_proj", None), getattr(attn, "v_proj", None), attn.o_proj,
-                   mlp.gate_proj, mlp.up_proj, mlp.down_proj,
-                   getattr(self, "per_layer_input_gate", None), getattr(self, "per_layer_projection", None)]
-        if any(lin is not None and lin.gemv_type is None for lin in linears):
-            return None
-        norms = [self.input_layernorm, attn.q_norm, getattr(attn, "k_norm", None), self.post_attention_layernorm,
-                 self.pre_feedforward_layernorm, self.post_feedforward_layernorm,
-                 getattr(self, "post_per_layer_input_norm", None)]
-        none = torch.empty(0)
-        weights = ([none if n is None else n.weight for n in norms] + [self.layer_scalar]
-                   + [none if lin is None else lin.packed if lin.layout == "packed" else lin.weight for lin in linears])
-        dims = [spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.owns_kv), int(spec.k_eq_v)]
-        for lin in linears:
-            dims += [0, 0, 0] if lin is None else [lin.out_features, lin.in_features, int(lin.gemv_type)]
-        if hasattr(self, "experts"):                   # 26B-A4B
-            router, experts = self.router, self.experts
-            if experts.store.streamed:
-                return None
-            if router.proj.layout != "dense" or router.proj.weight.dtype != torch.float32:
-                return None
-            weights += [self.pre_feedforward_layernorm_2.weight, self.post_feedforward_layernorm_1.weight,
-                        self.post_feedforward_layernorm_2.weight, router.scale, router.proj.weight,
-                        router.per_expert_scale, experts.gate_up_proj, experts.down_proj]
-            dims += [experts.num_experts, router.top_k] + [int(experts.packed_types.get(name, 0))
-                                                           for name in ("gate_up_proj", "down_proj")]
-        return weights, dims
+            self.per_layer_act = GeluMul()
 
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: StepLayout, pool: KVPool) -> torch.Tensor:
-        spec = self.spec
-        if self.plan is not None and not step.prefill and x.shape[0] <= self.decode_rows:   # fast-mode decode pass
-            k_store, v_store = pool.store(spec.index)
-            rows = step.write[spec.layer_type] if spec.owns_kv else None
-            return kernels.decode_layer(x, ple, *rope, k_store, v_store, rows, step.attend[spec.layer_type],
-                                        *self.plan, self.eps)
+        prefill = step.prefill
         # attention block
         attn = self.self_attn(self.input_layernorm(x), rope, step, pool)
         x = self.post_attention_layernorm.add_to(x, attn)
@@ -239,22 +197,20 @@ class DecoderLayer(nn.Module):
         if hasattr(self, "experts"):           # 26B-A4B: routed first, so streamed experts load beside the dense branch
             idx, weights = self.router(r)
             self.experts.store.prefetch(idx)
-        m = self.mlp(self.pre_feedforward_layernorm(r))
+        m = self.mlp(self.pre_feedforward_layernorm(r), prefill)
         if hasattr(self, "experts"):
-            routed = self.experts(self.pre_feedforward_layernorm_2(r), idx, weights)
+            routed = self.experts(self.pre_feedforward_layernorm_2(r), idx, weights, prefill)
             m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(routed)
         x = self.post_feedforward_layernorm.add_to(r, m)
         if ple is not None:                    # E2B/E4B: ple [T, P] is this layer's slice
-            gated = gelu_mul(self.per_layer_input_gate(x), ple, self.fused)
-            x = self.post_per_layer_input_norm.add_to(x, self.per_layer_projection(gated))
+            gated = self.per_layer_act(self.per_layer_input_gate(x, prefill), ple)
+            x = self.post_per_layer_input_norm.add_to(x, self.per_layer_projection(gated, prefill))
         return x * self.layer_scalar
 
 
 class Model(nn.Module):
     """Gemma 4 text model. `Model.logits(ids)` is the public full-sequence entry point."""
 
-    fused = False          # fast mode (use_kernels): the final softcap runs kernels.softcap
-    decode_rows = DECODE_ROWS   # fast mode: the most rows of a decode pass (engine/runner.py; set_decode_rows)
     expert_cache = None    # 26B-A4B with streamed experts: model/experts.py ExpertFile (slots, stats)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
@@ -262,11 +218,15 @@ class Model(nn.Module):
         H, P = config.hidden_size, config.ple_dim
         self.config = config
         self.dtype = dtype                     # weight / KV-cache dtype; activations are float32
+        self.backend = "torch"                 # which backend computes it (model/backends.py; set once at load)
+        self.decode_rows = DECODE_ROWS         # the most rows of a decode pass (engine/runner.py); a backend may
+                                               # set its own at load
         # token table [V, H]: looked up by rows for the input; as a linear layer it is the tied head
         self.embed_tokens = QuantLinear(H, config.vocab_size)
         self.embed_scale = embed_scale(H)
         self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
         self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.final_softcap = Softcap(config.final_logit_softcap)
         if not config.tie_word_embeddings:
             self.lm_head = QuantLinear(H, config.vocab_size)
         if P:                                  # E2B/E4B: per-layer token table [V_ple, L*P], only looked up by rows
@@ -278,11 +238,11 @@ class Model(nn.Module):
 
     # ---- the forward ----
 
-    def per_layer_inputs(self, ids: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    def per_layer_inputs(self, ids: torch.Tensor, x0: torch.Tensor, prefill: bool) -> torch.Tensor:
         """E2B/E4B (docs/gemma4.md §2.3): ids [T], scaled embedding x0 [T, H] -> [T, L, P]."""
         L, P, H = self.config.num_layers, self.config.ple_dim, self.config.hidden_size
         tok = self.embed_tokens_per_layer.rows(ids) * math.sqrt(P)                # [T, L*P]
-        proj = self.per_layer_model_projection(x0) * H ** -0.5                   # [T, L*P]
+        proj = self.per_layer_model_projection(x0, prefill) * H ** -0.5          # [T, L*P]
         proj = self.per_layer_projection_norm(proj.view(-1, L, P))                # [T, L, P]
         return (proj + tok.view(-1, L, P)) * 2 ** -0.5
 
@@ -292,14 +252,10 @@ class Model(nn.Module):
 
     def hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
         """ids [T] (a step's new tokens) -> the final-normed hidden states of its logit rows [M, H]; the K/V of
-        all T tokens are stored in the pool. The fast mode computes a prefill step and a decode step each with
-        its own kernels (StepLayout.prefill, layers.prefill_pass)."""
-        with prefill_pass(step.prefill):
-            return self._hidden_states(ids, step, pool)
-
-    def _hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
+        all T tokens are stored in the pool. `step` is the forward's one context: the layout, and whether its
+        tokens are prompt tokens (step.prefill), which every layer a backend may replace is told."""
         x = self.embed(ids)                                                        # [T, H]
-        ple = self.per_layer_inputs(ids, x) if self.config.ple_dim else None       # [T, L, P]
+        ple = self.per_layer_inputs(ids, x, step.prefill) if self.config.ple_dim else None    # [T, L, P]
         ropes = {t: rope_cos_sin(step.positions, getattr(self, f"inv_freq_{t}"))
                  for t, _ in self.config.rope_inv_freq}
         keep = step.logit_rows                                                     # [M]
@@ -318,12 +274,14 @@ class Model(nn.Module):
         return self.norm(x[keep] if keep.numel() < x.shape[0] else x)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final hidden [T, H] -> softcapped logits [T, V] float32 (tied head: the unscaled embedding)."""
-        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
-        logits, cap = head(h).float(), self.config.final_logit_softcap
-        return kernels.softcap(logits, cap) if self.fused and cap is not None else softcap(logits, cap)
+        """Final hidden [T, H] -> softcapped logits [T, V] float32 (tied head: the unscaled embedding).
 
-    @torch.inference_mode()
+        Not told the pass kind: a step's logit rows are few in either kind (a prompt's last row, a decode
+        pass's rows), so a backend picks the head's kernel by their number, as for a layer called alone."""
+        head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
+        return self.final_softcap(head(h).float())
+
+    @torch.no_grad()      # not inference_mode: torch.compile's AOT backends cannot take inference tensors
     def forward(self, ids: torch.Tensor, step: StepLayout, pool: KVPool, hidden: bool = False):
         """One step over the pool: ids [T] -> logits of the step's logit rows [M, V], float32.
 
@@ -340,21 +298,6 @@ class Model(nn.Module):
         out = self.forward(ids, cache.step(ids.numel(), logits, prefill), cache.pool)
         cache.commit(ids.numel())
         return out
-
-    def use_kernels(self, keep_heap: bool = True) -> None:
-        """Fast mode (bfloat16 on CPU with the compiled kernels), set once at load: every module that has
-        a compiled alternative (class attribute `fused`) switches to it -- norms, q/k norm + RoPE, attention
-        (decode rows and prefill chunks), gelu gates, the softcap. The same float32 math as the reference, up to rounding.
-        A decode step then runs each decoder layer kernels.decode_layer covers as one call (the same kernels
-        in the same order). The process's heap keeps freed prefill temporaries from then on (kernels.keep_heap),
-        or with keep_heap=False (streamed experts: a bounded process) hands them back."""
-        kernels.keep_heap(keep_heap)
-        for module in self.modules():
-            if hasattr(type(module), "fused"):
-                module.fused = True
-        for layer in self.layers:
-            layer.plan = layer.decode_plan()
-        set_decode_rows(self, self.layers)
 
     @property
     def device(self) -> torch.device:

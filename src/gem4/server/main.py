@@ -214,7 +214,7 @@ def startup_summary(name: str, engine) -> str:
     model, config, pool = engine.model, engine.model.config, engine.pool_size
     dtype = str(model.dtype).removeprefix("torch.")
     return (f"gem4: model {name}: Gemma 4 {config.variant}, {config.num_layers} layers, {dtype}, compiled kernels "
-            f"{'on' if model.fused else 'off'}, {torch.get_num_threads()} threads, max_model_len "
+            f"{'on' if model.backend == 'cpu' else 'off'}, {torch.get_num_threads()} threads, max_model_len "
             f"{engine.max_model_len}, KV cache {pool.total_bytes / 2**30:.2f} GiB ({pool.tokens} tokens, "
             f"{pool.num_seqs} sequences), prefix caching {'on' if engine.prefix_caching else 'off'}"
             + ("" if engine.speculative_config is None else

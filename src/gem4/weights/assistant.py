@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from gem4.config import FULL, SLIDING, ConfigError, build_config, check_rope_theta, rope_with_factors
-from gem4.model import kernels
+from gem4.model.backends import choose
 from gem4.model.assistant import Assistant, AssistantConfig, CentroidHead
 from gem4.weights.checkpoint import CheckpointError, TensorEntry
 from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
@@ -38,7 +38,7 @@ from gem4.weights.gguf_model import (
     FILE_TYPE, LAYER_NAMES, OUT_TYPES, _entry, _Meta, layer_types_from, rope_metadata, tensor_type,
 )
 from gem4.weights.hf import _int, _safetensors_files, config_from_hf
-from gem4.weights.loader import AUTO_DTYPE, DTYPES, _block_storage, _check_manifest, _weight_dtype
+from gem4.weights.loader import AUTO_DTYPE, DTYPES, block_storage, check_manifest, weight_dtype
 from gem4.weights.quants import GGMLType, quantize
 
 ARCH = "gemma4-assistant"
@@ -245,21 +245,23 @@ def bind_assistant(ckpt: AssistantCheckpoint, target, dtype: str | None = None, 
     manifest = dict(expected)
     if config.centroids is not None:
         manifest[ORDERING] = (config.vocab_size,)
-    _check_manifest(ckpt, manifest)
+    check_manifest(ckpt, manifest)
 
-    packed_kernels = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available()
+    backend = choose(torch_dtype, device)
+    backend.prepare(model)
     state = {}
     for name in expected:
         entry = ckpt.tensors.get(name)
-        storage = _block_storage(name, entry, packed_kernels)
+        storage = block_storage(name, entry, backend.packed_types)
         if storage == "packed":
             raw, ggml_type = entry.raw()
-            model.get_submodule(name.rsplit(".", 1)[0]).pack(raw, ggml_type)
+            parent, attr = name.rsplit(".", 1)
+            backend.pack(model.get_submodule(parent), attr, raw, ggml_type)
             entry.release()
         elif entry is None:                                 # layer_scalar: optional, 1 (loader.OPTIONAL_ONES)
             state[name] = torch.ones(expected[name], dtype=torch.float32, device=device)
         else:
-            state[name] = entry.dense().to(device=device, dtype=_weight_dtype(name, expected[name], torch_dtype))
+            state[name] = entry.dense().to(device=device, dtype=weight_dtype(name, expected[name], torch_dtype))
     if config.centroids is not None:
         ordering = ckpt.tensors[ORDERING].dense().to(device=device, dtype=torch.long)
         if not torch.equal(torch.sort(ordering).values, torch.arange(config.vocab_size, device=device)):
@@ -268,8 +270,7 @@ def bind_assistant(ckpt: AssistantCheckpoint, target, dtype: str | None = None, 
     model.load_state_dict(state, strict=True, assign=True)
     for layer_type, inv_freq in config.rope_inv_freq:
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
-    if packed_kernels:
-        model.use_kernels()
+    backend.finish(model)
     return model.eval()
 
 

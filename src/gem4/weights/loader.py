@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from gem4.model.backends import choose
 from gem4.model.gemma4 import Model
-from gem4.model import kernels
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from gem4.weights.quants import GGMLType
 
@@ -24,7 +24,7 @@ AUTO_DTYPE = "bfloat16"
 PLE_TABLE = "embed_tokens_per_layer.weight"
 
 # Kept in float32 in every mode (as llama.cpp's converter keeps them): vectors and the 26B-A4B router.
-def _weight_dtype(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
+def weight_dtype(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if len(shape) == 1 or name.endswith("router.proj.weight") else dtype
 
 
@@ -35,7 +35,7 @@ EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
 OPTIONAL_ONES = ("layer_scalar", "router.per_expert_scale")
 
 
-def _check_manifest(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]]) -> None:
+def check_manifest(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]]) -> None:
     where = ckpt.path
     for name, shape in expected.items():
         entry = ckpt.tensors.get(name)
@@ -53,18 +53,18 @@ def _check_manifest(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]]) -> N
                               + " for this model's metadata")
 
 
-def _block_storage(name: str, entry, packed_kernels: bool) -> str | None:
+def block_storage(name: str, entry, packed_types: frozenset[GGMLType]) -> str | None:
     """How a GGML-block tensor is kept instead of being dequantized: "blocks", "packed", "experts" or None (dense).
 
     The per-layer embedding table is only read by rows, so it always stays in its blocks, in the mmap.
-    Projection weights (and the token table, which is also the tied head) are packed in the fast mode
-    when a compiled kernel reads their format; so are 26B-A4B's expert weights ("experts": Experts.pack).
+    Projection weights (and the token table, which is also the tied head) are packed when the backend reads
+    their format (`packed_types`, model/backends.py); so are 26B-A4B's expert weights ("experts").
     """
     if entry is None or entry.raw is None:
         return None
     if name == PLE_TABLE:
         return "blocks"
-    if packed_kernels and GGMLType[entry.stored] in kernels.PACKED_TYPES:
+    if GGMLType[entry.stored] in packed_types:
         if len(entry.shape) == 2:
             return "packed"
         if name.endswith(EXPERT_WEIGHTS):                  # 26B-A4B: [E, rows, k], packed as E * rows rows
@@ -135,17 +135,17 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
         from gem4.model.experts import process_rss, stream_experts
         _check_streamable(ckpt, device, expert_cache_slots, memory_limit)
         runtime = process_rss()                            # memory_limit counts the runtime loaded so far
+    backend = choose(torch_dtype, device)                 # the fast mode: the CPU kernels where they run
     with torch.device("meta"):
         model = Model(config, torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    _check_manifest(ckpt, expected)
+    check_manifest(ckpt, expected)
+    backend.prepare(model)
 
-    # fast mode: projections in kernels.PACKED_TYPES stay packed and the decode step runs compiled kernels (float32 is the reference)
-    packed_kernels = torch_dtype == torch.bfloat16 and torch.device(device).type == "cpu" and kernels.available()
     state, streamed = {}, {}
     for name in tqdm(list(expected), desc="loading weights", unit="tensor", disable=not progress):
         entry = ckpt.tensors.get(name)
-        storage = _block_storage(name, entry, packed_kernels)
+        storage = block_storage(name, entry, backend.packed_types)
         if stream and name.endswith(EXPERT_WEIGHTS):       # read on demand into slots (model/experts.py)
             streamed[name] = entry
             continue
@@ -156,28 +156,24 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
             if storage == "blocks":
                 module.keep_blocks(raw.to(device), ggml_type)
                 continue
-            if storage == "experts":                       # Experts holds two weights: name the one
-                module.pack(attr, raw, ggml_type)
-            else:
-                module.pack(raw, ggml_type)
-            entry.release()                                # a copy in the kernels' layout: the file's pages can go
+            backend.pack(module, attr, raw, ggml_type)     # "packed" (a linear's weight) or "experts" (one of two)
+            entry.release()                                # a copy in the backend's layout: the file's pages can go
         elif entry is None:                                # optional scalars default to 1 (OPTIONAL_ONES)
-            state[name] = torch.ones(expected[name], dtype=_weight_dtype(name, expected[name], torch_dtype), device=device)
+            state[name] = torch.ones(expected[name], dtype=weight_dtype(name, expected[name], torch_dtype), device=device)
         elif name == PLE_TABLE:                            # float table: kept in its stored dtype, read by rows
             state[name] = entry.dense().to(device)
         else:
-            state[name] = _aligned(entry.dense().to(device=device, dtype=_weight_dtype(name, expected[name], torch_dtype)))
+            state[name] = _aligned(entry.dense().to(device=device, dtype=weight_dtype(name, expected[name], torch_dtype)))
     if stream:
         resident = (sum(t.nbytes for t in state.values())
                     + sum(b.nbytes for b in model.buffers() if not b.is_meta))
-        packed = {name: _block_storage(name, entry, packed_kernels) == "experts" for name, entry in streamed.items()}
+        packed = {name: block_storage(name, entry, backend.packed_types) == "experts" for name, entry in streamed.items()}
         model.expert_cache = stream_experts(model, ckpt.path, streamed, packed, torch_dtype, expert_cache_slots,
                                             memory_limit, resident, runtime)
     model.load_state_dict(state, strict=True, assign=True)
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
-    if packed_kernels:
-        model.use_kernels(keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
+    backend.finish(model, keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
     model.eval()
     return model
 
