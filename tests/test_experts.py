@@ -1,4 +1,4 @@
-"""Streamed 26B-A4B experts (model/experts.py, issue 17): per-layer slots filled from the GGUF on demand, LFU
+"""Streamed 26B-A4B experts (weights/expert_stream.py): per-layer slots filled from the GGUF on demand, LFU
 eviction, the same logits as the resident experts for every slot count from top_k to E."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import torch
 
 import gem4
 from gem4 import Engine, SamplingParams
-from gem4.model import experts, kernels
-from gem4.weights import expert_files
-from gem4.model.experts import (GB, ExpertCacheError, ExpertFile, ExpertTensor, GGUFSource, RawFile, SlotCache,
-                                SlotLayout)
+from gem4.model import kernels
+from gem4.weights import expert_files, expert_stream
+from gem4.weights.expert_files import GB, ExpertTensor, RawFile, SlotLayout
+from gem4.weights.expert_stream import ExpertCacheError, ExpertFile, GGUFSource, SlotCache
 from model_fixtures import build_hf, prompt_ids
 
 E, TOP_K, LAYERS = 8, 2, 6          # the tiny "moe" variant (model_fixtures.VARIANTS)
@@ -137,8 +137,8 @@ def test_memory_limit_sizes_the_slots(moe, monkeypatch):
     layers' slots; too little is refused with the numbers."""
     _, files = moe
     runtime = 300_000_000
-    monkeypatch.setattr(experts, "process_rss", lambda: runtime)
-    reserve = runtime + experts.WORKING_RESERVE
+    monkeypatch.setattr(expert_stream, "process_rss", lambda: runtime)
+    reserve = runtime + expert_stream.WORKING_RESERVE
     probe = gem4.load(files["q8_0"], dtype="bfloat16", expert_cache_slots=E)
     cache = probe.expert_cache
     slabs = sum(layer.experts.store.slab.nbytes for layer in probe.layers)
@@ -280,7 +280,7 @@ def test_packed_experts_are_read_from_a_repacked_copy_built_once(moe, repack_roo
         assert torch.equal(steps(model), want)
         return
     assert directory is not None and directory.parent == repack_root
-    assert isinstance(model.layers[0].experts.store.source, experts.RepackedSource)
+    assert isinstance(model.layers[0].experts.store.source, expert_stream.RepackedSource)
     assert torch.equal(steps(model), want)
     check_counters(model)
     manifest = json.loads((directory / "manifest.json").read_text())

@@ -118,10 +118,8 @@ def render(
 
 
 def stop_token_ids(tokenizer) -> frozenset[int]:
-    """End-of-generation ids: `<eos>` (1), `<turn|>` (106) and `<|tool_response>` (50): the model
-    emits the last one right after its tool calls to hand control back (docs/gemma4.md §6.1, §7.2)."""
-    s = tokenizer.special
-    return frozenset(i for i in (s.eos, s.turn_end, s.tool_response_start) if i is not None)
+    """End-of-generation ids: the tokenizer's (`SpecialIds.end_of_generation`)."""
+    return tokenizer.special.end_of_generation
 
 
 def encode_prompt(

@@ -15,7 +15,7 @@ def open_engine(args: argparse.Namespace, path: str, log: Callable[[str], None],
     first (weights.loader.load_with_tokenizer); a checkpoint without a tokenizer says how to give one.
     """
     import gem4
-    from gem4.model.experts import expert_cache_summary
+    from gem4.weights.expert_stream import expert_cache_summary
     from gem4.tokenizer import TokenizerError
     from gem4.weights.loader import load_with_tokenizer
 

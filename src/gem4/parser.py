@@ -517,7 +517,7 @@ class Gemma4Parser:
         self._pieces = tokenizer.piece_table()
         self._structural = tokenizer.structural_ids
         self._sp = sp
-        self._stops = frozenset(i for i in (sp.eos, sp.turn_end, sp.tool_response_start) if i is not None)
+        self._stops = sp.end_of_generation
         self._call_prefix = call_id_prefix if call_id_prefix is not None else f"call_{secrets.token_hex(8)}_"
         self._tool_names = None if tool_names is None else frozenset(tool_names)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -1,5 +1,5 @@
 """Memory figures Linux gives in /proc ("Key:   N kB" lines): the KV pool's default size (kv_cache.py) and
-the runtime a memory_limit counts (model/experts.py)."""
+the runtime a memory_limit counts (weights/expert_stream.py)."""
 from __future__ import annotations
 
 

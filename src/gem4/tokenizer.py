@@ -95,6 +95,12 @@ class SpecialIds:
     tool_start: int | None  # <|tool>
     tool_end: int | None  # <tool|>
 
+    @property
+    def end_of_generation(self) -> frozenset[int]:
+        """The ids that end generation (EOG): `<eos>`, `<turn|>` and `<|tool_response>`, which the model emits
+        right after its tool calls to hand control back (docs/gemma4.md §6.1, §7.2)."""
+        return frozenset(i for i in (self.eos, self.turn_end, self.tool_response_start) if i is not None)
+
 
 _STRUCTURAL_TEXT = {
     "turn_start": "<|turn>",

@@ -176,7 +176,7 @@ class Engine:
     max_model_len: cap on prompt + generated tokens (default and upper bound: the model's
     max_position_embeddings).
     end_token_ids: the ids that end generation (unless params.ignore_eos); default: the tokenizer's
-    eos, end-of-turn and the chat template's stop ids (`chat.stop_token_ids`), none without one.
+    end-of-generation ids (`tokenizer.special.end_of_generation`), none without one.
     max_num_seqs: requests running at once, decoded together (1 = strictly one after the other).
     max_num_batched_tokens: tokens per step, all sequences together (default max(prefill_chunk,
     max_num_seqs)).
@@ -222,8 +222,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = max_model_len or context
         if end_token_ids is None:
-            from gem4.chat import stop_token_ids
-            end_token_ids = stop_token_ids(tokenizer) if tokenizer is not None else ()
+            end_token_ids = tokenizer.special.end_of_generation if tokenizer is not None else ()
         self.end_token_ids = frozenset(int(i) for i in end_token_ids)
         self.prefill_chunk = prefill_chunk
         if max_num_seqs < 1:

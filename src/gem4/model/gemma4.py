@@ -211,7 +211,7 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     """Gemma 4 text model. `Model.logits(ids)` is the public full-sequence entry point."""
 
-    expert_cache = None    # 26B-A4B with streamed experts: model/experts.py ExpertFile (slots, stats)
+    expert_cache = None    # 26B-A4B with streamed experts: weights/expert_stream.py ExpertFile (slots, stats)
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()

@@ -35,9 +35,10 @@ from gem4.model.assistant import Assistant, AssistantConfig, CentroidHead
 from gem4.weights.checkpoint import CheckpointError, TensorEntry
 from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
 from gem4.weights.gguf_model import (
-    FILE_TYPE, LAYER_NAMES, OUT_TYPES, _entry, _Meta, layer_types_from, rope_metadata, tensor_type,
+    FILE_TYPE, LAYER_NAMES, OUT_TYPES, GGUFMeta, attention_geometry, layer_types_from, rope_metadata, tensor_entry,
+    tensor_type,
 )
-from gem4.weights.hf import _int, _safetensors_files, config_from_hf
+from gem4.weights.hf import config_from_hf, int_field, safetensors_files
 from gem4.weights.loader import AUTO_DTYPE, DTYPES, block_storage, check_manifest, weight_dtype
 from gem4.weights.quants import GGMLType, quantize
 
@@ -94,7 +95,7 @@ def open_hf_assistant(directory: Path) -> AssistantCheckpoint:
     cfg = _hf_config(directory)
     where = directory / "config.json"
     text = cfg["text_config"]
-    files = _safetensors_files(directory)
+    files = safetensors_files(directory)
     canonical, ignored = {}, []
     for f in files:
         handle = safe_open(str(f), framework="pt")
@@ -115,14 +116,14 @@ def open_hf_assistant(directory: Path) -> AssistantCheckpoint:
                               f"{'has no' if flag else 'has'} masked_embedding tensors")
     centroids = None
     if has_head:
-        centroids = CentroidHead(num_centroids=_int(cfg, "num_centroids", where),
-                                 top_k=_int(cfg, "centroid_intermediate_top_k", where))
+        centroids = CentroidHead(num_centroids=int_field(cfg, "num_centroids", where),
+                                 top_k=int_field(cfg, "centroid_intermediate_top_k", where))
     if not cfg.get("tie_word_embeddings", True) or not text.get("tie_word_embeddings", True):
         raise CheckpointError(f"{where}: tie_word_embeddings is false; an assistant's head is its embedding table")
     try:
         # every assistant layer reads the target's K/V: its geometry is validated as a model with no sharing
         decoder = config_from_hf(dict(text, num_kv_shared_layers=0), shapes, where)
-        config = AssistantConfig.from_text_config(decoder, _int(cfg, "backbone_hidden_size", where), centroids)
+        config = AssistantConfig.from_text_config(decoder, int_field(cfg, "backbone_hidden_size", where), centroids)
     except ConfigError as e:
         raise CheckpointError(f"{where}: {e}") from None
 
@@ -142,7 +143,7 @@ def open_hf_assistant(directory: Path) -> AssistantCheckpoint:
 # ---- GGUF ----
 
 def _gguf_config(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_freqs) -> AssistantConfig:
-    m, where = _Meta(reader, ARCH), reader.path
+    m, where = GGUFMeta(reader, ARCH), reader.path
     L = m.integer("block_count", required=True)
     Ha = m.integer("embedding_length", required=True)
     Hb = m.integer("embedding_length_out", required=True)
@@ -150,15 +151,7 @@ def _gguf_config(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_fr
     if nextn != L:
         raise CheckpointError(f"{where}: {ARCH}.nextn_predict_layers={nextn} differs from {ARCH}.block_count={L}")
     layer_types = layer_types_from(m, L)
-    n_heads = m.per_layer("attention.head_count", L, required=True)
-    kv_known = m.get("attention.head_count_kv") is not None
-    n_kv = m.per_layer("attention.head_count_kv", L) if kv_known else n_heads
-    d_full = m.integer("attention.key_length", required=True)
-    d_swa = m.integer("attention.key_length_swa", required=True)
-    for k, key_k, d in (("attention.value_length", "attention.key_length", d_full),
-                        ("attention.value_length_swa", "attention.key_length_swa", d_swa)):
-        if m.integer(k, d) != d:
-            raise CheckpointError(f"{where}: {ARCH}.{k}={m.integer(k)} differs from {ARCH}.{key_k}={d}")
+    n_heads, n_kv, kv_known, d_full, d_swa = attention_geometry(m, L)
     if (m.integer("rope.dimension_count", d_full), m.integer("rope.dimension_count_swa", d_swa)) != (d_full, d_swa):
         raise CheckpointError(f"{where}: {ARCH}.rope.dimension_count(_swa) must equal the head dims "
                               f"{d_full} / {d_swa}; partial rotation is expressed with rope_freqs")
@@ -189,7 +182,7 @@ def open_gguf_assistant(path: Path) -> AssistantCheckpoint:
         reader = GGUFReader(path)
     except GGUFError as e:
         raise CheckpointError(str(e)) from None
-    arch = _Meta(reader, ARCH).get("general.architecture", required=True)
+    arch = GGUFMeta(reader, ARCH).get("general.architecture", required=True)
     if arch != ARCH:
         raise CheckpointError(f"{path}: the architecture is {arch!r}, not a Gemma 4 assistant ({ARCH!r})")
     canonical, ignored, rope_freqs = {}, [], None
@@ -211,7 +204,7 @@ def open_gguf_assistant(path: Path) -> AssistantCheckpoint:
             raise CheckpointError(f"{path}: unknown tensor {name!r} for architecture {ARCH!r}")
     shapes = {c: reader.tensors[n].shape for c, n in canonical.items()}
     config = _gguf_config(reader, shapes, rope_freqs)
-    tensors = {c: _entry(reader, n, c) for c, n in canonical.items()}
+    tensors = {c: tensor_entry(reader, n, c) for c, n in canonical.items()}
     return AssistantCheckpoint(path, "gguf", config, tensors, ignored, dict(reader.metadata), reader.close)
 
 

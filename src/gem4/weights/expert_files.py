@@ -1,4 +1,4 @@
-"""Expert weights on disk for streamed experts (model/experts.py, issue 17): page-cache-bypassing reads of
+"""Expert weights on disk for streamed experts (weights/expert_stream.py): page-cache-bypassing reads of
 byte ranges (`RawFile`), one expert's byte range in a GGUF tensor (`ExpertTensor`), the slot record both
 weights of an expert take (`SlotLayout`), and the one-time repacked copy of a GGUF's experts in that record
 layout -- per-layer files with a JSON manifest (`repacked_layers`)."""

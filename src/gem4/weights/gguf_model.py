@@ -119,7 +119,7 @@ def to_canonical(name: str) -> str | None:
 
 # ---- reading ----
 
-class _Meta:
+class GGUFMeta:
     """Typed access to `<arch>.*` keys (`gemma4.*`; `gemma4-assistant.*` for weights/assistant.py) with errors
     that name the file and key."""
 
@@ -163,14 +163,14 @@ class _Meta:
 
 def _check_architecture(reader: GGUFReader) -> None:
     """A GGUF of another model family is refused by its architecture's name, before its tensors are read."""
-    arch = _Meta(reader).get("general.architecture", required=True)
+    arch = GGUFMeta(reader).get("general.architecture", required=True)
     if arch != ARCH:
         hint = " (a Gemma 4 assistant drafts for a target model: gem4.load_assistant)" if arch == "gemma4-assistant" else ""
         raise CheckpointError(f"{reader.path}: the architecture is {arch!r}; gem4 runs Gemma 4 "
                               f"({ARCH!r}) text models{hint}")
 
 
-def layer_types_from(m: "_Meta", L: int) -> list[str]:
+def layer_types_from(m: "GGUFMeta", L: int) -> list[str]:
     """The layer types from `{arch}.attention.sliding_window_pattern`, a bool array of block_count entries."""
     pattern = m.get("attention.sliding_window_pattern", required=True)
     if not (isinstance(pattern, np.ndarray) and pattern.dtype == bool and pattern.shape == (L,)):
@@ -179,23 +179,32 @@ def layer_types_from(m: "_Meta", L: int) -> list[str]:
     return [SLIDING if s else FULL for s in pattern]
 
 
+def attention_geometry(m: GGUFMeta, L: int) -> tuple[list[int], list[int], bool, int, int]:
+    """`<arch>.attention.*` -> (query heads per layer, KV heads per layer -- the query heads' where the file does
+    not say --, whether it says, the full and the sliding layers' head dims); a value length must equal its key
+    length."""
+    n_heads = m.per_layer("attention.head_count", L, required=True)
+    kv_known = m.get("attention.head_count_kv") is not None
+    n_kv = m.per_layer("attention.head_count_kv", L) if kv_known else n_heads
+    d_full = m.integer("attention.key_length", required=True)
+    d_swa = m.integer("attention.key_length_swa", required=True)
+    for k, key_k, d in (("attention.value_length", "attention.key_length", d_full),
+                        ("attention.value_length_swa", "attention.key_length_swa", d_swa)):
+        if m.integer(k, d) != d:
+            raise CheckpointError(f"{m.r.path}: {m.arch}.{k}={m.integer(k)} differs from {m.arch}.{key_k}={d}")
+    return n_heads, n_kv, kv_known, d_full, d_swa
+
+
 def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None) -> ModelConfig:
     """GGUF metadata (+ tensor shapes for what the metadata leaves to them) -> ModelConfig (docs/gemma4.md §4.2)."""
-    m, where = _Meta(reader), reader.path
+    m, where = GGUFMeta(reader), reader.path
     _check_architecture(reader)
     L = m.integer("block_count", required=True)
     H = m.integer("embedding_length", required=True)
     if not L or L <= 0 or H <= 0:
         raise CheckpointError(f"{where}: {ARCH}.block_count={L} and {ARCH}.embedding_length={H} must be positive")
     layer_types = layer_types_from(m, L)
-    n_heads = m.per_layer("attention.head_count", L, required=True)
-    n_kv = m.per_layer("attention.head_count_kv", L, default=None) if m.get("attention.head_count_kv") is not None else n_heads
-    d_full = m.integer("attention.key_length", required=True)
-    d_swa = m.integer("attention.key_length_swa", required=True)
-    for k, key_k, d in (("attention.value_length", "attention.key_length", d_full),
-                        ("attention.value_length_swa", "attention.key_length_swa", d_swa)):
-        if m.integer(k, d) != d:
-            raise CheckpointError(f"{where}: {ARCH}.{k}={m.integer(k)} differs from {ARCH}.{key_k}={d}")
+    n_heads, n_kv, _, d_full, d_swa = attention_geometry(m, L)
     head_dims = [d_swa if t == SLIDING else d_full for t in layer_types]
     n_ff = m.per_layer("feed_forward_length", L, required=True)
     shared = m.integer("attention.shared_kv_layers", 0)
@@ -256,7 +265,7 @@ def config_from_gguf(reader: GGUFReader, shapes: dict[str, tuple[int, ...]], rop
         raise CheckpointError(f"{where}: {e}" + (f" (metadata {keys})" if keys else "")) from None
 
 
-def _entry(reader: GGUFReader, gguf_name: str, canonical: str) -> TensorEntry:
+def tensor_entry(reader: GGUFReader, gguf_name: str, canonical: str) -> TensorEntry:
     info = reader.tensors[gguf_name]
 
     def raw_bytes() -> torch.Tensor:
@@ -305,7 +314,7 @@ def open_gguf(path: Path) -> Checkpoint:
                 c = to_canonical(f"blk.{spec.index}.{suffix}")
                 if c in canonical:
                     ignored.append(canonical.pop(c))
-    tensors = {c: _entry(reader, n, c) for c, n in canonical.items()}
+    tensors = {c: tensor_entry(reader, n, c) for c, n in canonical.items()}
     return Checkpoint(path=path, format="gguf", config=config, tensors=tensors, ignored=ignored,
                       metadata=dict(reader.metadata), close=reader.close)
 

@@ -27,7 +27,7 @@ STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloa
 VESTIGIAL_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight", "self_attn.v_norm.weight")
 
 
-def _safetensors_files(directory: Path) -> list[Path]:
+def safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -67,7 +67,7 @@ def _require(cfg: dict, key: str, where: Path | str):
     return cfg[key]
 
 
-def _int(cfg: dict, key: str, where: Path | str, default=None) -> int:
+def int_field(cfg: dict, key: str, where: Path | str, default=None) -> int:
     """An integer field (JSON int, not bool or float); `default` when absent (required if None)."""
     v = _require(cfg, key, where) if default is None or cfg.get(key) is not None else default
     if isinstance(v, bool) or not isinstance(v, int):
@@ -125,14 +125,14 @@ def _rope(params: dict, head_dim: int, layer_type: str, where: Path) -> tuple[fl
 
 def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -> ModelConfig:
     """config.json text section + canonical tensor shapes -> ModelConfig."""
-    L = _int(cfg, "num_hidden_layers", where)
+    L = int_field(cfg, "num_hidden_layers", where)
     layer_types = _require(cfg, "layer_types", where)       # never defaulted (STYLE.md)
     if not isinstance(layer_types, list) or len(layer_types) != L:
         raise CheckpointError(f"{where}: layer_types must be a list of {L} entries (num_hidden_layers), "
                               f"got {len(layer_types) if isinstance(layer_types, list) else layer_types!r}")
-    nh = _int(cfg, "num_attention_heads", where)
+    nh = int_field(cfg, "num_attention_heads", where)
     k_eq_v_flag = bool(cfg.get("attention_k_eq_v", False))
-    shared = _int(cfg, "num_kv_shared_layers", where, 0)
+    shared = int_field(cfg, "num_kv_shared_layers", where, 0)
 
     # per-layer head geometry: per_layer_config (re-saved form) or global_* keys (hub form)
     head_dims, kv_heads = [], []
@@ -145,21 +145,21 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
         if not set(per_layer) <= set(range(len(layer_types))):
             raise CheckpointError(f"{where}: per_layer_config names layers outside 0..{len(layer_types) - 1}")
     for i, t in enumerate(layer_types):
-        d, nkv = _int(cfg, "head_dim", where), _int(cfg, "num_key_value_heads", where)
+        d, nkv = int_field(cfg, "head_dim", where), int_field(cfg, "num_key_value_heads", where)
         if per_layer is not None:
             override = per_layer.get(i, {})
             if not isinstance(override, dict):
                 raise CheckpointError(f"{where}: per_layer_config[{i}] must be an object, got {override!r}")
-            d, nkv = _int(override, "head_dim", where, d), _int(override, "num_key_value_heads", where, nkv)
+            d, nkv = int_field(override, "head_dim", where, d), int_field(override, "num_key_value_heads", where, nkv)
         elif t == FULL:
-            d = _int(cfg, "global_head_dim", where)
+            d = int_field(cfg, "global_head_dim", where)
             if k_eq_v_flag and cfg.get("num_global_key_value_heads") is not None:
-                nkv = _int(cfg, "num_global_key_value_heads", where)
+                nkv = int_field(cfg, "num_global_key_value_heads", where)
         head_dims.append(d)
         kv_heads.append(nkv)
 
     first = L - shared
-    inter = _int(cfg, "intermediate_size", where)
+    inter = int_field(cfg, "intermediate_size", where)
     double = bool(cfg.get("use_double_wide_mlp", False))
     intermediate = [inter * (2 if double and i >= first else 1) for i in range(L)]
 
@@ -182,8 +182,8 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
 
     moe = None
     if cfg.get("enable_moe_block"):
-        moe = MoEConfig(num_experts=_int(cfg, "num_experts", where), top_k=_int(cfg, "top_k_experts", where),
-                        intermediate_size=_int(cfg, "moe_intermediate_size", where))
+        moe = MoEConfig(num_experts=int_field(cfg, "num_experts", where), top_k=int_field(cfg, "top_k_experts", where),
+                        intermediate_size=int_field(cfg, "moe_intermediate_size", where))
 
     rope_params = _require(cfg, "rope_parameters", where)
     if not isinstance(rope_params, dict):
@@ -197,15 +197,15 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
     softcap = cfg.get("final_logit_softcapping")
     try:
         return build_config(
-            vocab_size=_int(cfg, "vocab_size", where), hidden_size=_int(cfg, "hidden_size", where),
+            vocab_size=int_field(cfg, "vocab_size", where), hidden_size=int_field(cfg, "hidden_size", where),
             layer_types=layer_types, n_heads=[nh] * L, n_kv_heads=kv_heads, head_dims=head_dims,
             k_eq_v=[k_eq_v_flag and t == FULL for t in layer_types], intermediate_sizes=intermediate,
-            num_kv_shared_layers=shared, sliding_window=_int(cfg, "sliding_window", where),
+            num_kv_shared_layers=shared, sliding_window=int_field(cfg, "sliding_window", where),
             rms_norm_eps=_num(cfg, "rms_norm_eps", where),
             final_logit_softcap=None if softcap is None else _num(cfg, "final_logit_softcapping", where),
             ple_dim=ple_dim, ple_vocab_size=ple_vocab, moe=moe, rope_inv_freq=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-            max_position_embeddings=_int(cfg, "max_position_embeddings", where),
+            max_position_embeddings=int_field(cfg, "max_position_embeddings", where),
         )
     except ConfigError as e:
         key = CONFIG_KEYS.get(e.field)
@@ -214,7 +214,7 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
 
 def open_hf(directory: Path) -> Checkpoint:
     cfg = _text_config(directory)
-    files = _safetensors_files(directory)
+    files = safetensors_files(directory)
     handles = [safe_open(str(f), framework="pt") for f in files]
     located: dict[str, tuple[object, str]] = {}          # tensor name -> (handle, file path)
     for handle, f in zip(handles, files):

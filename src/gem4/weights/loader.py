@@ -74,7 +74,7 @@ def block_storage(name: str, entry, packed_types: frozenset[GGMLType]) -> str | 
 
 def _check_streamable(ckpt: Checkpoint, device: str, slots, memory_limit) -> None:
     """Streamed experts need a 26B-A4B GGUF on the CPU, and one well-formed option."""
-    from gem4.model.experts import ExpertCacheError
+    from gem4.weights.expert_stream import ExpertCacheError
 
     if slots is not None and memory_limit is not None:
         raise ExpertCacheError("give one of expert_cache_slots and memory_limit, not both")
@@ -122,7 +122,7 @@ def load_with_tokenizer(path: str | Path, tokenizer: str | Path | None = None, d
 def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: bool = False,
          expert_cache_slots: int | None = None, memory_limit: float | None = None) -> Model:
     """`expert_cache_slots` / `memory_limit` (GB; one of them): 26B-A4B's routed experts are not bound but
-    streamed from the GGUF into per-layer slots (model/experts.py); model.expert_cache holds the slot count
+    streamed from the GGUF into per-layer slots (weights/expert_stream.py); model.expert_cache holds the slot count
     and the counters."""
     if dtype == "auto":
         dtype = AUTO_DTYPE
@@ -132,7 +132,7 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     config = ckpt.config
     stream = expert_cache_slots is not None or memory_limit is not None
     if stream:
-        from gem4.model.experts import process_rss, stream_experts
+        from gem4.weights.expert_stream import process_rss, stream_experts
         _check_streamable(ckpt, device, expert_cache_slots, memory_limit)
         runtime = process_rss()                            # memory_limit counts the runtime loaded so far
     backend = choose(torch_dtype, device)                 # the fast mode: the CPU kernels where they run
@@ -146,7 +146,7 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     for name in tqdm(list(expected), desc="loading weights", unit="tensor", disable=not progress):
         entry = ckpt.tensors.get(name)
         storage = block_storage(name, entry, backend.packed_types)
-        if stream and name.endswith(EXPERT_WEIGHTS):       # read on demand into slots (model/experts.py)
+        if stream and name.endswith(EXPERT_WEIGHTS):       # read on demand into slots (weights/expert_stream.py)
             streamed[name] = entry
             continue
         if storage is not None:
@@ -196,7 +196,7 @@ def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: b
 
     26B-A4B in a memory cap: `expert_cache_slots=N` (top_k <= N) keeps N routed experts per layer in slots
     filled from disk on demand (LFU), `memory_limit=GB` computes N from the whole process's budget
-    (model/experts.py stream_experts); the other weights stay resident. The logits are the same as without.
+    (weights/expert_stream.py stream_experts); the other weights stay resident. The logits are the same as without.
 
     Python's garbage collector is paused while loading: parsing and binding make many small objects and no
     reference cycles worth collecting, and its passes over them took ~14% of a Q4_K_M load (perf).
