@@ -7,7 +7,7 @@
     config.json          a Gemma 4 text config (dense: 3 sliding layers + 1 full, hidden 128)
     model.safetensors    seeded random weights (bf16), `model.`-prefixed names
     tokenizer.json       a 4096-token subset of the real Gemma 4 vocabulary (below)
-    tokenizer_config.json
+    tokenizer_config.json  special token names: every CONTROL token of the vocabulary
 
 No transformers at run time: the parameter names and shapes come from `gem4.model.gemma4.Model`
 built on the meta device from the same ModelConfig the loader will derive from config.json.
@@ -16,8 +16,9 @@ The tokenizer (`vocab.json`, derived once by `derive_vocab` from llama.cpp's voc
 `ggml-vocab-gemma-4.gguf`, MIT) keeps Gemma 4's special and structural tokens and the 256 byte
 tokens at their real ids (0-493), then the next real tokens in id order (ids 494-3963 are real
 ids too), then the most frequent single characters (real ids >= 236743, renumbered), with every
-BPE merge that stays inside the subset. Any text encodes (byte fallback), chat templates and the
-output parser work unchanged; the model's output is random text.
+BPE merge that stays inside the subset. Every token keeps its real type (CONTROL, USER_DEFINED, BYTE,
+NORMAL; tests/test_demo.py compares them with the GGUF), so any text encodes (byte fallback), chat
+templates and the output parser work unchanged; the model's output is random text.
 """
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-DEMO_VERSION = "1"
+# The cache key of a built demo (`$GEM4_CACHE/demo-<DEMO_VERSION>`): bump it whenever what
+# `build_demo` writes changes, so that a checkpoint built by an older gem4 is not reused.
+# 2: tokenizer_config.json names every CONTROL token (in 1, <turn|> and four more read as text).
+DEMO_VERSION = "2"
 VOCAB_FILE = Path(__file__).with_name("vocab.json")
 SEED = 20250405
 NOTICE = ("gem4 --demo: a tiny Gemma 4-shaped model with RANDOM weights and a 4096-token subset of the "
@@ -106,12 +110,22 @@ def _merge_inside(merge: str, kept: set[str]) -> bool:
 
 def write_tokenizer(directory: str | os.PathLike, vocab_size: int | None = None) -> Path:
     """Write tokenizer.json + tokenizer_config.json (HF form, read by `Tokenizer.from_file(directory)`)."""
+    from gem4.tokenizer import TokenType
+
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tok = demo_tokenizer(vocab_size)
     tok.backend.save(str(directory / "tokenizer.json"))
     config = {"add_bos_token": True, "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
               "unk_token": "<unk>", "mask_token": "<mask>", "tokenizer_class": "GemmaTokenizer"}
+    # When tokenizer_config.json names special tokens, the names alone decide which tokens are CONTROL
+    # (transformers' all_special_tokens, llama.cpp's converter, `Tokenizer.from_hf`): an added token it
+    # does not name is read as text whatever its `special` flag in tokenizer.json (the seven visible
+    # tokens are USER_DEFINED either way). So every CONTROL token of the vocabulary is named here; naming
+    # only the five above made <|turn>, <turn|>, <|think|>, <|tool> and <tool|> NORMAL tokens.
+    named = {config[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token", "mask_token")}
+    config["extra_special_tokens"] = [t for t, ty in zip(tok.tokens, tok.types.tolist())
+                                      if ty == TokenType.CONTROL and t not in named]
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return directory
 
