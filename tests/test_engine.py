@@ -195,6 +195,19 @@ def test_earliest_stop_string_wins(tok):
     assert text == "H"                                            # "ello" completes first
 
 
+def test_a_request_without_text_carries_the_same_token_ids(tok):
+    """detokenize=False (the server's chat requests, whose output parser reads the ids): the same tokens and
+    finish, no text; stop strings, which need the text, are refused at submit."""
+    params = SamplingParams(temperature=0, max_tokens=8)
+    engine, _ = scripted(tok, TEXT)
+    with_text, text = run(engine, [2, 5], params)
+    ids_only = list(engine.submit([2, 5], params, detokenize=False))
+    assert text and [e.token_id for e in ids_only] == [e.token_id for e in with_text]
+    assert ids_only[-1].finish_reason == with_text[-1].finish_reason and not any(e.text for e in ids_only)
+    with pytest.raises(ValueError, match="stop strings need the text"):
+        engine.submit([2, 5], SamplingParams(max_tokens=4, stop=("x",)), detokenize=False)
+
+
 def test_stop_strings_filter_unit():
     s = StopStrings(["abc", "bd"])
     assert s.feed("xa") == ("x", None)

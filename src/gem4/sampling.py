@@ -14,8 +14,8 @@ parameters, so one batch may mix greedy, seeded and filtered requests):
 
 Bias comes first so that the penalties see the biased logit (vLLM v1 does the same); the
 filters 4-6 each renormalise what the previous one kept, and all of them run at T = 1, so
-the temperature changes how the survivors are weighted, never which tokens survive (the
-DESIGN.md decision; gpt-fast and llama.cpp's default chain put temperature earlier).
+the temperature changes how the survivors are weighted, never which tokens survive
+(docs/architecture.md §5.2; gpt-fast and llama.cpp's default chain put temperature earlier).
 
 Which history each penalty sees:
     repetition_penalty  prompt + generated tokens (vLLM, llama.cpp's last-n window, HF);

@@ -266,9 +266,13 @@ class Engine:
     # ---- caller threads ----
 
     def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None, n: int = 1) -> Stream:
+               request_id: str | None = None, n: int = 1, detokenize: bool = True) -> Stream:
         """Queue a request for `n` choices (see the module docstring); returns its event stream. Raises
-        ValueError for a request that cannot run (`InvalidParameter` for a sampling parameter or n)."""
+        ValueError for a request that cannot run (`InvalidParameter` for a sampling parameter or n).
+        detokenize=False: the events carry token ids only (text ''), for a caller that reads the ids itself
+        (the server's chat output parser); stop strings need the text, so they are refused then."""
+        if not detokenize and params is not None and params.stop:
+            raise ValueError("stop strings need the text: submit with detokenize=True")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -281,8 +285,8 @@ class Engine:
         seqs = [Sequence(request_id, prompt_ids, params if params.seed is None or i == 0
                          else replace(params, seed=params.seed + i),             # choice i: seed + i
                          max_tokens=max_tokens, end_ids=self.end_token_ids, arrival_time=now, index=i,
-                         detokenizer=self.tokenizer.detokenizer(skip_special=True) if self.tokenizer is not None
-                         else None)
+                         detokenizer=self.tokenizer.detokenizer(skip_special=True)
+                         if self.tokenizer is not None and detokenize else None)
                 for i in range(n)]
         seq = seqs[0]
         seq.forks = seqs[1:]

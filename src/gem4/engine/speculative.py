@@ -1,4 +1,4 @@
-"""Speculative decoding, the pure parts: prompt-lookup drafts and the acceptance maths (issue 16).
+"""Speculative decoding, the pure parts: prompt-lookup drafts and the acceptance maths.
 
 No tensors of the model, no cache, no engine state: plain token ids in, token ids out, so the scheduler
 and runner can call these per sequence. The assistant (MTP) drafter is model/assistant.py.

@@ -234,5 +234,5 @@ def experts_forward(x: torch.Tensor, gate_up, down, act, expert_idx: torch.Tenso
 
 
 def embed_scale(hidden_size: int) -> float:
-    """sqrt(H) in float32 (llama.cpp's choice; HF rounds it to the weight dtype, see STYLE.md)."""
+    """sqrt(H) in float32 (llama.cpp's choice; HF rounds it to the weight dtype: docs/architecture.md §5.3)."""
     return float(np.float32(math.sqrt(hidden_size)))

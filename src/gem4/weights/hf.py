@@ -126,7 +126,7 @@ def _rope(params: dict, head_dim: int, layer_type: str, where: Path) -> tuple[fl
 def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -> ModelConfig:
     """config.json text section + canonical tensor shapes -> ModelConfig."""
     L = int_field(cfg, "num_hidden_layers", where)
-    layer_types = _require(cfg, "layer_types", where)       # never defaulted (STYLE.md)
+    layer_types = _require(cfg, "layer_types", where)       # never defaulted (docs/architecture.md §5.1)
     if not isinstance(layer_types, list) or len(layer_types) != L:
         raise CheckpointError(f"{where}: layer_types must be a list of {L} entries (num_hidden_layers), "
                               f"got {len(layer_types) if isinstance(layer_types, list) else layer_types!r}")
