@@ -115,3 +115,25 @@ def test_package_files_are_package_data():
         if not covered:
             missing.append(path.relative_to(REPO).as_posix())
     assert not missing, f"files a wheel would leave out (add them to [tool.setuptools.package-data]): {missing}"
+
+
+MD_NAME = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)\b")
+
+
+def test_every_document_named_in_the_code_and_docs_exists():
+    """A `docs/x.md` or `benchmarks/RESULTS.md` named in src/, docs/ or the README is a file of the repository
+    (relative to its root, or to the naming file's folder). docs/gemma4.md's `LC/...` are llama.cpp's sources,
+    which it cites as such."""
+    missing = [f"{path.relative_to(REPO)}: {name}"
+               for path, text in [*text_files("src", "docs"), (REPO / "README.md", (REPO / "README.md").read_text())]
+               for name in MD_NAME.findall(text)
+               if not name.startswith("LC/") and not (REPO / name).is_file() and not (path.parent / name).is_file()]
+    assert not missing, "documents that are not in the repository:\n" + "\n".join(missing)
+
+
+def test_the_readme_opens_with_the_two_commands_on_one_screen():
+    """What gem4 is, the install-and-run command, the test command and an example, in the first 40 lines."""
+    first = (REPO / "README.md").read_text(encoding="utf-8").split("\n## ", 1)[0].splitlines()
+    assert len(first) <= 40, len(first)
+    text = "\n".join(first)
+    assert "gem4 run --demo" in text and "python3 -m pytest -q" in text
