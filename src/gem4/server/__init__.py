@@ -1,9 +1,38 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over `gem4.Engine`.
 
+    POST /v1/chat/completions   chat (messages, tools, thinking), stream or not
+    POST /v1/completions        raw text completion, stream or not
+    GET  /v1/models[/{id}]      the served model, with max_model_len
+    GET  /health                200 when ready, 503 while the model loads
+    GET  /version               {"version": gem4's}
+    POST /tokenize, /detokenize vLLM's bodies
+    GET  /metrics               Prometheus text, `gem4:*` (metrics.py)
+
+The server never sees tensors: requests go in as token ids and SamplingParams, results come back
+as token ids, text and floats.
+
+The modules, one job each, in vLLM's per-endpoint layout: an endpoint family is a module of routes/
+that maps its wire format onto an engine request and back with the machinery beside it (another family,
+such as /v1/responses or /v1/messages, is another module there; another kind of input, such as images,
+goes to inputs.py):
+
     protocol.py   OpenAI request/response models and error objects (the only place that knows JSON shapes)
-    app.py        routes, SSE, errors, disconnect -> abort; the thread model is in its docstring
+    state.py      ServerConfig, ServerState (engine, metrics, open requests), EngineLike
+    inputs.py     request -> prompt ids and SamplingParams; the body limit and the early length bounds
+    request.py    one engine request on the event loop (ServerRequest), SSE, disconnect -> abort;
+                  the thread model is in its docstring
+    outputs.py    engine events -> chat deltas and messages, completion text, logprobs, usage;
+                  why chat stop strings are applied in the server
+    routes/       the endpoints: chat.py, completions.py, info.py (health, version, metrics, models,
+                  tokenize), each an APIRouter of module-level handlers
+    app.py        create_app: the routers, OpenAI error objects for every failure, CORS, the API key
     metrics.py    Prometheus text, `gem4:*`
+    http11.py     connection guards: header and body timeouts, a connection cap, no draining of unread bodies
     main.py       `gem4 serve` arguments, loading, uvicorn
+
+ServerConfig and ServerState live in state.py rather than in app.py because the handlers and helpers
+take the state and app.py imports them all: with the state in a module of its own that imports none of
+them, the server's imports stay free of cycles.
 
 Importing this package is light; `create_app` / `ServerConfig` load FastAPI on first use.
 """

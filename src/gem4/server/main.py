@@ -1,4 +1,4 @@
-"""`gem4 serve`: arguments, model loading and the uvicorn server (see app.py for the thread model).
+"""`gem4 serve`: arguments, model loading and the uvicorn server (see request.py for the thread model).
 
 The socket is bound first and the model loads in a loader thread, so /health answers 503 while it
 loads; then one line `gem4: ready at http://HOST:PORT` goes to stdout (`--port 0` picks a free
@@ -234,8 +234,9 @@ def serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from gem4.server.app import ServerConfig, create_app
+    from gem4.server.app import create_app
     from gem4.server.http11 import guarded_protocol
+    from gem4.server.state import ServerConfig
 
     path = args.model
     if args.demo:

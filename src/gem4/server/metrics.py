@@ -38,7 +38,7 @@ Every family has the label `model_name`. Families:
 (4) Not a vLLM family (vLLM has none for sequences per step); named after iteration_tokens_total.
     Buckets are powers of two.
 
-Request-side values change on the event loop only (see app.py's thread model). The registry is this
+Request-side values change on the event loop only (see request.py's thread model). The registry is this
 object's own, never prometheus_client's process-wide default, so several apps in one process do not
 collide; the `_created` series prometheus_client adds to counters and histograms are left out of the
 rendering (vLLM switches them off process-wide; dropping them here leaves other registries alone).

@@ -74,7 +74,7 @@ def _is_union_label(part, prev) -> bool:
             or part[:1].isupper())
 
 
-def _param_path(loc: tuple) -> str | None:
+def param_path(loc: tuple) -> str | None:
     """('messages', 0, 'user', 'content') -> 'messages[0].content'."""
     out = ""
     prev = None
@@ -97,7 +97,7 @@ def validation_error(e: ValidationError) -> APIError:
         return bad_request(f"We could not parse the JSON body of your request: {err.get('msg')}. "
                            "The body must be a JSON object.")
     loc = tuple(err.get("loc", ()))
-    param = _param_path(loc)
+    param = param_path(loc)
     msg = err.get("msg", "invalid value")
     if err["type"] == "missing":
         return bad_request(f"Missing required parameter: '{param}'.", param)
@@ -303,7 +303,7 @@ class ResponseFormat(_In):
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 
 
-class _SamplingRequest(_In):
+class SamplingRequest(_In):
     """The sampling fields chat and completions share (OpenAI, then vLLM extensions)."""
 
     model: str | None = None
@@ -360,7 +360,7 @@ class _SamplingRequest(_In):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -398,7 +398,7 @@ def _check_prompt(v):
     raise ValueError("prompt must be a non-empty string or an array of token ids")
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: Annotated[Any, AfterValidator(_check_prompt)]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)

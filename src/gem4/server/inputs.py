@@ -1,0 +1,292 @@
+"""Requests -> prompt ids and SamplingParams, with the work before admission bounded.
+
+Every endpoint that takes a body starts with `parse(request, Model, state)`: the body read within its
+limit, validated against the protocol model, the engine ready, the model name checked.
+
+Bounded work before admission (each limit refuses before the work it bounds):
+
+- **Body size** (`ServerConfig.max_request_body`, default 1 MiB + 64 bytes per token of
+  max_model_len, see `default_body_limit`): 413 when Content-Length says more (nothing is read),
+  or as soon as a chunked body passes it. Authentication (a dependency) runs before any body is
+  read; `http11.py` closes a connection whose request was answered before its body arrived.
+- **Characters before tokens**: no token stands for more than `Tokenizer.max_token_chars` characters (31
+  for Gemma 4), so a text of n characters is at least n / 31 tokens. A completion prompt, the
+  user/system/developer texts of a chat (before rendering), and the rendered chat prompt (before
+  tokenizing, whatever the template did) that cannot fit max_model_len that way get the
+  context-length 400 without being tokenized. The exact token check follows for the rest.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
+
+from gem4.chat import ChatTemplateError, encode_prompt
+from gem4.sampling import InvalidParameter, SamplingParams
+from gem4.server import protocol as P
+from gem4.server.protocol import APIError, bad_request
+from gem4.server.state import EngineLike, ServerState
+
+# names encode_prompt / the renderers take themselves: never template variables from a request
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokenizer", "add_generation_prompt",
+                                       "documents", "bos_token", "eos_token", "unk_token", "pad_token",
+                                       "mask_token"})
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse(request: Request, model: type[Body], state: ServerState) -> tuple[Body, EngineLike]:
+    """The request's body as `model` (400 if it is not one; 413 past the body limit), and the engine
+    (503 while it loads or the server stops); 404 if the body names a model this server does not serve."""
+    req = P.parse_request(model, await read_body(request, body_limit(state)))
+    engine = state.ready_engine()
+    state.check_model(req.model)
+    return req, engine
+
+
+# ---------------------------------------------------------------------------------------------
+# Body size
+# ---------------------------------------------------------------------------------------------
+
+
+def body_limit(state: ServerState) -> int:
+    """The largest request body accepted, in bytes (503 while loading if it depends on the model)."""
+    if state.config.max_request_body is not None:
+        return state.config.max_request_body
+    return default_body_limit(state.ready_engine().max_model_len)
+
+
+def default_body_limit(max_model_len: int) -> int:
+    """1 MiB + 64 bytes per context token. The longest Gemma 4 token is 31 characters (a run of
+    newlines, tabs or spaces), which JSON writes in at most 62 bytes (`\\n` escapes); ordinary text
+    takes 4-12 bytes a token, a token-id prompt at most 7. So any prompt that fits the context fits
+    the body, and the MiB is room for tools and parameters: 9 MiB for a 128K context."""
+    return 2**20 + 64 * max_model_len
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass `limit` bytes: before
+    reading anything when Content-Length says so, else while the chunks arrive (a chunked body is
+    never held beyond the limit plus one chunk). `Connection: close` goes with the 413, so the
+    server does not read the rest only to discard it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"{int(declared)} bytes", limit)
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(f"more than {limit} bytes", limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # nobody will read this answer; it only ends the handler (a body timeout, or the client left)
+        raise bad_request("The client closed the connection before the request body was complete.") from None
+    return b"".join(chunks)
+
+
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"The request body is {size}; this server accepts at most {limit} bytes "
+                         f"({limit / 2**20:.2f} MiB, --max-request-body-mb).", code="request_too_large",
+                    headers={"Connection": "close"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Context length: characters before tokens, then tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def check_chars(n_chars: int, token_chars: int | None, max_model_len: int, where: str, room: int = 1) -> None:
+    """The early bound: refuse a text of `n_chars` characters that cannot fit the context, leaving `room`
+    tokens (1 to generate; 0 for /tokenize), even as ceil(n_chars / token_chars) tokens, without tokenizing
+    it. A text that may fit is tokenized (its cost is bounded by the context) and `check_length` says
+    exactly what does not fit, max_tokens included."""
+    if token_chars is None:
+        return
+    least = -(-n_chars // token_chars)
+    if least > max_model_len - room:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your {where} "
+                          f"({n_chars} characters) would be at least {least} tokens (no token is longer than "
+                          f"{token_chars} characters). Please reduce the length of the {where}.", where,
+                          code="context_length_exceeded")
+
+
+def chat_chars(messages) -> int:
+    """Characters every Gemma 4 chat template renders as they are: the texts of user, system and
+    developer messages, trimmed as the templates trim them. Assistant text may lose its thinking and
+    tool results may be dropped, so they are not counted: this is a lower bound on the rendered
+    prompt's length, checked before rendering; the rendered prompt itself is checked too
+    (`_PromptTokenizer`)."""
+    n = 0
+    for m in messages:
+        if m.role in ("user", "system", "developer") and m.content is not None:
+            texts = [m.content] if isinstance(m.content, str) else [p["text"] for p in m.content]
+            n += sum(len(t.strip()) for t in texts)
+    return n
+
+
+def check_length(n_prompt: int, max_tokens: int | None, max_model_len: int, where: str,
+                 max_tokens_name: str = "max_tokens") -> None:
+    """OpenAI's context_length_exceeded error (in vLLM's words), before the engine sees the request: a prompt
+    that leaves no room for one token names the prompt (`where`), a prompt that fits with a `max_tokens` that
+    does not names max_tokens, each with the context length, the prompt's tokens and the tokens requested."""
+    if n_prompt >= max_model_len:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your request "
+                          f"has {n_prompt} input tokens. Please reduce the length of the {where}.", where,
+                          code="context_length_exceeded")
+    if max_tokens is not None and n_prompt + max_tokens > max_model_len:
+        raise bad_request(f"'{max_tokens_name}' is too large: {max_tokens}. This model's maximum context length is "
+                          f"{max_model_len} tokens and your request has {n_prompt} input tokens ({max_tokens} > "
+                          f"{max_model_len} - {n_prompt}).", max_tokens_name, code="context_length_exceeded")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts: text, and chats rendered with the template
+# ---------------------------------------------------------------------------------------------
+
+
+async def text_prompt(tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's ids (special tokens parsed), tokenized in the thread pool; <bos> first unless
+    `add_special_tokens` is false or the text begins with it."""
+    add_bos = add_special_tokens and tokenizer.add_bos and not text.startswith("<bos>")
+    return await asyncio.to_thread(tokenizer.encode, text, add_bos=add_bos, parse_special=True)
+
+
+async def chat_prompt(engine: EngineLike, messages, tools: list[dict] | None, *, add_generation_prompt: bool,
+                      enable_thinking: bool, kwargs: dict, room: int = 1) -> list[int]:
+    """A chat's prompt ids: the validated `messages` rendered with the template and tokenized in the thread
+    pool, the rendered text held to the early character bound (`check_chars`, leaving `room`) first."""
+    token_chars = getattr(engine.tokenizer, "max_token_chars", None)
+    bounded = _PromptTokenizer(engine.tokenizer, lambda n: check_chars(n, token_chars, engine.max_model_len,
+                                                                       "messages", room))
+    return await asyncio.to_thread(render_chat, bounded, [_message_dict(m) for m in messages], tools,
+                                   add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                                   kwargs=kwargs)
+
+
+class _PromptTokenizer:
+    """The engine's tokenizer as `render_chat` passes it to `encode_prompt`: the rendered prompt is
+    held to the early character bound (`check(n_chars)`) before it is tokenized, whatever the
+    template rendered. Everything else is the tokenizer's own."""
+
+    def __init__(self, tokenizer, check: Callable[[int], None]):
+        self._tokenizer = tokenizer
+        self._check = check
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text: str, **kwargs) -> list[int]:
+        self._check(len(text))
+        return self._tokenizer.encode(text, **kwargs)
+
+
+def _message_dict(m) -> dict:
+    """A validated message as the plain dict `gem4.chat` renders."""
+    d: dict[str, Any] = {"role": m.role}
+    if m.role in ("system", "developer"):
+        d["content"] = P.content_text(m.content)      # the templates expect a string here
+    elif m.content is not None:
+        d["content"] = m.content
+    if m.name is not None:
+        d["name"] = m.name
+    if m.role == "assistant":
+        if m.tool_calls:
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                               for c in m.tool_calls]
+        if m.reasoning_content is not None or m.reasoning is not None:
+            d["reasoning_content"] = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if "content" not in d:
+            d["content"] = None
+    if m.role == "tool":
+        d["tool_call_id"] = m.tool_call_id
+    return d
+
+
+def template_kwargs(defaults: dict, requested: dict | None) -> tuple[bool, dict]:
+    """(enable_thinking, the other template variables): the server's defaults updated by the request's."""
+    kwargs = {**defaults, **(requested or {})}
+    bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(bad)}", "chat_template_kwargs")
+    thinking = kwargs.pop("enable_thinking", False)
+    if not isinstance(thinking, bool):
+        raise bad_request("chat_template_kwargs.enable_thinking must be a boolean", "chat_template_kwargs")
+    return thinking, kwargs
+
+
+def render_chat(tokenizer, messages, tools, *, add_generation_prompt: bool, enable_thinking: bool,
+                kwargs: dict) -> list[int]:
+    """Render + tokenize (runs in the thread pool); template failures are the request's fault."""
+    import jinja2
+
+    try:
+        return encode_prompt(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
+                             enable_thinking=enable_thinking, **kwargs)
+    except ChatTemplateError as e:
+        raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
+    except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:
+        raise bad_request(f"The chat template could not render the request: {type(e).__name__}: {e}",
+                          "messages") from None
+
+
+def tools_for(req: P.ChatCompletionRequest) -> tuple[list[dict] | None, frozenset[str]]:
+    """The tools the template declares and the parser accepts, from tools + tool_choice."""
+    choice = req.tool_choice
+    if isinstance(choice, P.NamedToolChoice) or choice == "required":
+        what = f"a named tool_choice ({choice.function.name!r})" if isinstance(choice, P.NamedToolChoice) \
+            else "tool_choice 'required'"
+        raise bad_request(f"{what} is not supported yet: forcing a tool call needs constrained decoding. "
+                          "Use 'auto' or 'none'.", "tool_choice")
+    if not req.tools or choice == "none":
+        return None, frozenset()
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tool function names must be unique", "tools")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    return tools, frozenset(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# SamplingParams
+# ---------------------------------------------------------------------------------------------
+
+
+def sampling_params(req: P.SamplingRequest, vocab_size: int, *, max_tokens: int | None, stop: list[str],
+                    logprobs: bool, top_logprobs: int) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; 400 naming the field the engine would refuse."""
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    for name, ids in (("logit_bias", bias), ("stop_token_ids", req.stop_token_ids or [])):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} in {name} is outside the vocabulary [0, {vocab_size})", name)
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=bias,
+            seed=req.seed,
+            max_tokens=max_tokens,
+            stop=stop,
+            stop_token_ids=req.stop_token_ids or (),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        )
+    except InvalidParameter as e:
+        raise bad_request(f"Invalid '{e.param}': {e.reason}", e.param) from None
+
+
+def vocab_size(engine: EngineLike) -> int:
+    return getattr(engine, "vocab_size", None) or engine.tokenizer.vocab_size

@@ -1,0 +1,11 @@
+"""The endpoints, one module per endpoint family, each a `fastapi.APIRouter` of module-level handlers that
+take the server's state from `request.app.state.gem4` (a `ServerState`).
+
+    chat.py          POST /v1/chat/completions
+    completions.py   POST /v1/completions
+    info.py          GET /health, /version, /metrics, /v1/models[/{id}]; POST /tokenize, /detokenize
+
+Each module's `router` holds the routes that need the API key; `create_app` (app.py) includes it with the
+key check as a dependency, which runs before a handler reads the body. `info.public` holds the routes
+open to anyone (health, version, metrics).
+"""
