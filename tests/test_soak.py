@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from test_server import API_KEY, client_for, gem4_serve_process, tiny_dir, user  # noqa: F401  (tiny_dir: a fixture)
+from server_helpers import API_KEY, client_for, gem4_serve_process, tiny_dir, user  # noqa: F401  (tiny_dir: a fixture)
 
 SOAK_SECONDS = 20.0
 BODY_MIB = 1                 # --max-request-body-mb
