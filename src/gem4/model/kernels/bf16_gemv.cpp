@@ -6,8 +6,9 @@
 // of one bf16), multiplied with the weight row by vdpbf16ps, pairs of weights per 32-bit lane as they
 // are stored, float32 sums. The weights need no load-time layout; rows of W are split across torch's
 // intra-op threads, each thread a contiguous range, read once per call for up to 4 rows of x at a time.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <vector>
@@ -62,14 +63,14 @@ void rows_bf16(const uint16_t* hi, const uint16_t* lo, int64_t Kp, const uint16_
 
 namespace gem4_ops {
 
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2, "x must be contiguous float32 [M, K]");
-    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1),
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w) {
+    TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x must be contiguous float32 [M, K]");
+    TORCH_CHECK(w.dtype() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(1) == x.size(1),
                 "w must be contiguous bf16 [N, K] with x's K");
     const int64_t M = x.size(0), K = x.size(1), N = w.size(0), Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
     std::vector<uint16_t> hi, lo;
     split_rows(x.data_ptr<float>(), M, K, Kp, hi, lo);
-    auto y = torch::empty({M, N}, x.options());
+    auto y = at::empty({M, N}, x.options());
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, N, GRAIN, [&](int64_t n0, int64_t n1) {
@@ -89,8 +90,8 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w) {
 
 // x [T, K] bf16 @ w.T -> [T, N] float32 for prefill chunks, row-invariant (tile_gemm.h): w's rows copied 32 at a
 // time into A tiles.
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w) {
-    TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.is_contiguous() && w.dim() == 2 && x.dim() == 2
+at::Tensor linear_bf16(at::Tensor x, at::Tensor w) {
+    TORCH_CHECK(w.dtype() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && x.dim() == 2
                 && w.size(1) == x.size(1), "w must be contiguous bf16 [N, K] with x's K");
     const int64_t N = w.size(0), K = w.size(1);
     const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());

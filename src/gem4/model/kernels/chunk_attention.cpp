@@ -14,8 +14,9 @@
 // rearranged once per call, each pair of k twice, against q_hi's and q_lo's pair. Rounding q to one bf16
 // would cost 4e-5 NMSE of the output (normalised q and k of head dim 256), p's rounding costs 1e-6. (torch's bf16 matmul rounds its output to bf16, and the float32-output bf16
 // GEMM torch links, MKL's, converts to float32 on this CPU, no faster than float32 matmuls.)
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -141,17 +142,17 @@ void softmax_row(float* sr, const bool* mrow, int64_t span, uint16_t* p, int64_t
 }
 
 // The inputs of attend_chunk: q [T, nh, d] float32, k / v [S, nkv, d] bf16, mask [T, S] bool.
-void check_attention_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask) {
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
-    TORCH_CHECK(k.dtype() == torch::kBFloat16 && v.dtype() == torch::kBFloat16 && k.is_contiguous() && v.is_contiguous()
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+    TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
+    TORCH_CHECK(k.dtype() == at::kBFloat16 && v.dtype() == at::kBFloat16 && k.is_contiguous() && v.is_contiguous()
                 && k.dim() == 3 && k.sizes() == v.sizes(), "k, v must be contiguous bf16 [S, kv_heads, d] of one shape");
     const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
     TORCH_CHECK(k.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
-    TORCH_CHECK(mask.dtype() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
+    TORCH_CHECK(mask.dtype() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
                 "mask must be contiguous bool [T, S]");
 }
 
-torch::Tensor attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask) {
+at::Tensor attend_chunk(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask) {
     check_attention_inputs(q, k, v, mask);
     const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
     const int64_t g = nh / nkv, S2 = (S + 1) / 2;
@@ -162,7 +163,7 @@ torch::Tensor attend_chunk(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
     std::vector<uint32_t> kpairs, vpairs;
     pair_rows(reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
               reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), S, nkv, d, kpairs, vpairs);
-    auto out = torch::empty({T, nh * d}, q.options());
+    auto out = at::empty({T, nh * d}, q.options());
     float* op = out.data_ptr<float>();
 
     // task i goes to worker i % workers: a causal chunk's later blocks see more keys, so strided is balanced

@@ -18,7 +18,8 @@
 // 26B-A4B layers append to weights: the norms pre-feedforward-2, post-feedforward-1, post-feedforward-2, the
 // router's scale, projection [E, H] (float32) and per-expert scale, the experts' gate_up and down; and to
 // dims: E, top_k, then each expert weight's type (packed as [E * rows, ...]; 0: dense [E, rows, k]).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/library.h>
 #include <cmath>
 #include <utility>
 
@@ -38,33 +39,33 @@ constexpr size_t DENSE_WEIGHTS = N_NORMS + N_LINEARS, DENSE_DIMS = LINEAR_DIMS +
 constexpr int64_t BF16_TYPE = 30;      // GGML type id
 
 struct Layer {
-    const std::vector<torch::Tensor>& w;
+    const std::vector<at::Tensor>& w;
     const std::vector<int64_t>& dims;
 
-    const torch::Tensor& norm(Norm n) const { return w[n]; }
-    const torch::Tensor& packed(Linear l) const { return w[N_NORMS + l]; }
+    const at::Tensor& norm(Norm n) const { return w[n]; }
+    const at::Tensor& packed(Linear l) const { return w[N_NORMS + l]; }
     int64_t n_out(Linear l) const { return dims[LINEAR_DIMS + 3 * l]; }
     int64_t k_in(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 1]; }
     int64_t type(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 2]; }
-    torch::Tensor apply(Linear l, const torch::Tensor& x) const {
+    at::Tensor apply(Linear l, const at::Tensor& x) const {
         return type(l) == BF16_TYPE ? gemv_bf16(x, packed(l)) : gemv_x16(x, packed(l), n_out(l), k_in(l), type(l));
     }
     // layers.project: x through several linears, one pass when all are packed of one type
-    std::vector<torch::Tensor> project(const torch::Tensor& x, const std::vector<Linear>& ls) const {
+    std::vector<at::Tensor> project(const at::Tensor& x, const std::vector<Linear>& ls) const {
         bool one_pass = ls.size() > 1 && type(ls[0]) != BF16_TYPE;
         for (Linear l : ls) one_pass = one_pass && type(l) == type(ls[0]);
-        std::vector<torch::Tensor> out;
+        std::vector<at::Tensor> out;
         if (!one_pass) {
             for (Linear l : ls) out.push_back(apply(l, x));
             return out;
         }
-        std::vector<torch::Tensor> ws;
+        std::vector<at::Tensor> ws;
         std::vector<int64_t> n_outs;
         for (Linear l : ls) ws.push_back(packed(l)), n_outs.push_back(n_out(l));
         return gemv_x16_multi(x, ws, n_outs, k_in(ls[0]), type(ls[0]));
     }
     // layers.glu: gelu_tanh(gate(x)) * up(x)
-    torch::Tensor glu(const torch::Tensor& x) const {
+    at::Tensor glu(const at::Tensor& x) const {
         if (type(GATE) != BF16_TYPE && type(GATE) == type(UP))
             return gemv_x16_glu(x, packed(GATE), packed(UP), n_out(GATE), k_in(GATE), type(GATE));
         return gelu_mul(apply(GATE, x), apply(UP, x));
@@ -72,25 +73,25 @@ struct Layer {
 
     // 26B-A4B
     bool moe() const { return w.size() > DENSE_WEIGHTS; }
-    const torch::Tensor& moe_weight(MoeWeight m) const { return w[DENSE_WEIGHTS + m]; }
+    const at::Tensor& moe_weight(MoeWeight m) const { return w[DENSE_WEIGHTS + m]; }
     int64_t moe_dim(MoeDim m) const { return dims[DENSE_DIMS + m]; }
 
     // Router.forward: r [T, H] (the un-normed residual) -> expert ids [T, K], weights [T, K]
-    std::pair<torch::Tensor, torch::Tensor> route(const torch::Tensor& r, double eps) const {
-        const torch::Tensor t = at::rms_norm(r, {r.size(-1)}, std::nullopt, eps) * moe_weight(ROUTER_SCALE)
+    std::pair<at::Tensor, at::Tensor> route(const at::Tensor& r, double eps) const {
+        const at::Tensor t = at::rms_norm(r, {r.size(-1)}, std::nullopt, eps) * moe_weight(ROUTER_SCALE)
                                 * std::pow(static_cast<double>(r.size(-1)), -0.5);
         // one row at a time, as Router.forward: a float32 GEMM's rows depend on how many there are
-        std::vector<torch::Tensor> rows;
+        std::vector<at::Tensor> rows;
         for (int64_t i = 0; i < t.size(0); ++i) rows.push_back(at::linear(t.narrow(0, i, 1), moe_weight(ROUTER_PROJ)));
-        const torch::Tensor probs = at::softmax(at::cat(rows), -1);                         // over all experts first
+        const at::Tensor probs = at::softmax(at::cat(rows), -1);                            // over all experts first
         auto [top, idx] = at::topk(probs, moe_dim(TOP_K), -1);
         top = top / top.sum(-1, true);                                                      // renormalise the top-K
         return {idx, top * moe_weight(EXPERT_SCALE).index({idx})};
     }
 
     // expert e's xs @ W_e.T for an expert weight [E, rows, k] (dense) or its packed rows [E * rows, ...]
-    torch::Tensor expert(MoeWeight m, MoeDim type_dim, int64_t e, const torch::Tensor& xs) const {
-        const torch::Tensor& w = moe_weight(m);
+    at::Tensor expert(MoeWeight m, MoeDim type_dim, int64_t e, const at::Tensor& xs) const {
+        const at::Tensor& w = moe_weight(m);
         const int64_t type = moe_dim(type_dim);
         if (type == 0) return at::linear(xs.to(w.scalar_type()), w[e]).to(xs.scalar_type());
         const int64_t rows = w.size(0) / moe_dim(N_EXPERTS), k = xs.size(1);
@@ -98,24 +99,24 @@ struct Layer {
     }
 
     // layers.experts_forward (fast mode): grouped by expert, in ascending expert order
-    torch::Tensor experts(const torch::Tensor& x, const torch::Tensor& idx, const torch::Tensor& weights) const {
+    at::Tensor experts(const at::Tensor& x, const at::Tensor& idx, const at::Tensor& weights) const {
         const int64_t K = idx.size(1);
-        const torch::Tensor flat = idx.reshape(-1);
-        const torch::Tensor order = at::argsort(flat, /*stable=*/true);
-        const torch::Tensor token_of = at::floor_divide(order, K);
-        const torch::Tensor weight_of = weights.reshape(-1).index({order});
-        const torch::Tensor counts = at::bincount(flat).contiguous();                           // int64 [max id + 1]
+        const at::Tensor flat = idx.reshape(-1);
+        const at::Tensor order = at::argsort(flat, /*stable=*/true);
+        const at::Tensor token_of = at::floor_divide(order, K);
+        const at::Tensor weight_of = weights.reshape(-1).index({order});
+        const at::Tensor counts = at::bincount(flat).contiguous();                              // int64 [max id + 1]
         const int64_t* count = counts.data_ptr<int64_t>();
-        torch::Tensor out = at::zeros_like(x);
+        at::Tensor out = at::zeros_like(x);
         int64_t start = 0;
         for (int64_t e = 0; e < counts.size(0); ++e) {
             const int64_t n = count[e];
             if (n == 0) continue;
-            const torch::Tensor tokens = token_of.narrow(0, start, n);
-            const torch::Tensor gu = expert(EXPERTS_GATE_UP, GATE_UP_TYPE, e, x.index({tokens}));    // [n, 2 Im]
+            const at::Tensor tokens = token_of.narrow(0, start, n);
+            const at::Tensor gu = expert(EXPERTS_GATE_UP, GATE_UP_TYPE, e, x.index({tokens}));       // [n, 2 Im]
             const int64_t im = gu.size(1) / 2;
-            const torch::Tensor h = gelu_mul(gu.narrow(1, 0, im).contiguous(), gu.narrow(1, im, im).contiguous());
-            const torch::Tensor y = expert(EXPERTS_DOWN, DOWN_TYPE, e, h);                         // [n, H]
+            const at::Tensor h = gelu_mul(gu.narrow(1, 0, im).contiguous(), gu.narrow(1, im, im).contiguous());
+            const at::Tensor y = expert(EXPERTS_DOWN, DOWN_TYPE, e, h);                            // [n, H]
             out.index_add_(0, tokens, y * weight_of.narrow(0, start, n).unsqueeze(1).to(x.scalar_type()));
             start += n;
         }
@@ -123,10 +124,10 @@ struct Layer {
     }
 };
 
-torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, torch::Tensor cos, torch::Tensor sin,
-                           torch::Tensor k_store, torch::Tensor v_store, std::optional<torch::Tensor> rows,
-                           torch::Tensor key_rows, torch::Tensor q_seq, torch::Tensor q_lo, torch::Tensor q_hi,
-                           std::vector<torch::Tensor> weights, std::vector<int64_t> dims, double eps) {
+at::Tensor decode_layer(at::Tensor x, std::optional<at::Tensor> ple, at::Tensor cos, at::Tensor sin,
+                        at::Tensor k_store, at::Tensor v_store, std::optional<at::Tensor> rows,
+                        at::Tensor key_rows, at::Tensor q_seq, at::Tensor q_lo, at::Tensor q_hi,
+                        std::vector<at::Tensor> weights, std::vector<int64_t> dims, double eps) {
     const bool described = (weights.size() == DENSE_WEIGHTS && dims.size() == DENSE_DIMS)
                            || (weights.size() == DENSE_WEIGHTS + N_MOE_WEIGHTS && dims.size() == DENSE_DIMS + N_MOE_DIMS);
     TORCH_CHECK(described, "decode_layer: weights / dims do not describe a decoder layer");
@@ -136,33 +137,33 @@ torch::Tensor decode_layer(torch::Tensor x, std::optional<torch::Tensor> ple, to
     TORCH_CHECK(owns_kv == rows.has_value(), "decode_layer: rows are given exactly when the layer owns its KV");
 
     // attention block
-    const torch::Tensor h = rms_norm(x, L.norm(IN_NORM), eps, std::nullopt);
+    const at::Tensor h = rms_norm(x, L.norm(IN_NORM), eps, std::nullopt);
     // k_eq_v layers: V is the raw K projection
-    const std::vector<torch::Tensor> qkv = L.project(h, !owns_kv ? std::vector<Linear>{Q} : k_eq_v ? std::vector<Linear>{Q, K}
-                                                                                                   : std::vector<Linear>{Q, K, V});
-    const torch::Tensor q = rms_norm_rope(qkv[0].view({T, nh, d}), L.norm(Q_NORM), eps, cos, sin);   // [T, nh, d]
+    const std::vector<at::Tensor> qkv = L.project(h, !owns_kv ? std::vector<Linear>{Q} : k_eq_v ? std::vector<Linear>{Q, K}
+                                                                                                : std::vector<Linear>{Q, K, V});
+    const at::Tensor q = rms_norm_rope(qkv[0].view({T, nh, d}), L.norm(Q_NORM), eps, cos, sin);      // [T, nh, d]
     if (owns_kv) {
-        const torch::Tensor k_raw = qkv[1].view({T, nkv, d});
-        const torch::Tensor v_raw = k_eq_v ? k_raw : qkv[2].view({T, nkv, d});
-        const torch::Tensor k = rms_norm_rope(k_raw, L.norm(K_NORM), eps, cos, sin);
-        const torch::Tensor v = rms_norm(v_raw, std::nullopt, eps, std::nullopt);     // v_norm: no weight, no rope
+        const at::Tensor k_raw = qkv[1].view({T, nkv, d});
+        const at::Tensor v_raw = k_eq_v ? k_raw : qkv[2].view({T, nkv, d});
+        const at::Tensor k = rms_norm_rope(k_raw, L.norm(K_NORM), eps, cos, sin);
+        const at::Tensor v = rms_norm(v_raw, std::nullopt, eps, std::nullopt);        // v_norm: no weight, no rope
         k_store.index_copy_(0, *rows, k.to(k_store.scalar_type()));
         v_store.index_copy_(0, *rows, v.to(v_store.scalar_type()));
     }
-    const torch::Tensor attn = attend(q, k_store, v_store, key_rows, q_seq, q_lo, q_hi);                 // [T, nh*d]
+    const at::Tensor attn = attend(q, k_store, v_store, key_rows, q_seq, q_lo, q_hi);                    // [T, nh*d]
     x = rms_norm(L.apply(O, attn), L.norm(POST_ATTN), eps, x);
     // feed-forward block
-    const torch::Tensor f = rms_norm(x, L.norm(PRE_FFN), eps, std::nullopt);
-    torch::Tensor m = L.apply(DOWN, L.glu(f));
+    const at::Tensor f = rms_norm(x, L.norm(PRE_FFN), eps, std::nullopt);
+    at::Tensor m = L.apply(DOWN, L.glu(f));
     if (L.moe()) {                                               // 26B-A4B: dense branch + routed experts
         const auto [idx, routing] = L.route(x, eps);
-        const torch::Tensor routed = L.experts(rms_norm(x, L.moe_weight(PRE_FFN_2), eps, std::nullopt), idx, routing);
+        const at::Tensor routed = L.experts(rms_norm(x, L.moe_weight(PRE_FFN_2), eps, std::nullopt), idx, routing);
         m = rms_norm(m, L.moe_weight(POST_FFN_1), eps, std::nullopt)
             + rms_norm(routed, L.moe_weight(POST_FFN_2), eps, std::nullopt);
     }
     x = rms_norm(m, L.norm(POST_FFN), eps, x);
     if (ple) {                                                   // E2B/E4B: per-layer input
-        const torch::Tensor p = gelu_mul(L.apply(PLE_GATE, x), ple->contiguous());
+        const at::Tensor p = gelu_mul(L.apply(PLE_GATE, x), ple->contiguous());
         x = rms_norm(L.apply(PLE_PROJ, p), L.norm(POST_PLE), eps, x);
     }
     return x * L.norm(SCALAR);

@@ -9,8 +9,10 @@
 //   gelu_mul(a, b)                        gelu_tanh(a) * b
 //   softcap(x, cap)                       cap * tanh(x / cap)
 // The decode step calls these ~100 times; as torch ops they were ~1,000 small ops per step.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
@@ -34,26 +36,26 @@ inline float inv_rms(const float* x, int64_t D, float eps) {
     return 1.0f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(D) + eps);
 }
 
-void check_rows(const torch::Tensor& x, const char* what) {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
+void check_rows(const at::Tensor& x, const char* what) {
+    TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() >= 1 && x.size(-1) > 0,
                 what, " must be contiguous float32 with a non-empty last dim");
 }
 
 // rms_norm(x) [* w] [+ residual]: the residual add after a block's output norm, in the same pass.
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps, std::optional<torch::Tensor> residual) {
+at::Tensor rms_norm(at::Tensor x, std::optional<at::Tensor> w, double eps, std::optional<at::Tensor> residual) {
     check_rows(x, "x");
     const int64_t D = x.size(-1), rows = x.numel() / D;
     const float *wp = nullptr, *rp = nullptr;
     if (w) {
-        TORCH_CHECK(w->dtype() == torch::kFloat32 && w->is_contiguous() && w->numel() == D, "w must be float32 [D]");
+        TORCH_CHECK(w->dtype() == at::kFloat && w->is_contiguous() && w->numel() == D, "w must be float32 [D]");
         wp = w->data_ptr<float>();
     }
     if (residual) {
-        TORCH_CHECK(residual->dtype() == torch::kFloat32 && residual->is_contiguous() && residual->sizes() == x.sizes(),
+        TORCH_CHECK(residual->dtype() == at::kFloat && residual->is_contiguous() && residual->sizes() == x.sizes(),
                     "residual must be contiguous float32 of x's shape");
         rp = residual->data_ptr<float>();
     }
-    auto out = torch::empty_like(x);
+    auto out = at::empty_like(x);
     const float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / D), [&](int64_t r0, int64_t r1) {
@@ -74,15 +76,15 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double e
 }
 
 // x [T, H, d] -> rms_norm over d with weight w [d], then RoPE with cos/sin [T, d] (both halves filled).
-torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rms_norm_rope(at::Tensor x, at::Tensor w, double eps, at::Tensor cos, at::Tensor sin) {
     check_rows(x, "x");
     TORCH_CHECK(x.dim() == 3, "x must be [T, heads, d]");
     const int64_t T = x.size(0), H = x.size(1), d = x.size(2), half = d / 2;
     TORCH_CHECK(d % 2 == 0, "head_dim must be even");
-    TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.numel() == d, "w must be float32 [d]");
+    TORCH_CHECK(w.dtype() == at::kFloat && w.is_contiguous() && w.numel() == d, "w must be float32 [d]");
     for (const auto& t : {cos, sin})
-        TORCH_CHECK(t.dtype() == torch::kFloat32 && t.is_contiguous() && t.numel() == T * d, "cos/sin must be float32 [T, d]");
-    auto out = torch::empty_like(x);
+        TORCH_CHECK(t.dtype() == at::kFloat && t.is_contiguous() && t.numel() == T * d, "cos/sin must be float32 [T, d]");
+    auto out = at::empty_like(x);
     const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, T * H, std::max<int64_t>(1, 65536 / d), [&](int64_t r0, int64_t r1) {
@@ -105,10 +107,10 @@ torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch:
     return out;
 }
 
-torch::Tensor gelu_mul(torch::Tensor a, torch::Tensor b) {
-    TORCH_CHECK(a.dtype() == torch::kFloat32 && b.dtype() == torch::kFloat32 && a.is_contiguous() && b.is_contiguous()
+at::Tensor gelu_mul(at::Tensor a, at::Tensor b) {
+    TORCH_CHECK(a.dtype() == at::kFloat && b.dtype() == at::kFloat && a.is_contiguous() && b.is_contiguous()
                 && a.sizes() == b.sizes(), "a, b must be contiguous float32 of one shape");
-    auto out = torch::empty_like(a);
+    auto out = at::empty_like(a);
     const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t n = a.numel();
@@ -121,10 +123,10 @@ torch::Tensor gelu_mul(torch::Tensor a, torch::Tensor b) {
     return out;
 }
 
-torch::Tensor softcap(torch::Tensor x, double cap) {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous(), "x must be contiguous float32");
+at::Tensor softcap(at::Tensor x, double cap) {
+    TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
     TORCH_CHECK(cap > 0, "cap must be positive");
-    auto out = torch::empty_like(x);
+    auto out = at::empty_like(x);
     const float* xp = x.data_ptr<float>();
     float* op = out.data_ptr<float>();
     const int64_t n = x.numel();
@@ -209,18 +211,18 @@ void attend_part(const float* q, const uint16_t* k, const uint16_t* v, const int
 // keeping its own max and sum, merged as one softmax would weigh them. The number of parts depends only on
 // the row's own key count and the thread count, so a row's result never depends on the other rows of the
 // step (batch invariance). A query row that sees no key gets zeros.
-torch::Tensor attend(torch::Tensor q, torch::Tensor k_store, torch::Tensor v_store, torch::Tensor key_rows,
-                     torch::Tensor q_seq, torch::Tensor q_lo, torch::Tensor q_hi) {
-    TORCH_CHECK(q.dtype() == torch::kFloat32 && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
-    TORCH_CHECK(k_store.dtype() == torch::kBFloat16 && v_store.dtype() == torch::kBFloat16 && k_store.is_contiguous()
+at::Tensor attend(at::Tensor q, at::Tensor k_store, at::Tensor v_store, at::Tensor key_rows,
+                  at::Tensor q_seq, at::Tensor q_lo, at::Tensor q_hi) {
+    TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
+    TORCH_CHECK(k_store.dtype() == at::kBFloat16 && v_store.dtype() == at::kBFloat16 && k_store.is_contiguous()
                 && v_store.is_contiguous() && k_store.dim() == 3 && k_store.sizes() == v_store.sizes(),
                 "k_store, v_store must be contiguous bf16 [R, kv_heads, d] of one shape");
     const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), R = k_store.size(0), nkv = k_store.size(1);
     TORCH_CHECK(k_store.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
-    TORCH_CHECK(key_rows.dtype() == torch::kInt64 && key_rows.is_contiguous() && key_rows.dim() == 2,
+    TORCH_CHECK(key_rows.dtype() == at::kLong && key_rows.is_contiguous() && key_rows.dim() == 2,
                 "key_rows must be contiguous int64 [B, S]");
-    for (const torch::Tensor* t : {&q_seq, &q_lo, &q_hi})
-        TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous() && t->dim() == 1 && t->size(0) == T,
+    for (const at::Tensor* t : {&q_seq, &q_lo, &q_hi})
+        TORCH_CHECK(t->dtype() == at::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == T,
                     "q_seq, q_lo, q_hi must be contiguous int64 [T]");
     const int64_t B = key_rows.size(0), S = key_rows.size(1), g = nh / nkv;
     const int64_t* kr = key_rows.data_ptr<int64_t>();
@@ -256,7 +258,7 @@ torch::Tensor attend(torch::Tensor q, torch::Tensor k_store, torch::Tensor v_sto
                         m.data() + task * g, l.data() + task * g, acc.data() + task * g * d);
         }
     });
-    auto out = torch::empty({T, nh * d}, q.options());
+    auto out = at::empty({T, nh * d}, q.options());
     float* op = out.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t)
         for (int64_t kvh = 0; kvh < nkv; ++kvh)

@@ -29,8 +29,9 @@
 // and gemv_x16_glu (gelu(x Gate^T) * x Up^T) share one preparation of x and one parallel pass.
 // dequant_x16 turns (rows of) a weight back into float32 or bf16 (token tables are looked up by rows);
 // linear_x16 is prefill's GEMM (tile_gemm.h): 32 rows of W at a time turned into bf16, row-invariant.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <immintrin.h>
 #include <cstdint>
 #include <sys/mman.h>
@@ -97,12 +98,12 @@ Format format_of(int64_t ggml_type, int64_t k_in) {
 }
 
 // GGML [N, K / block weights] -> x16 [N, groups * group_bytes]
-torch::Tensor repack_x16(torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+at::Tensor repack_x16(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Format f = format_of(ggml_type, k_in);
     const int64_t nb = k_in / f.block_elems;               // GGML blocks per row
-    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
+    TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
                 "w must be the contiguous GGML bytes of an [n_out, k_in] weight");
-    auto out = torch::empty({packed_rows(f, n_out), f.row_bytes}, w.options());
+    auto out = at::empty({packed_rows(f, n_out), f.row_bytes}, w.options());
     uint8_t* dst = out.data_ptr<uint8_t>();
     // Huge pages for the weight stream (asked before the first touch): on 4 KiB pages every decoded token
     // takes ~300k TLB misses and a prefetcher restart per page (E2B Q4_0 decode step 47-50 -> 41-45 ms).
@@ -389,15 +390,15 @@ void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, i
 }
 
 
-void check_x16(const torch::Tensor& w, int64_t n_out, const Format& f) {
-    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 2 && w.size(0) == packed_rows(f, n_out)
+void check_x16(const at::Tensor& w, int64_t n_out, const Format& f) {
+    TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == packed_rows(f, n_out)
                 && w.size(1) == f.row_bytes, "w must be the packed layout of an [n_out, k_in] weight");
 }
 
 // x [M, k_in] prepared once (quantized activations, scales, the quants' offset corrections) for any number of
 // weights of one type that share it as input.
-int64_t rows_of(const torch::Tensor& x, int64_t k_in) {
-    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
+int64_t rows_of(const at::Tensor& x, int64_t k_in) {
+    TORCH_CHECK(x.dtype() == at::kFloat && x.is_contiguous() && x.dim() == 2 && x.size(1) == k_in,
                 "x must be contiguous float32 [M, k_in]");
     return x.size(0);
 }
@@ -426,7 +427,7 @@ struct Prepared {
     // per-block values of one row of x: x16 groups * 16 (the padding blocks' zero), panels k_in / 32
     static int64_t blocks(const Format& f, int64_t k_in) { return f.panel ? k_in / QK : f.groups * GROUP; }
 
-    Prepared(const torch::Tensor& x, int64_t k_in, int64_t ggml_type)
+    Prepared(const at::Tensor& x, int64_t k_in, int64_t ggml_type)
         : f(format_of(ggml_type, k_in)), type(ggml_type), M(rows_of(x, k_in)),
           per_row(f.panel ? k_in : f.groups * GROUP_ELEMS), amx(f.panel && M >= 2 && amx_on().load()),
           stream(f.panel ? 0 : M * per_row), quads(f.panel && !amx ? M * per_row : 0), dx(M * blocks(f, k_in)), corr(M * blocks(f, k_in)),
@@ -525,11 +526,11 @@ void for_row_tasks(int64_t n_out, Fn&& fn) {
     at::parallel_for(0, (n_out + GRAIN - 1) / GRAIN, 1, [&](int64_t t0, int64_t t1) { fn(t0 * GRAIN, std::min(n_out, t1 * GRAIN)); });
 }
 
-torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+at::Tensor gemv_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     // x: [M, k_in] float32; w: x16 [n_out, row_bytes] -> y: [M, n_out] float32
     const Prepared p(x, k_in, ggml_type);
     check_x16(w, n_out, p.f);
-    auto y = torch::empty({p.M, n_out}, x.options());
+    auto y = at::empty({p.M, n_out}, x.options());
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
     for_row_tasks(n_out, [&](int64_t n0, int64_t n1) { p.rows(wp, yp, n_out, n0, n1); });
@@ -537,15 +538,15 @@ torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t 
 }
 
 // The same x through several weights of one type (Q, K, V): one pass over their rows, one preparation.
-std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> n_outs,
-                                          int64_t k_in, int64_t ggml_type) {
+std::vector<at::Tensor> gemv_x16_multi(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> n_outs,
+                                       int64_t k_in, int64_t ggml_type) {
     TORCH_CHECK(!ws.empty() && ws.size() == n_outs.size(), "one n_out per weight");
     const Prepared p(x, k_in, ggml_type);
-    std::vector<torch::Tensor> ys;
+    std::vector<at::Tensor> ys;
     std::vector<int64_t> start{0};                       // first task of each weight in the joint range of tasks
     for (size_t i = 0; i < ws.size(); ++i) {
         check_x16(ws[i], n_outs[i], p.f);
-        ys.push_back(torch::empty({p.M, n_outs[i]}, x.options()));
+        ys.push_back(at::empty({p.M, n_outs[i]}, x.options()));
         start.push_back(start.back() + (n_outs[i] + GRAIN - 1) / GRAIN);
     }
     at::parallel_for(0, start.back(), 1, [&](int64_t a, int64_t b) {
@@ -560,11 +561,11 @@ std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Te
 
 // gelu_tanh(x @ gate.T) * (x @ up.T): the gated MLP's first half in one pass (row n of both weights
 // in the same task, the activation applied as each task finishes).
-torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+at::Tensor gemv_x16_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Prepared p(x, k_in, ggml_type);
     check_x16(gate, n_out, p.f);
     check_x16(up, n_out, p.f);
-    auto y = torch::empty({p.M, n_out}, x.options());
+    auto y = at::empty({p.M, n_out}, x.options());
     std::vector<float> g(p.M * n_out);
     const uint8_t *gp = gate.data_ptr<uint8_t>(), *up_ = up.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
@@ -831,17 +832,17 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
 
 // x16 / panels [N, ...] -> [N, K] float32 or bf16 (N: the packed tensor's rows, a panel's padding included), or
 // only the rows `ids` [R] -> [R, K] (token tables)
-torch::Tensor dequant_x16(torch::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std::optional<torch::Tensor> ids) {
+at::Tensor dequant_x16(at::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std::optional<at::Tensor> ids) {
     const Format f = format_of(ggml_type, k_in);
     check_x16(w, w.size(0), f);
     const int64_t* idp = nullptr;
     if (ids) {
-        TORCH_CHECK(ids->dtype() == torch::kInt64 && ids->dim() == 1 && ids->is_contiguous(), "ids must be contiguous int64 [R]");
+        TORCH_CHECK(ids->dtype() == at::kLong && ids->dim() == 1 && ids->is_contiguous(), "ids must be contiguous int64 [R]");
         idp = ids->data_ptr<int64_t>();
         for (int64_t i = 0; i < ids->numel(); ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < w.size(0), "row ", idp[i], " out of range");
     }
     const int64_t R = ids ? ids->numel() : w.size(0);
-    auto out = torch::empty({R, k_in}, w.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+    auto out = at::empty({R, k_in}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
     const uint8_t* wp = w.data_ptr<uint8_t>();
     uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
     const int64_t row_out = k_in * (bf16 ? 2 : 4);
@@ -857,7 +858,7 @@ bool set_amx(int64_t want) {
 
 // x [T, k_in] bf16 @ W.T -> [T, n_out] float32, for prefill chunks, row-invariant (tile_gemm.h): each task turns a
 // block of 32 rows of W into bf16 and multiplies it with every row of x while it is in cache.
-torch::Tensor linear_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+at::Tensor linear_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Format f = format_of(ggml_type, k_in);
     check_x16(w, n_out, f);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k_in, "x must be [T, k_in]");

@@ -1,7 +1,7 @@
 // What one kernel source uses of another: the kernels decode_layer.cpp combines (each is also a torch op
 // of its own).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -25,20 +25,20 @@ struct Aligned {
 };
 
 // ggml_gemv.cpp
-torch::Tensor gemv_x16(torch::Tensor x, torch::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type);
-std::vector<torch::Tensor> gemv_x16_multi(torch::Tensor x, std::vector<torch::Tensor> ws, std::vector<int64_t> n_outs,
-                                          int64_t k_in, int64_t ggml_type);
+at::Tensor gemv_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type);
+std::vector<at::Tensor> gemv_x16_multi(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> n_outs,
+                                       int64_t k_in, int64_t ggml_type);
 std::atomic<bool>& amx_on();          // AMX kernels in use where granted (set_amx)
-torch::Tensor gemv_x16_glu(torch::Tensor x, torch::Tensor gate, torch::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
+at::Tensor gemv_x16_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
 
 // bf16_gemv.cpp
-torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w);
+at::Tensor gemv_bf16(at::Tensor x, at::Tensor w);
 
 // decode_ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> w, double eps, std::optional<torch::Tensor> residual);
-torch::Tensor rms_norm_rope(torch::Tensor x, torch::Tensor w, double eps, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor attend(torch::Tensor q, torch::Tensor k_store, torch::Tensor v_store, torch::Tensor key_rows,
-                     torch::Tensor q_seq, torch::Tensor q_lo, torch::Tensor q_hi);
-torch::Tensor gelu_mul(torch::Tensor a, torch::Tensor b);
+at::Tensor rms_norm(at::Tensor x, std::optional<at::Tensor> w, double eps, std::optional<at::Tensor> residual);
+at::Tensor rms_norm_rope(at::Tensor x, at::Tensor w, double eps, at::Tensor cos, at::Tensor sin);
+at::Tensor attend(at::Tensor q, at::Tensor k_store, at::Tensor v_store, at::Tensor key_rows,
+                  at::Tensor q_seq, at::Tensor q_lo, at::Tensor q_hi);
+at::Tensor gelu_mul(at::Tensor a, at::Tensor b);
 
 }  // namespace gem4_ops

@@ -15,8 +15,9 @@
 //   each of x's pairs broadcast; no padding of M, x and C not transposed (the caller makes W's bf16 in lanes).
 // The two round differently (the tile product's internal order is the hardware's), each is row-invariant.
 #pragma once
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cstdint>
@@ -215,13 +216,13 @@ inline void lane_rows(const uint16_t* w, int64_t nr, const uint16_t* x, int64_t 
 // split across torch's intra-op threads. AMX (where granted and on, set_amx): each thread takes SUPER bytes of
 // bf16 at a time, x laid out once as B tiles. vdpbf16ps: a block at a time, met by x's rows 8 at a time.
 template <typename Rows, typename Lanes>
-torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows, Lanes&& lanes) {
+at::Tensor linear_rows(const at::Tensor& x, int64_t N, Rows&& rows, Lanes&& lanes) {
     using gem4_ops::Aligned;
     const bool amx = gem4_ops::amx_on().load() && amx_bf16_granted();
-    TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x must be contiguous bf16 [M, K]");
+    TORCH_CHECK(x.dtype() == at::kBFloat16 && x.is_contiguous() && x.dim() == 2, "x must be contiguous bf16 [M, K]");
     const int64_t M = x.size(0), K = x.size(1), Mp = (M + 15) / 16 * 16;
     TORCH_CHECK(K % QK == 0, "the GEMM takes inputs in blocks of ", QK, ", not ", K);
-    auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+    auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
     const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     Aligned<uint32_t> pairs(amx ? K / 2 * Mp : 0);
     if (amx) pair_columns(xb, M, K, pairs.data, Mp);
@@ -261,7 +262,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows, Lanes&
 
 // The same where W has no way into lanes of its own.
 template <typename Rows>
-torch::Tensor linear_rows(const torch::Tensor& x, int64_t N, Rows&& rows) {
+at::Tensor linear_rows(const at::Tensor& x, int64_t N, Rows&& rows) {
     return linear_rows(x, N, rows, [](int64_t, uint16_t*) { return false; });
 }
 
