@@ -372,8 +372,8 @@ def test_jinja_errors_and_sandbox():
 # ---- tokenizer integration ------------------------------------------------------------------------
 
 
-def test_stop_token_ids():
-    assert chat.stop_token_ids(real_tokenizer()) == frozenset({1, 106, 50})
+def test_end_of_generation_ids():
+    assert real_tokenizer().special.end_of_generation == frozenset({1, 106, 50})
 
 
 def test_encode_prompt():

@@ -40,7 +40,7 @@ from server_helpers import (
 from text_fixtures import tiny_tokenizer
 
 import gem4
-from gem4.chat import encode_prompt, stop_token_ids
+from gem4.chat import encode_prompt
 from gem4.engine import EngineError, GenerationEvent
 from gem4.parser import parse
 from gem4.sampling import SamplingParams
@@ -99,7 +99,8 @@ class ScriptedEngine:
         self.tokenizer = tiny_tokenizer()
         self.vocab_size = self.tokenizer.vocab_size
         self.max_model_len = 4096
-        self.end_ids = stop_token_ids(self.tokenizer)
+        self.detokenized: dict[str, bool] = {}
+        self.end_ids = self.tokenizer.special.end_of_generation
         self.step_s, self.slow_s, self.fail_after = step_s, slow_s, fail_after
         self.gate = threading.Event()
         self.prompts: dict[str, list[int]] = {}
@@ -114,13 +115,14 @@ class ScriptedEngine:
         key = max(found)[1] if found else "PLAIN"
         return key, ids_of(SCRIPTS[key])
 
-    def submit(self, prompt, params: SamplingParams, *, request_id: str, n: int = 1) -> FakeStream:
+    def submit(self, prompt, params: SamplingParams, *, request_id: str, n: int = 1, detokenize: bool = True) -> FakeStream:
         assert n == 1, "the scripted engine serves one choice (n > 1 is tested on the real engine)"
         prompt = list(prompt)
         if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
             raise ValueError("too long")
         stream = FakeStream()
         self.prompts[request_id], self.params[request_id] = prompt, params
+        self.detokenized[request_id] = detokenize
         self.aborted[request_id] = threading.Event()
         threading.Thread(target=self._run, args=(request_id, prompt, params, stream), daemon=True).start()
         return stream
@@ -720,3 +722,12 @@ def test_connection_cap_default():
     assert max_connections(parser.parse_args(["m"])) == 8 + 64 + 128             # the default --max-num-seqs
     assert max_connections(parser.parse_args(["m", "--max-num-seqs", "3", "--max-waiting", "10"])) == 3 + 10 + 128
     assert max_connections(parser.parse_args(["m", "--max-connections", "7"])) == 7
+
+
+def test_chat_text_is_decoded_once(fake):
+    """Chat replies are read from the token ids by the output parser, so the engine is asked for no text of its
+    own; completions (whose stop strings the engine applies to the text) are."""
+    engine, base, _ = fake
+    chat = client_for(base).chat.completions.create(model="scripted", messages=user("PLAIN"))
+    completion = client_for(base).completions.create(model="scripted", prompt="PLAIN", max_tokens=2)
+    assert engine.detokenized[chat.id] is False and engine.detokenized[completion.id] is True

@@ -30,7 +30,7 @@ conventions, not transformers'; documented so that tests can reproduce them):
   rewrite llama.cpp applies, docs/gemma4.md §7.1). Responses are matched to calls by `tool_call_id`,
   then by position.
 
-The stop / end-of-generation ids are `<eos>`, `<turn|>` and `<|tool_response>` (`stop_token_ids`).
+The end-of-generation ids are `<eos>`, `<turn|>` and `<|tool_response>` (`SpecialIds.end_of_generation`).
 `encode_prompt` renders and tokenizes in one go and applies llama.cpp's one prompt fix-up (a prompt
 that ends in `<turn|>\\n` gets `<|turn>model\\n`).
 
@@ -54,7 +54,6 @@ __all__ = [
     "official_template",
     "prepare_messages",
     "convert_tool_messages",
-    "stop_token_ids",
     "encode_prompt",
     "is_gemma4_template",
     "DEFAULT_SPECIAL_TOKENS",
@@ -115,11 +114,6 @@ def render(
         enable_thinking=enable_thinking,
         **kwargs,
     )
-
-
-def stop_token_ids(tokenizer) -> frozenset[int]:
-    """End-of-generation ids: the tokenizer's (`SpecialIds.end_of_generation`)."""
-    return tokenizer.special.end_of_generation
 
 
 def encode_prompt(

@@ -23,7 +23,8 @@ class EngineLike(Protocol):
     max_model_len: int
     vocab_size: int
 
-    def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str, n: int = 1): ...
+    def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str, n: int = 1,
+               detokenize: bool = True): ...
 
     def abort(self, request_id: str) -> bool: ...
 
