@@ -3,12 +3,15 @@
 Each scenario runs gem4 in a subprocess with its own GEM4_CACHE, so the kernels' build directory is
 fresh; a fake `c++` first on PATH (a script that fails at once) stands for a broken compiler and keeps
 these tests to seconds instead of a full build. The one real compile here is killed with SIGKILL a
-moment after it starts.
+moment after it starts. The progress a build reports is checked on a fake build directory and through
+torch's ninja with a fake `c++` that takes its time and writes no real objects.
 """
 from __future__ import annotations
 
 import fcntl
+import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -198,7 +201,8 @@ def test_broken_compiler_warns_once_and_runs_portable(kind, tmp_path, fake_compi
     env = env_with(cache, fake_compilers[kind])
     result = subprocess.run(RUN_DEMO, env=env, capture_output=True, text=True, timeout=300)
     assert_ran_portable(result, CAUSES[kind])
-    assert "compiling the CPU kernels" in result.stderr                 # the build was announced
+    (notice,) = [line for line in result.stderr.splitlines() if "compiling the CPU kernels" in line]   # announced,
+    assert kernels.BUILD_TIME in notice and "GEM4_NO_KERNELS=1" in notice      # with its time and how to skip it
     assert "this compiler" not in result.stderr.replace(warnings_in(result.stderr)[0], "")   # said once
     log = (key_dir(cache, monkeypatch) / "build.log").read_text()
     assert "this compiler" in log and str(fake_compilers[kind] / "c++") in log
@@ -247,6 +251,128 @@ def test_live_build_is_waited_for_with_a_message(tmp_path, broken_compiler, monk
     out, err = waiter.communicate(timeout=120)
     assert "waiting for another process that is compiling the CPU kernels" in err
     assert out.strip() == "False" and len(warnings_in(err)) == 1       # then builds (the broken compiler fails)
+
+
+# --- progress while building ------------------------------------------------------------------------
+
+
+def test_sources_include_narrow_torch_headers():
+    """torch/extension.h (pybind11 and torch's whole C++ API) took ~20 s of each source's ~30 s to compile; the
+    library is no Python module (TORCH_LIBRARY ops, torch.ops.load_library), so no source or header needs it."""
+    for path in kernels.SOURCES + kernels.HEADERS:
+        includes = re.findall(r"^#include\s*<([^>]+)>", path.read_text(), re.MULTILINE)
+        assert "torch/extension.h" not in includes and "torch/torch.h" not in includes, path.name
+        assert not any(i.startswith(("torch/csrc", "pybind11", "Python")) for i in includes), path.name
+
+
+def test_build_is_never_silent_for_long():
+    assert kernels.PROGRESS_EVERY_S <= 10 and kernels._Progress.TICK_S <= 1
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def compile_object(directory: Path, source: str) -> None:
+    """What ninja leaves once a source is compiled: its object file in the build-* directory."""
+    (directory / "build-test" / source.replace(".cpp", ".o")).write_bytes(b"")
+
+
+def watch(monkeypatch, tmp_path, steps, stream, waiting=False) -> str:
+    """stream's text after a _Progress over tmp_path (ticks of 20 ms, a pipe line after 0.3 s of silence) saw
+    steps: (seconds to wait, sources to compile then)."""
+    monkeypatch.setattr(kernels, "PROGRESS_EVERY_S", 0.3)
+    monkeypatch.setattr(kernels._Progress, "TICK_S", 0.02)
+    (tmp_path / "build-test").mkdir()
+    with kernels._Progress(tmp_path, waiting=waiting, stream=stream):
+        for seconds, sources in steps:
+            time.sleep(seconds)
+            for name in sources:
+                compile_object(tmp_path, name)
+    return stream.getvalue()
+
+
+def test_progress_through_a_pipe_names_each_source_and_the_time(monkeypatch, tmp_path):
+    names = [p.name for p in kernels.SOURCES]
+    steps = [(0.45, []), (0.0, [names[2]]), (0.15, names[:2]), (0.45, []), (0.0, names[3:])]
+    text = watch(monkeypatch, tmp_path, steps, io.StringIO())
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    assert all(line.startswith("gem4:   ") for line in lines)
+    compiled = [re.fullmatch(r"gem4:   compiled (\S+) \((\d)/5, \d+ s\)", line) for line in lines]
+    said = [(m[1], int(m[2])) for m in compiled if m]
+    # each source once, in the order they were compiled; the last two seen on exit, not left out
+    assert said == [(names[2], 1), (names[0], 2), (names[1], 3), (names[3], 4), (names[4], 5)]
+    quiet = [line for m, line in zip(compiled, lines) if not m]
+    # a line after each silence of PROGRESS_EVERY_S: the time and what is left
+    assert quiet[0].startswith("gem4:   0/5 sources compiled, 0 s (left: " + ", ".join(names))
+    assert any(line.startswith("gem4:   3/5 sources compiled") and line.endswith(f"(left: {names[3]}, {names[4]})")
+               for line in quiet), quiet
+    assert lines.index(quiet[0]) < lines.index(f"gem4:   compiled {names[2]} (1/5, 0 s)")
+
+
+def test_progress_on_a_terminal_is_one_line_redrawn_then_erased(monkeypatch, tmp_path):
+    names = [p.name for p in kernels.SOURCES]
+    text = watch(monkeypatch, tmp_path, [(0.1, names[:2]), (0.1, names[2:]), (0.1, [])], Terminal())
+    assert "\n" not in text and text.count("\r") >= 4
+    frames = text.split("\r")[1:]
+    assert frames[0].startswith("gem4:   0/5 sources compiled, 0 s (left: ")
+    assert any(f.startswith("gem4:   2/5 sources compiled") for f in frames)
+    assert any(f.startswith(f"gem4:   linking {kernels.LIBRARY}") for f in frames)
+    assert frames[-2].strip() == "" and frames[-1] == ""                  # erased: the next line starts clean
+    widths = [len(f) for f in frames[:-1]]
+    assert widths == sorted(widths)                                       # each frame covers the one before
+    assert len(set(frames)) == len(frames)                                # drawn again only when it changes
+
+
+def test_progress_of_a_wait_says_how_the_other_build_goes(monkeypatch, tmp_path):
+    names = [p.name for p in kernels.SOURCES]
+    text = watch(monkeypatch, tmp_path, [(0.0, names[:1]), (0.45, [])], io.StringIO(), waiting=True)
+    lines = text.splitlines()
+    assert lines and all(re.fullmatch(r"gem4:   still waiting, \d+ s \(the other build: 1/5 sources compiled\)", line)
+                         for line in lines), lines
+
+
+SLOW_COMPILER = """\
+out=""; dep=""; src=""; prev=""
+for a in "$@"; do
+  case "$a" in --version|-dumpversion|-dumpfullversion) echo "c++ (fake) 12.2.0"; exit 0;; esac
+  case "$prev" in -o) out="$a";; -MF) dep="$a";; esac
+  case "$a" in *.cpp) src="$a";; esac
+  prev="$a"
+done
+case "$src" in *decode_layer.cpp) sleep 4;; ?*) sleep 0.3;; esac
+if [ -n "$dep" ]; then echo "$out: $src" > "$dep"; fi
+echo "not an object" > "$out"
+"""
+
+
+@needs_cpu
+def test_a_build_says_each_source_and_is_never_silent_for_long(tmp_path):
+    """A real build through torch's ninja, with a `c++` that takes 0.3 s a source and 4 s for decode_layer.cpp and
+    writes no real objects (the library then does not load: one warning, the portable path). Each source is said
+    once, and no two lines of the build are further apart than PROGRESS_EVERY_S (1 s here) and a tick."""
+    compiler = tmp_path / "bin"
+    compiler.mkdir()
+    for name in ("c++", "g++"):
+        (compiler / name).write_text("#!/bin/sh\n" + SLOW_COMPILER)
+        (compiler / name).chmod(0o755)
+    code = "from gem4.model import kernels; kernels.PROGRESS_EVERY_S = 1.0; print(kernels.available())"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env_with(tmp_path / "cache", compiler),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stamped = [(time.monotonic(), line.rstrip("\n")) for line in proc.stderr]
+    assert proc.stdout.read().strip() == "False" and proc.wait(timeout=60) == 0
+    lines = [line for _, line in stamped]
+    start = next(i for i, line in enumerate(lines) if "compiling the CPU kernels" in line)
+    assert "GEM4_NO_KERNELS=1" in lines[start]
+    end = next(i for i, line in enumerate(lines) if "compiled CPU kernels are unavailable" in line)
+    compiled = sorted(m[1] for m in (re.match(r"gem4:   compiled (\S+) \(\d/5, \d+ s\)", line) for line in lines) if m)
+    assert compiled == sorted(p.name for p in kernels.SOURCES), lines
+    assert any(line.startswith("gem4:   4/5 sources compiled") and line.endswith("(left: decode_layer.cpp)")
+               for line in lines), lines
+    gaps = [b[0] - a[0] for a, b in zip(stamped[start:end], stamped[start + 1:end + 1])]
+    assert max(gaps) < 1.0 + 1.0, list(zip(gaps, lines[start + 1:]))
 
 
 # --- (a) a build killed with SIGKILL -----------------------------------------------------------------

@@ -40,7 +40,15 @@ Build (choices and why):
   at most). Each build runs in a fresh `build-*` directory (so torch's own `lock` baton file is always
   new; directories a dead builder left are removed under the flock), and the finished library is renamed
   into place: a library at its final path is always complete.
-- Announced on stderr (once, with its expected time, and when done). Any build or load failure is one
+- Quick to compile: the sources include torch's narrow headers (`torch/library.h` for the op registrations,
+  `ATen/core/Tensor.h`, `ATen/Parallel.h`, the `ATen/ops/*.h` of the functions called; `ATen/ATen.h` in
+  decode_layer.cpp, which runs torch ops), never `torch/extension.h`: that one (pybind11 and torch's whole C++
+  API, ~20 s of the compiler's time per source) is for Python modules, and this library is none (its ops are
+  registered with TORCH_LIBRARY and loaded by torch.ops.load_library). ~40 s of compiler time in all instead of
+  ~180 s; ninja runs the sources in parallel (ninja's own job count, or MAX_JOBS).
+- Announced on stderr (with its expected time and how to skip it), then followed while it runs (`_Progress`:
+  each source compiled, and at least every PROGRESS_EVERY_S the time so far and the sources left; on a terminal
+  one line redrawn every second instead), and said when done. Any build or load failure is one
   stderr line naming the cause and the log (`build.log` in the key's directory); `available()` is then
   False and callers keep the portable path (model/layers.py), which these kernels are tested against.
   `GEM4_NO_KERNELS=1` turns them off. `describe()` says which of these happened (`gem4 doctor`).
@@ -87,7 +95,8 @@ PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0,    # formats the compile
 PANEL_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # of those, packed in 16-row panels (panels.h):
                                                           # N padded to 16, no padding along k
 LIBRARY = "gem4_kernels.so"
-BUILD_TIME = "about 1-2 minutes"      # 5 sources on 2 cores (longer on a busy machine)
+BUILD_TIME = "about a minute on 2 cores"   # ~45 s of compiler time in all (ninja runs the sources in parallel)
+PROGRESS_EVERY_S = 10.0               # the longest a build or a wait for one is silent on stderr through a pipe
 WAIT_LIMIT_S = 1800                   # longest wait for another process's build before the portable path
 
 
@@ -199,7 +208,8 @@ def _load_or_build(directory: Path) -> str:
             return f"loaded {library} (built by another process)"
         for stale in directory.glob("build-*"):            # left by builders that died
             shutil.rmtree(stale, ignore_errors=True)
-        _say(f"gem4: compiling the CPU kernels for this machine (once, {BUILD_TIME}) into {directory} ...")
+        _say(f"gem4: compiling the CPU kernels for this machine (once, {BUILD_TIME}; GEM4_NO_KERNELS=1 skips "
+             f"this and runs on plain torch) into {directory} ...")
         start = time.monotonic()
         _build(directory, load_error)
         seconds = time.monotonic() - start
@@ -218,15 +228,100 @@ def _acquire(lock, directory: Path) -> None:
         pass
     _say(f"gem4: waiting for another process that is compiling the CPU kernels into {directory} ...")
     deadline = time.monotonic() + WAIT_LIMIT_S
-    while True:
-        time.sleep(0.5)
+    with _Progress(directory, waiting=True):
+        while True:
+            time.sleep(0.5)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise KernelBuildError(f"gave up after {WAIT_LIMIT_S} s waiting for the build holding "
+                                           f"{directory / 'build.lock'}") from None
+
+
+def compiled_sources(directory: Path) -> list[str]:
+    """The sources a build in `directory` (a key's directory) has compiled so far: those whose object file is in
+    a build-* directory there (torch's ninja file names it after the source; the assembler writes it last)."""
+    return [p.name for p in SOURCES if any(directory.glob(f"build-*/{p.stem}.o"))]
+
+
+class _Progress:
+    """How a build in `directory` goes, on stderr while it runs (torch's load keeps ninja's own output until the
+    end): on a terminal one line redrawn every second, erased at the end; through a pipe a line for each source
+    compiled and, when nothing else was said for PROGRESS_EVERY_S, one with the time so far and what is left.
+    waiting: the build is another process's (its build-* directory is watched the same way). A context manager:
+    a thread watches from entry to exit; on exit, the sources compiled since its last look are said too."""
+
+    TICK_S = 0.5
+
+    def __init__(self, directory: Path, waiting: bool = False, stream=None):
+        self.directory, self.waiting = directory, waiting
+        self.stream = stream if stream is not None else sys.stderr
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.tty = bool(self.stream.isatty())
+        except (AttributeError, ValueError):
+            self.tty = False
+        self.start = self._last = time.monotonic()
+        self._said: list[str] = []       # sources said to be compiled (pipe)
+        self._drawn, self._width = "", 0  # the terminal line drawn last, the longest drawn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="gem4-kernel-build-progress", daemon=True)
+
+    def __enter__(self) -> "_Progress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        if self.tty:
+            if self._width:
+                self._write("\r" + " " * self._width + "\r")
+        else:
+            self._look(final=True)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.TICK_S):
+            self._look()
+
+    def _look(self, final: bool = False) -> None:
+        compiled = compiled_sources(self.directory)
+        now = time.monotonic()
+        if self.tty:
+            columns = shutil.get_terminal_size((80, 24)).columns - 1
+            line = f"gem4:   {self.state(compiled, now - self.start)}"[:columns]
+            if line != self._drawn:
+                self._write("\r" + line.ljust(self._width))      # over the whole of the line before
+                self._drawn, self._width = line, max(self._width, len(line))
             return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise KernelBuildError(f"gave up after {WAIT_LIMIT_S} s waiting for the build holding "
-                                       f"{directory / 'build.lock'}") from None
+        if not self.waiting:
+            for name in compiled:
+                if name not in self._said:
+                    self._said.append(name)
+                    count = f"{len(self._said)}/{len(SOURCES)}"
+                    self._write(f"gem4:   compiled {name} ({count}, {now - self.start:.0f} s)\n")
+                    self._last = now
+        if not final and now - self._last >= PROGRESS_EVERY_S:
+            self._write(f"gem4:   {self.state(compiled, now - self.start)}\n")
+            self._last = now
+
+    def state(self, compiled: list[str], seconds: float) -> str:
+        """One line: the time so far and what is left."""
+        n = len(SOURCES)
+        if self.waiting:
+            return f"still waiting, {seconds:.0f} s (the other build: {len(compiled)}/{n} sources compiled)"
+        if len(compiled) == n:
+            return f"linking {LIBRARY}, {seconds:.0f} s"
+        left = ", ".join(p.name for p in SOURCES if p.name not in compiled)
+        return f"{len(compiled)}/{n} sources compiled, {seconds:.0f} s (left: {left})"
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):    # stderr closed: the build goes on unsaid
+            pass
 
 
 def _build(directory: Path, note: str) -> None:
@@ -243,12 +338,12 @@ def _build(directory: Path, note: str) -> None:
                   f"cflags: {' '.join(CFLAGS)}\nldflags: {' '.join(LDFLAGS)}\nbuild directory: {work}\n\n")
         log.flush()
         try:
-            _check_compiler()
             handler = logging.StreamHandler(log)
             torch_log.addHandler(handler)
             torch_log.propagate = False
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, _Progress(directory):   # before work is removed
                 warnings.simplefilter("always")
+                _check_compiler()
                 load(name="gem4_kernels", sources=[str(p) for p in SOURCES], extra_cflags=list(CFLAGS),
                      extra_ldflags=list(LDFLAGS), build_directory=str(work), is_python_module=False, verbose=False)
             for w in caught:
