@@ -124,8 +124,7 @@ def bench_steps(model, assistant, context: int, ks: list[int], repeats: int, cal
     with torch.inference_mode():
         _, h = model.forward(ids[:context], cache.step(context), cache.pool, hidden=True)
         cache.commit(context)
-        view = draft_view(cache.pool, [DraftSeq(context, list(range(cache.pool.blocks_for(context + 1))),
-                                                list(cache._sliding))])
+        view = draft_view(cache.pool, [DraftSeq(context, cache.block_table, cache.sliding_table)])
     rows = sorted({1} | {k + 1 for k in ks})
     drafts = sorted({1} | set(ks))
     res: dict = {"forward": {n: [] for n in rows}, "head": {n: [] for n in rows}, "draft": {k: [] for k in drafts}}

@@ -21,10 +21,10 @@ from gem4.model.gemma4 import DECODE_ROWS
 from gem4.demo import demo_tokenizer
 from gem4.engine import EngineError, InvalidParameter, NonFiniteLogits
 from gem4.config import FULL, SLIDING, build_config, rope_default
-from gem4.engine.block_manager import BlockManager
+from gem4.engine.pool import kv_pool_size
 from gem4.engine.scheduler import Scheduler
 from gem4.engine.sequence import Sequence, StopStrings
-from gem4.kv_cache import kv_pool_size
+from gem4.kv_cache import BlockManager
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gem4.config import FULL, SLIDING, build_config, rope_default
-from gem4.engine.block_manager import BlockManager
-from gem4.kv_cache import (BLOCK_SIZE, KVCache, KVPool, SeqStep, kv_bytes_per_token, kv_pool_size,
+from gem4.engine.pool import kv_pool_size
+from gem4.kv_cache import (BLOCK_SIZE, BlockManager, KVCache, KVPool, SeqStep, kv_bytes_per_token,
                            sliding_blocks_per_seq)
 
 S, F = SLIDING, FULL
@@ -116,8 +116,14 @@ def test_one_sequence_cache_grows_keeps_its_rows_and_reuses_sliding_blocks():
         layout = cache.step(2)
         stored.update(zip(layout.write[S].tolist(), layout.positions.tolist()))
         assert seen_positions(cache.pool, layout, 1, stored)[-1] == [cache.length - 1, cache.length, cache.length + 1]
+        # the block manager's tables: full blocks in order, sliding ones only from the window's block on
+        first, sliding = (cache.length - 2) // BLOCK_SIZE, cache.sliding_table
+        assert cache.block_table == list(range(len(cache.block_table)))
+        assert sliding[:first] == [-1] * first and -1 not in sliding[first:]
+        assert cache.blocks.free_sliding_blocks == cache.pool.num_sliding_blocks - len(sliding[first:])
         cache.commit(2)
     assert cache.pool is not first and cache.pool.num_blocks * BLOCK_SIZE >= 82
+    assert cache.blocks.num_blocks == cache.pool.num_blocks and len(cache.block_table) == 6
     assert torch.all(cache.pool.store(0)[0][:2] == 7.0)
     assert cache.pool.num_sliding_blocks == sliding_blocks_per_seq(3, BLOCK_SIZE)   # the window's blocks, reused
     big = cache.step(60)                                               # a long step: more sliding blocks
@@ -185,6 +191,33 @@ def test_block_manager_tables_windows_and_capacity():
     assert bm.free_blocks == 3 and bm.usage == 0.25 and bm.free_sliding_blocks == 2
     with pytest.raises(RuntimeError, match="no room"):
         bm.reserve("b", 17)
+
+
+def test_block_manager_grows_with_its_pool_and_takes_the_new_ids_last():
+    bm = BlockManager(num_blocks=2, block_size=4, num_sliding_blocks=2, window=3, caching=False)
+    bm.reserve("a", 8)
+    bm.commit("a", range(8), 8)                                        # from 8 on: 6.. -> block 0's part goes back
+    assert not bm.can_reserve("a", 9, start=8)
+    bm.grow(4, 3)
+    assert (bm.free_blocks, bm.free_sliding_blocks) == (2, 2)
+    bm.reserve("a", 13, start=8)
+    assert bm.table("a") == [0, 1, 2, 3] and bm.sliding_table("a") == [-1, 1, 0, 2]   # the freed part first
+    with pytest.raises(ValueError, match="cannot shrink"):
+        bm.grow(3, 3)
+
+
+def test_pool_grows_with_its_rows_where_they_are():
+    pool = KVPool(config(types=(S, F)), num_blocks=2, num_sliding_blocks=1, dtype=torch.float32, block_size=4)
+    for layer in range(2):
+        for store in pool.store(layer):
+            store.copy_(torch.rand(store.shape))
+    big = pool.grown(4, 3)
+    assert (big.num_blocks, big.num_sliding_blocks, big.block_size) == (4, 3, 4)
+    for layer, rows, new_rows in ((0, 4, 12), (1, 8, 16)):                # sliding, full
+        for new, old in zip(big.store(layer), pool.store(layer)):
+            assert new.shape[0] == new_rows and torch.equal(new[:rows], old)
+    with pytest.raises(ValueError, match="cannot shrink"):
+        pool.grown(1, 3)
 
 
 def test_block_manager_fork_shares_blocks_and_copies_on_write():

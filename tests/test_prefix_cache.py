@@ -13,7 +13,7 @@ import pytest
 
 import gem4
 from gem4 import Engine, SamplingParams
-from gem4.kv_cache import kv_pool_size
+from gem4.engine.pool import kv_pool_size
 from model_fixtures import prompt_ids
 from test_engine import wait_idle
 

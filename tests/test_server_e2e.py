@@ -48,7 +48,7 @@ from text_fixtures import tiny_tokenizer
 
 import gem4
 from gem4.chat import encode_prompt
-from gem4.kv_cache import kv_pool_size
+from gem4.engine.pool import kv_pool_size
 from gem4.parser import Gemma4Parser
 from gem4.sampling import SamplingParams
 from gem4.server import ServerConfig, create_app

@@ -145,9 +145,9 @@ def test_draft_count_shrinks_after_a_miss_and_grows_back_after_a_hit():
     """The rule of Sequence.record_drafts on a scripted run, scheduler only: a round that accepts nothing
     halves the next round's drafts (at least 1) and, from the second such round in a row, pauses drafting
     1, 4, ... steps; a round that accepts any draft (all of them or some) brings back K drafts at once."""
-    from gem4.engine.block_manager import BlockManager
     from gem4.engine.scheduler import Scheduler
     from gem4.engine.sequence import Sequence
+    from gem4.kv_cache import BlockManager
 
     sched = Scheduler(BlockManager(num_blocks=16, block_size=16, num_sliding_blocks=16, window=4), max_chunk=8,
                       max_num_batched_tokens=8, num_speculative_tokens=7)
@@ -252,7 +252,6 @@ def test_mtp_drafts_start_from_the_row_that_chose_the_last_token(variants, assis
         cache = model.new_cache()
         _, h = model.forward(torch.tensor(seq_tokens[:p]), cache.step(p), cache.pool, hidden=True)
         cache.commit(p)
-        table = list(range(cache.pool.blocks_for(p + 1)))
-        view = draft_view(cache.pool, [DraftSeq(p, table, cache._sliding)])
+        view = draft_view(cache.pool, [DraftSeq(p, cache.block_table, cache.sliding_table)])
         want = assistant.draft(model, torch.tensor(seq_tokens[p:]), h[-1:], view, cache.pool, len(got)).tokens
         assert want[0].tolist() == got, p

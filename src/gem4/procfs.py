@@ -1,4 +1,4 @@
-"""Memory figures Linux gives in /proc ("Key:   N kB" lines): the KV pool's default size (kv_cache.py) and
+"""Memory figures Linux gives in /proc ("Key:   N kB" lines): the KV pool's default size (engine/pool.py) and
 the runtime a memory_limit counts (weights/expert_stream.py)."""
 from __future__ import annotations
 

@@ -54,13 +54,13 @@ import time
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, replace
 
-from gem4.engine.block_manager import BlockManager
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
 from gem4.engine.sequence import ABORT, RequestStats, Sequence, Status, next_request_id
 from gem4.engine.mtp import DRAFT_SLACK, MtpDrafter
+from gem4.engine.pool import kv_pool_size
 from gem4.engine.speculative import SpeculativeConfig
-from gem4.kv_cache import BLOCK_SIZE, KVPool, kv_pool_size
+from gem4.kv_cache import BLOCK_SIZE, BlockManager, KVPool
 from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
 from gem4.weights.assistant import load_assistant
 
@@ -184,9 +184,9 @@ class Engine:
     max_num_seqs sequences of max_model_len, capped at half the memory available, and never less than
     one sequence of max_model_len.
     enable_prefix_caching: reuse the K/V of the longest cached prefix of each prompt -- of finished,
-    aborted and running requests alike -- computing only the rest (engine/block_manager.py says how it stays
+    aborted and running requests alike -- computing only the rest (kv_cache/blocks.py says how it stays
     exact on sliding layers). On by default, as in vLLM; the pool then keeps twice the sliding-window
-    blocks (kv_cache.SLIDING_CACHE_FACTOR).
+    blocks (engine/pool.py's SLIDING_CACHE_FACTOR).
     block_size: positions per KV block (vLLM's --block-size): the unit of paging, sharing and eviction.
     speculative_config: vLLM's speculative config (`speculative.SpeculativeConfig`: a dict or JSON string,
     e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"method": "mtp", "model": ASSISTANT, ...}):

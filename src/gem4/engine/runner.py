@@ -52,11 +52,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gem4.engine.block_manager import BlockManager
 from gem4.engine.mtp import MtpDrafter
 from gem4.engine.scheduler import Batch, Chunk
 from gem4.engine.speculative import verify
-from gem4.kv_cache import KVPool, SeqStep
+from gem4.kv_cache import BlockManager, KVPool, SeqStep
 from gem4.sampling import Sampler, SeedStream
 
 

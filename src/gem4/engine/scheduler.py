@@ -13,7 +13,7 @@ all within a budget of `max_num_batched_tokens` tokens per step, no chunk longer
 long prompt is prefilled a chunk per step beside the running decodes and never stalls them.
 
 Prefix cache: a sequence admitted while holding nothing first takes the longest exact cached prefix of its
-tokens (`BlockManager.match`; block_manager.py says what is cached and when a hit is exact) and starts
+tokens (`BlockManager.match`; kv_cache/blocks.py says what is cached and when a hit is exact) and starts
 computing after it. After each step the computed blocks are registered (`BlockManager.commit`), so later
 requests can hit the prefix of a running one; a finished, aborted or preempted sequence leaves its blocks
 in the cache, to its last computed token (one that finishes in a step, even the step that completes its
@@ -42,8 +42,8 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from gem4.engine.block_manager import BlockManager
 from gem4.engine.sequence import Sequence, Status, TokenOutput
+from gem4.kv_cache import BlockManager
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
-"""Which KV blocks each sequence holds, and the prefix cache, in plain integers (no tensors; kv_cache.py owns
-the layout).
+"""Which KV blocks each sequence holds, and the prefix cache, in plain integers (no tensors; pool.py owns the
+layout). The one owner of that fact: the engine's scheduler asks it for every running sequence, and
+`KVCache` (cache.py) for its one sequence, with prefix caching off.
 
 Blocks. The pool has `num_blocks` full-attention blocks and `num_sliding_blocks` sliding-layer blocks, each
 of `block_size` positions. A sequence's block table lists its full blocks, one per `block_size` positions
 (block j holds positions [j * bs, (j + 1) * bs)); block j may also carry a sliding block for the same
 positions (its "sliding part"). A sequence holds the sliding parts of its blocks from `window_start` on:
 those some query may still see (a query at p sees p - window < i <= p), and gives the older ones back as it
-goes (`commit`). Sequences are named by any hashable key (the engine uses `Sequence.seq_id`).
+goes (`commit`). Sequences are named by any hashable key (the engine uses `Sequence.seq_id`). A pool that
+grows (`KVCache`'s) adds blocks of either kind with `grow`.
 
 Sharing. Every block has a reference count (sequences whose table holds it) and so has its sliding part
 (sequences holding it in their window). A block that is shared, or registered in the prefix cache, is
@@ -97,6 +99,21 @@ class BlockManager:
         self._copies: list[tuple[int, int]] = []                        # copy-on-write, not yet taken
         self._sliding_copies: list[tuple[int, int]] = []
 
+    def grow(self, num_blocks: int, num_sliding_blocks: int) -> None:
+        """The pool now has `num_blocks` full and `num_sliding_blocks` sliding blocks (no fewer than before;
+        the ids held stay as they are): the new ids are free, taken after the ones free already."""
+        if num_blocks < self.num_blocks or num_sliding_blocks < self.num_sliding_blocks:
+            raise ValueError(f"a pool of {self.num_blocks} blocks and {self.num_sliding_blocks} sliding blocks "
+                             f"cannot shrink to {num_blocks} and {num_sliding_blocks}")
+        more = num_blocks - self.num_blocks
+        self._free[:0] = range(num_blocks - 1, self.num_blocks - 1, -1)
+        self._free_sliding[:0] = range(num_sliding_blocks - 1, self.num_sliding_blocks - 1, -1)
+        self._refs += [0] * more
+        self._sliding += [-1] * more
+        self._srefs += [0] * more
+        self._entry += [None] * more
+        self.num_blocks, self.num_sliding_blocks = num_blocks, num_sliding_blocks
+
     # ---- views ----
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -133,7 +150,7 @@ class BlockManager:
         return self._seqs[seq_id].table
 
     def sliding_table(self, seq_id: Hashable) -> list[int]:
-        """Per block of the sequence, its sliding block (-1 behind the window): kv_cache.SeqStep's."""
+        """Per block of the sequence, its sliding block (-1 behind the window): pool.SeqStep's."""
         s = self._seqs[seq_id]
         return [-1] * s.window_start + [self._sliding[b] for b in s.table[s.window_start:]]
 

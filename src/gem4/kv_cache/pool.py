@@ -1,7 +1,7 @@
 """KV storage for every running sequence (the pool) and the layout of one forward step over it.
 
-The only module that knows the cache layout. Storage, per KV-owning layer, is [rows, n_kv_heads, head_dim]
-(docs/gemma4.md §2.5-§2.6), in blocks of `block_size` rows, paged on both layer types:
+The only module that knows the cache layout as tensors. Storage, per KV-owning layer, is
+[rows, n_kv_heads, head_dim] (docs/gemma4.md §2.5-§2.6), in blocks of `block_size` rows, paged on both layer types:
 - full layers: `num_blocks` blocks. Position p of a sequence lives in row
   `block_table[p // block_size] * block_size + p % block_size`.
 - sliding layers: `num_sliding_blocks` blocks, addressed the same way through the sequence's
@@ -10,10 +10,10 @@ The only module that knows the cache layout. Storage, per KV-owning layer, is [r
   sequence gives back the blocks behind its window as it goes (`sliding_blocks_per_seq` bounds what it
   holds). Paging both types, rather than a ring per sequence, makes every position's K/V a block that can
   outlive its sequence: the prefix cache keeps the sliding blocks of a prefix's last window, so a later
-  request that starts with that prefix reads them instead of recomputing them (engine/block_manager.py).
+  request that starts with that prefix reads them instead of recomputing them (blocks.py).
 - KV-shared layers own no rows; they read their donor's (the donor runs first in the same step).
 
-Which blocks a sequence holds is decided elsewhere, in plain integers (the engine's block manager); per
+Which blocks a sequence holds is decided elsewhere, in plain integers (blocks.py's `BlockManager`); per
 step the caller describes each sequence's part with a `SeqStep`, and `KVPool.layout` turns the list into one
 `StepLayout` of tensors:
 
@@ -28,8 +28,6 @@ and within the window on sliding layers -- are one range [q_lo, q_hi) of that li
 Sharing (a cached prefix, several choices of one prompt): a block may be in several sequences' tables,
 read-only; the block manager decides when a copy is needed and the pool performs it: `copy_blocks` and
 `copy_sliding_blocks` copy whole blocks' rows in every KV-owning layer of the type (copy-on-write).
-
-`KVCache` is one sequence in a pool of its own, grown on demand: the model's `logits()`, tests, benchmarks.
 """
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from gem4.config import FULL, SLIDING, ModelConfig
-from gem4.procfs import proc_bytes
 
 BLOCK_SIZE = 16          # rows per block, both layer types
 
@@ -156,6 +153,19 @@ class KVPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def grown(self, num_blocks: int, num_sliding_blocks: int) -> "KVPool":
+        """A pool of `num_blocks` full and `num_sliding_blocks` sliding blocks (no fewer than this one's) holding
+        this one's rows where they are."""
+        if num_blocks < self.num_blocks or num_sliding_blocks < self.num_sliding_blocks:
+            raise ValueError(f"a pool of {self.num_blocks} blocks and {self.num_sliding_blocks} sliding blocks "
+                             f"cannot shrink to {num_blocks} and {num_sliding_blocks}")
+        new = KVPool(self.config, num_blocks=num_blocks, num_sliding_blocks=num_sliding_blocks, dtype=self.dtype,
+                     device=self.device, block_size=self.block_size)
+        for layer, k in self._k.items():
+            new._k[layer][:k.shape[0]] = k
+            new._v[layer][:k.shape[0]] = self._v[layer]
+        return new
+
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """For each (src, dst): block dst's rows become block src's, in every KV-owning full layer. Every
         source is read before any destination is written."""
@@ -247,120 +257,6 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
     for b, r in enumerate(rows):
         out[b, :r.numel()] = r
     return out
-
-
-class KVCache:
-    """One sequence with a pool of its own. Full layers: block j is the sequence's j-th block (the store
-    doubles when full, rows stay where they are). Sliding layers: the blocks behind the window go back to a
-    free list and are reused, so they stay bounded by the window plus the longest step. `step(n)` lays out
-    the next n tokens; the model commits them."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        self.config = config
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.length = 0                                   # tokens stored
-        blocks = sliding_blocks_per_seq(config.sliding_window, BLOCK_SIZE)
-        self.pool = KVPool(config, num_blocks=4, num_sliding_blocks=blocks, dtype=dtype, device=device)
-        self._sliding: list[int] = []                     # block j -> its sliding block (-1: behind the window)
-        self._free_sliding = list(range(blocks - 1, -1, -1))
-
-    def step(self, num_tokens: int, logits: int = 1, prefill: bool | None = None) -> StepLayout:
-        """The layout of the next `num_tokens` tokens; `logits` of its last rows are wanted; `prefill` (StepLayout):
-        by default, a step of more than one token."""
-        end = self.length + num_tokens
-        need = self.pool.blocks_for(end)
-        first = max(0, self.length - self.pool.window + 1) // BLOCK_SIZE
-        for j in range(min(first, len(self._sliding))):               # behind the window: reusable
-            if self._sliding[j] >= 0:
-                self._free_sliding.append(self._sliding[j])
-                self._sliding[j] = -1
-        missing = need - len(self._sliding)
-        if need > self.pool.num_blocks or missing > len(self._free_sliding):
-            self._grow(need, missing)
-        while len(self._sliding) < need:
-            self._sliding.append(self._free_sliding.pop())
-        return self.pool.layout([SeqStep(self.length, num_tokens, range(need), self._sliding, logits=logits)],
-                                num_tokens > 1 if prefill is None else prefill)
-
-    def commit(self, num_tokens: int) -> None:
-        self.length += num_tokens
-
-    def _grow(self, blocks: int, sliding: int) -> None:
-        """Room for `blocks` full blocks and `sliding` more free sliding blocks (doubling), rows kept."""
-        old = self.pool
-        full, slide = old.num_blocks, old.num_sliding_blocks
-        while full < blocks:
-            full *= 2
-        while slide - old.num_sliding_blocks + len(self._free_sliding) < sliding:
-            slide *= 2
-        self._free_sliding[:0] = range(slide - 1, old.num_sliding_blocks - 1, -1)     # new ids, taken last
-        new = KVPool(self.config, num_blocks=full, num_sliding_blocks=slide, dtype=self.dtype, device=self.device)
-        for layer, k in old._k.items():
-            new._k[layer][:k.shape[0]] = k
-            new._v[layer][:k.shape[0]] = old._v[layer]
-        self.pool = new
-
-
-@dataclass(frozen=True)
-class PoolSize:
-    num_blocks: int           # full-attention blocks
-    block_bytes: int          # one full-attention block, every owning layer, K and V
-    num_sliding_blocks: int
-    sliding_block_bytes: int  # one sliding block, every owning sliding layer, K and V
-    num_seqs: int             # sequences running at once (each holds up to `sliding_blocks_per_seq`)
-    block_size: int = BLOCK_SIZE
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes + self.num_sliding_blocks * self.sliding_block_bytes
-
-    @property
-    def tokens(self) -> int:
-        """Full-attention positions the pool holds, all sequences together."""
-        return self.num_blocks * self.block_size
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    return proc_bytes("/proc/meminfo", "MemAvailable")
-
-
-# Sliding blocks per running sequence beyond its own window, kept for the prefix cache: room for each
-# sequence's last window after it finishes (a conversation's next turn starts there) and for the window
-# before a shared prefix's end (a system prompt), while the running ones move on.
-SLIDING_CACHE_FACTOR = 2
-
-
-def kv_pool_size(config: ModelConfig, dtype: torch.dtype, *, max_chunk: int, num_seqs: int, max_model_len: int,
-                 budget: int | None = None, prefix_caching: bool = False, block_size: int = BLOCK_SIZE,
-                 window_slack: int = 0) -> PoolSize:
-    """How many blocks a KV pool gets. Sliding blocks: `num_seqs` windows (`sliding_blocks_per_seq` each, of
-    the window and `window_slack` positions more that a drafter reads), times SLIDING_CACHE_FACTOR with prefix
-    caching. Full blocks: what `budget` bytes leave, or by default room
-    for `num_seqs` sequences of `max_model_len`, capped at half the available memory. Either way at least one
-    sequence of max_model_len fits (a budget too small for that is refused)."""
-    per_token = kv_bytes_per_token(config, dtype)
-    block_bytes = per_token[FULL] * block_size
-    sliding_block_bytes = per_token[SLIDING] * block_size
-    sliding = num_seqs * sliding_blocks_per_seq(config.sliding_window + window_slack, max_chunk, block_size)
-    sliding *= SLIDING_CACHE_FACTOR if prefix_caching else 1
-    sliding_bytes = sliding * sliding_block_bytes
-    one_seq = -(-max_model_len // block_size)
-    if budget is None:
-        blocks = one_seq * num_seqs
-        free = available_memory()
-        if free is not None and block_bytes:
-            blocks = min(blocks, (free // 2 - sliding_bytes) // block_bytes)
-        blocks = max(blocks, one_seq)
-    else:
-        blocks = (budget - sliding_bytes) // block_bytes if block_bytes else one_seq
-        if blocks < one_seq:
-            need = sliding_bytes + one_seq * block_bytes
-            raise ValueError(f"a KV cache of {budget / 2**30:.3f} GiB cannot hold one sequence of max_model_len "
-                             f"{max_model_len} beside the sliding-window blocks of {num_seqs} sequences: that "
-                             f"needs {need / 2**30:.3f} GiB")
-    return PoolSize(int(blocks), block_bytes, sliding, sliding_block_bytes, num_seqs, block_size)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
