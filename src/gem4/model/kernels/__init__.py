@@ -24,7 +24,7 @@ Build (choices and why):
   the torch ABI it was built against and breaks (or crashes) after a torch upgrade; built on first use
   and keyed by the torch version, an upgrade costs one rebuild. The build goes through torch's
   cpp_extension (`load`), which knows the include paths, defines and libraries of the torch installed.
-- Into gem4's own cache, `$GEM4_CACHE/kernels/<key>/` (`gem4.demo.cache_root`, default ~/.cache/gem4),
+- Into gem4's own cache, `$GEM4_CACHE/kernels/<key>/` (`gem4.paths`, default ~/.cache/gem4),
   where <key> digests the sources and headers, the compiler and linker flags, the CPU features required,
   the torch version and the Python version (`build_key`): two installs of the same code share a build,
   any change that matters gets its own.
@@ -45,7 +45,7 @@ Build (choices and why):
   decode_layer.cpp, which runs torch ops), never `torch/extension.h`: that one (pybind11 and torch's whole C++
   API, ~20 s of the compiler's time per source) is for Python modules, and this library is none (its ops are
   registered with TORCH_LIBRARY and loaded by torch.ops.load_library). ~40 s of compiler time in all instead of
-  ~180 s; ninja runs the sources in parallel (ninja's own job count, or MAX_JOBS).
+  120-180 s; ninja runs the sources in parallel (ninja's own job count, or MAX_JOBS).
 - Announced on stderr (with its expected time and how to skip it), then followed while it runs (`_Progress`:
   each source compiled, and at least every PROGRESS_EVERY_S the time so far and the sources left; on a terminal
   one line redrawn every second instead), and said when done. Any build or load failure is one
@@ -72,7 +72,8 @@ from pathlib import Path
 
 import torch
 
-from gem4.weights.quants import GGMLType
+from gem4 import paths
+from gem4.ggml import GGMLType
 
 SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "kquants.h", "panels.h", "tile_gemm.h")]
@@ -95,7 +96,8 @@ PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0,    # formats the compile
 PANEL_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # of those, packed in 16-row panels (panels.h):
                                                           # N padded to 16, no padding along k
 LIBRARY = "gem4_kernels.so"
-BUILD_TIME = "about a minute on 2 cores"   # ~45 s of compiler time in all (ninja runs the sources in parallel)
+BUILD_TIME = "20-90 s on 2 cores"     # ~40 s of compiler time, ninja running the sources in parallel: 20-40 s
+                                      # measured on 2 cores, more while other work shares them
 PROGRESS_EVERY_S = 10.0               # the longest a build or a wait for one is silent on stderr through a pipe
 WAIT_LIMIT_S = 1800                   # longest wait for another process's build before the portable path
 
@@ -115,11 +117,6 @@ def missing_cpu_flags() -> list[str]:
     return sorted(CPU_FLAGS - _cpu_flags())
 
 
-def disabled_by_env() -> bool:
-    """GEM4_NO_KERNELS set to anything but "" or "0"."""
-    return os.environ.get("GEM4_NO_KERNELS", "") not in ("", "0")
-
-
 def python_version() -> str:
     return f"{sys.implementation.name}-{platform.python_version()}"
 
@@ -137,10 +134,8 @@ def build_key(cflags=CFLAGS, ldflags=LDFLAGS, cpu_flags=CPU_FLAGS, torch_version
 
 
 def build_dir() -> Path:
-    """`$GEM4_CACHE/kernels/<build_key>`: the library, its build log and lock."""
-    from gem4.demo import cache_root   # the one owner of GEM4_CACHE
-
-    return cache_root() / "kernels" / build_key()
+    """`$GEM4_CACHE/kernels/<build_key>` (gem4.paths): the library, its build log and lock."""
+    return paths.kernels_dir() / build_key()
 
 
 def _say(message: str) -> None:
@@ -169,7 +164,7 @@ def available() -> bool:
 
 
 def _activate() -> bool:
-    if disabled_by_env():
+    if paths.no_kernels():
         _status.update(state="off", reason="GEM4_NO_KERNELS is set")
         return False
     missing = missing_cpu_flags()
@@ -179,6 +174,8 @@ def _activate() -> bool:
     directory = build_dir()
     try:
         _status.update(state="active", reason=_load_or_build(directory))
+        if paths.no_amx():
+            set_amx(False)
         return True
     except Exception as e:    # any failure of the build or the load: the portable path, said once
         cause = _cause(e)
@@ -523,7 +520,8 @@ def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.d
 
 def set_amx(enable: bool | None = None) -> bool:
     """Whether GEMV passes of 2-8 rows over Q8_0 / Q4_0 weights and the prefill GEMM (`linear`, `linear_bf16`) run
-    on AMX tiles (on by default where the CPU and kernel grant AMX, unless GEM4_NO_AMX is set); enable=True / False
+    on AMX tiles (on by default where the CPU and kernel grant AMX, unless GEM4_NO_AMX is set: gem4.paths, applied
+    when the library loads); enable=True / False
     switches (True only where granted). The two GEMVs give the same results bit for bit; the two GEMMs each its
     own (each row-invariant). The switch is for tests and benchmarks."""
     return bool(_ops().set_amx(-1 if enable is None else int(enable)))
