@@ -56,7 +56,7 @@ def main() -> None:
     import torch
 
     from gem4.model import kernels
-    from gem4.weights.quants import GGMLType, quantize
+    from gem4.ggml import GGMLType, quantize
 
     if not kernels.available():
         sys.exit(f"the compiled kernels are not available here: {kernels.describe()}")

@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gem4.weights.gguf import GGUFReader
-from gem4.weights.gguf import GGUFValueType as VT
-from gem4.weights.quants import GGMLType, tensor_nbytes
+from gem4.gguf import GGUFReader
+from gem4.gguf import GGUFValueType as VT
+from gem4.ggml import GGMLType, tensor_nbytes
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB_CANDIDATES = [REPO / "tests/assets/gemma4-vocab/ggml-vocab-gemma-4.gguf"]      # the repository's copy
@@ -164,7 +164,7 @@ def tensor_chunks(name: str, shape, ggml_type: GGMLType, init: str, seed: int):
         yield RANDOM[ggml_type](min(step, rows - r) * cols, g).numpy().tobytes()
 
 
-# ---- GGUF encoding (v3, little-endian; the layout documented in gem4/weights/gguf.py) ----
+# ---- GGUF encoding (v3, little-endian; the layout documented in gem4/gguf.py) ----
 
 SCALAR = {VT.UINT8: "<B", VT.INT8: "<b", VT.UINT16: "<H", VT.INT16: "<h", VT.UINT32: "<I", VT.INT32: "<i",
           VT.FLOAT32: "<f", VT.BOOL: "<B", VT.UINT64: "<Q", VT.INT64: "<q", VT.FLOAT64: "<d"}

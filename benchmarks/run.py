@@ -283,7 +283,7 @@ def bytes_per_token(gguf: Path, context: float) -> dict:
     given mean context (sliding layers: at most the window). `bf16_weights` is the same count with
     every matrix in bf16: what gem4's reference path (dequantized to bf16 at load) reads.
     """
-    from gem4.weights.gguf import GGUFReader
+    from gem4.gguf import GGUFReader
     with GGUFReader(gguf) as r:
         md = r.metadata
         weights = bf16 = ple_row = vectors = head = 0

@@ -22,7 +22,7 @@ from gem4.chat import encode_prompt
 from gem4.cli import _stream_chat, assistant_message, main
 from gem4.demo import DEMO_VERSION, write_tokenizer
 from gem4.parser import ParseResult, ToolCall
-from gem4.weights.quants import GGMLType
+from gem4.ggml import GGMLType
 
 STATS = re.compile(r"prompt: (\d+) tokens, (\d+) cached, [\d.]+ tok/s \| generated: (\d+) tokens, [\d.]+ tok/s "
                    r"\| TTFT: \d+ ms \| finish: (stop|length)")
@@ -204,7 +204,7 @@ def test_assistant_turn_is_stored_as_parsed_fields():
 @pytest.fixture(scope="module")
 def mistakes_dir(tmp_path_factory, variants):
     """Files for the mistakes table: a text file, an empty directory, a GGUF of another architecture."""
-    from gem4.weights.gguf import GGUFWriter
+    from gem4.gguf import GGUFWriter
 
     d = tmp_path_factory.mktemp("mistakes")
     (d / "notes.txt").write_text("hello, I am not a model\n")

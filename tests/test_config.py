@@ -172,7 +172,7 @@ def tiny_checkpoint(tmp_path_factory):
     from model_fixtures import build_hf
 
     from gem4.weights.checkpoint import open_checkpoint
-    from gem4.weights.gguf import GGUFReader
+    from gem4.gguf import GGUFReader
     from gem4.weights.gguf_model import write_gguf
 
     root = tmp_path_factory.mktemp("tiny_checkpoint")
@@ -190,7 +190,7 @@ _written = iter(range(10**9))
 
 def write_with(tiny, tmp_path: Path, values: dict) -> Path:
     """The tiny GGUF with `values` ({key: (value, GGUFValueType)}) in place of its own."""
-    from gem4.weights.gguf import GGUFValueType, GGUFWriter
+    from gem4.gguf import GGUFValueType, GGUFWriter
 
     _, meta, tensors = tiny
     path = tmp_path / f"edited-{next(_written)}.gguf"       # a fresh file: earlier models may still map theirs
@@ -236,7 +236,7 @@ NAN, INF = float("nan"), float("inf")
 ])
 def test_gguf_values_that_make_no_sense_are_refused_by_key(tiny_checkpoint, tmp_path, key, value):
     from gem4.weights.checkpoint import CheckpointError
-    from gem4.weights.gguf import GGUFValueType
+    from gem4.gguf import GGUFValueType
 
     vtype = GGUFValueType.FLOAT32 if isinstance(value, float) else GGUFValueType.UINT32
     with pytest.raises(CheckpointError, match=re.escape(key)):
@@ -244,7 +244,7 @@ def test_gguf_values_that_make_no_sense_are_refused_by_key(tiny_checkpoint, tmp_
 
 
 def _int_value():
-    from gem4.weights.gguf import GGUFValueType as VT
+    from gem4.gguf import GGUFValueType as VT
 
     edges = [0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 4095, 4096, 4097, 2**24, 2**24 + 1, 2**31, 2**32 - 1]
     return st.one_of(
@@ -257,7 +257,7 @@ def _int_value():
 
 
 def _float_value():
-    from gem4.weights.gguf import GGUFValueType as VT
+    from gem4.gguf import GGUFValueType as VT
 
     edges = [0.0, -0.0, -1.0, NAN, INF, -INF, 1e-45, 1e-38, 1e-6, 1e-2, 0.5, 1.0, 30.0, 1e4, 1e6, 3.4e38]
     return st.one_of(

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from text_fixtures import vocab_gguf
-from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType as VT, GGUFWriter, TensorInfo
-from gem4.weights.quants import GGMLType, tensor_nbytes
+from gem4.gguf import GGUFError, GGUFReader, GGUFValueType as VT, GGUFWriter, TensorInfo
+from gem4.ggml import GGMLType, tensor_nbytes
 
 gguf = pytest.importorskip("gguf")  # test-only oracle
 

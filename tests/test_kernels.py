@@ -8,7 +8,7 @@ import gem4
 from gem4.model import cpu, kernels
 from gem4.model.cpu import DECODE_ROWS, DECODE_ROWS_BF16, KernelExperts, PackedLinear
 from gem4.model.layers import QuantLinear
-from gem4.weights.quants import GGMLType, dequantize, quantize
+from gem4.ggml import GGMLType, dequantize, quantize
 from model_fixtures import VARIANTS
 
 PACKED = [GGMLType.Q8_0, GGMLType.Q4_0]
@@ -624,3 +624,20 @@ def test_a_model_switches_from_gemv_to_gemm_at_one_row_count(variants):
         model = gem4.load(path, dtype="bfloat16")
         assert model.backend == "cpu" and model.decode_rows == rows
         assert {layer.plan.max_rows for layer in model.layers} == {rows}
+
+def test_gem4_no_amx_keeps_the_kernels_off_amx():
+    """GEM4_NO_AMX (read by gem4.paths when the library loads) turns the AMX tiles off; without it they are on
+    where the CPU grants them."""
+    import os
+    import subprocess
+    import sys
+    code = "import gem4; from gem4.model import kernels; assert kernels.available(); print(kernels.set_amx())"
+    env = {k: v for k, v in os.environ.items() if k != "GEM4_NO_AMX"}
+    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "GEM4_NO_AMX": "1"}, capture_output=True,
+                         text=True, timeout=600)
+    was = kernels.set_amx()
+    granted = kernels.set_amx(True)                     # True only where the CPU and the kernel grant AMX
+    kernels.set_amx(was)
+    assert off.stdout.strip() == "False", off.stderr
+    assert default.stdout.strip() == str(granted), default.stderr

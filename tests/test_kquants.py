@@ -10,7 +10,7 @@ import gem4
 from gem4.model import kernels
 from gem4.model.cpu import DECODE_ROWS, KernelExperts, PackedLinear
 from gem4.model.layers import QuantLinear
-from gem4.weights.quants import BLOCK_INFO, GGMLType, dequantize, quantize
+from gem4.ggml import BLOCK_INFO, GGMLType, dequantize, quantize
 from test_kernels import NEAR_TIE, decode_logits, greedy
 
 K_TYPES = [GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]

@@ -14,7 +14,7 @@ from gguf import quants as gq  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
-from gem4.weights.quants import (  # noqa: E402
+from gem4.ggml import (  # noqa: E402
     BLOCK_INFO,
     GGMLType,
     dequantize,

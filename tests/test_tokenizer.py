@@ -299,7 +299,7 @@ def test_hf_token_types_follow_the_llama_cpp_converter(tmp_path):
 
 
 def test_gguf_written_by_our_writer(tmp_path):
-    from gem4.weights.gguf import GGUFValueType, GGUFWriter
+    from gem4.gguf import GGUFValueType, GGUFWriter
 
     tokens, types, merges = tiny_vocab()
     path = tmp_path / "tiny.gguf"
@@ -321,7 +321,7 @@ def test_gguf_written_by_our_writer(tmp_path):
 
 
 def test_errors(tmp_path):
-    from gem4.weights.gguf import GGUFWriter
+    from gem4.gguf import GGUFWriter
 
     with pytest.raises(TokenizerError, match="no such file"):
         Tokenizer.from_file(tmp_path / "missing.gguf")
@@ -350,7 +350,7 @@ def test_errors(tmp_path):
 
 def write_vocab_gguf(path, *, tokens=None, types=None, merges=None, extra=()):
     """The tiny vocabulary as a GGUF written by our writer, with fields replaced or added."""
-    from gem4.weights.gguf import GGUFWriter
+    from gem4.gguf import GGUFWriter
 
     t, ty, m = tiny_vocab()
     w = GGUFWriter(path)
@@ -366,7 +366,7 @@ def write_vocab_gguf(path, *, tokens=None, types=None, merges=None, extra=()):
 
 def test_corrupt_vocabularies_raise_the_named_error(tmp_path):
     # issue 12: a merge naming a token outside the vocabulary raised tokenizers' bare Exception
-    from gem4.weights.gguf import GGUFValueType as VT
+    from gem4.gguf import GGUFValueType as VT
 
     tokens, types, merges = tiny_vocab()
     cases = {
@@ -392,7 +392,7 @@ def test_corrupt_vocabularies_raise_the_named_error(tmp_path):
                                  "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"])
 def test_special_ids_outside_the_vocabulary_are_refused(tmp_path, key):
     # pad_/unk_token_id are the names gem4's converter once wrote: they were ignored, so 2^32-1 loaded
-    from gem4.weights.gguf import GGUFValueType as VT
+    from gem4.gguf import GGUFValueType as VT
 
     with pytest.raises(TokenizerError, match=rf"{re.escape(key)}.* 4294967295 is outside the vocabulary of 512"):
         Tokenizer.from_file(write_vocab_gguf(tmp_path / "ids.gguf", extra=[(key, 2**32 - 1, VT.UINT32)]))
@@ -404,7 +404,7 @@ def test_special_ids_outside_the_vocabulary_are_refused(tmp_path, key):
 
 
 def test_legacy_and_llama_cpp_special_id_keys_must_agree(tmp_path):
-    from gem4.weights.gguf import GGUFValueType as VT
+    from gem4.gguf import GGUFValueType as VT
 
     extra = [("tokenizer.ggml.padding_token_id", 0, VT.UINT32), ("tokenizer.ggml.pad_token_id", 5, VT.UINT32)]
     with pytest.raises(TokenizerError, match="disagree"):

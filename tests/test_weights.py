@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import gem4
 from gem4.cli import main as cli_main
 from gem4.weights.checkpoint import CheckpointError, open_checkpoint
-from gem4.weights.gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gem4.gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 
 def copy_hf(src: Path, dst: Path) -> Path:

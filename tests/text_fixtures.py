@@ -40,7 +40,7 @@ def real_tokenizer():
 
 @functools.lru_cache(maxsize=None)
 def vocab_metadata() -> dict:
-    from gem4.weights.gguf import GGUFReader
+    from gem4.gguf import GGUFReader
 
     r = GGUFReader(vocab_gguf())
     try:

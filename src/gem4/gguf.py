@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .quants import BLOCK_INFO, GGMLType, tensor_nbytes
+from gem4.ggml import BLOCK_INFO, GGMLType, tensor_nbytes
 
 __all__ = [
     "GGUFError",

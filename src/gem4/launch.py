@@ -14,7 +14,7 @@ def open_engine(args: argparse.Namespace, path: str, log: Callable[[str], None],
     passed to the Engine as they are (the server's batching and pool sizes). Errors name the real cause
     first (weights.loader.load_with_tokenizer); a checkpoint without a tokenizer says how to give one.
     """
-    import gem4
+    from gem4.engine import Engine
     from gem4.weights.expert_stream import expert_cache_summary
     from gem4.tokenizer import TokenizerError
     from gem4.weights.loader import load_with_tokenizer
@@ -32,5 +32,5 @@ def open_engine(args: argparse.Namespace, path: str, log: Callable[[str], None],
         tokenizer.chat_template = args.chat_template
     if model.expert_cache is not None:
         log(expert_cache_summary(model.expert_cache))
-    return gem4.Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, speculative_config=args.speculative_config,
+    return Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, speculative_config=args.speculative_config,
                        enable_prefix_caching=args.enable_prefix_caching, **engine_options)

@@ -31,6 +31,8 @@ import os
 import sys
 from pathlib import Path
 
+from gem4 import paths
+
 try:
     import termios
 except ImportError:                                    # not a POSIX system
@@ -42,10 +44,8 @@ EDITING_HELP = ("end a line with \\ or press Alt-Enter for a new line (pasted te
 
 
 def history_path() -> Path:
-    """Where the line editor keeps earlier turns: the gem4 cache root (`$GEM4_CACHE`, default ~/.cache/gem4)."""
-    from gem4.demo import cache_root
-
-    return cache_root() / "chat_history"
+    """Where the line editor keeps earlier turns: in the gem4 cache root (gem4.paths)."""
+    return paths.chat_history()
 
 
 class PlainReader:

@@ -253,7 +253,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
         """Read `tokenizer.ggml.*` and `tokenizer.chat_template` from a GGUF file (docs/gemma4.md §6.1)."""
-        from gem4.weights.gguf import GGUFError, GGUFReader
+        from gem4.gguf import GGUFError, GGUFReader
 
         try:
             reader = GGUFReader(path)

@@ -30,6 +30,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from gem4.paths import cache_root
+
 # The cache key of a built demo (`$GEM4_CACHE/demo-<DEMO_VERSION>`): bump it whenever what
 # `build_demo` writes changes, so that a checkpoint built by an older gem4 is not reused.
 # 2: tokenizer_config.json names every CONTROL token (in 1, <turn|> and four more read as text).
@@ -209,11 +211,6 @@ def build_demo(directory: str | os.PathLike) -> Path:
     directory = write_hf(Path(directory), config, random_state(config), metadata={"gem4_demo": DEMO_VERSION})
     write_tokenizer(directory)
     return directory
-
-
-def cache_root() -> Path:
-    env = os.environ.get("GEM4_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "gem4"
 
 
 def demo_dir() -> Path:

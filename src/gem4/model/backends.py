@@ -23,7 +23,7 @@ from torch import nn
 
 from gem4.config import ModelConfig
 from gem4.kv_cache import KVPool, StepLayout
-from gem4.weights.quants import GGMLType
+from gem4.ggml import GGMLType
 
 
 class Backend(Protocol):

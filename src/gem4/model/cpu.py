@@ -32,7 +32,7 @@ from gem4.model.assistant import AssistantAttention
 from gem4.model.gemma4 import MLP, Attention, DecoderLayer, Experts, Model
 from gem4.model.layers import GeluMul, QuantLinear, RMSNorm, Softcap, per_sequence
 from gem4.kv_cache import StepLayout
-from gem4.weights.quants import GGMLType
+from gem4.ggml import GGMLType
 
 PACKED_TYPES = kernels.PACKED_TYPES   # the GGML types kept packed (the others are dequantized at load)
 

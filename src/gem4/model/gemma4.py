@@ -32,7 +32,7 @@ from gem4.model.experts import Resident
 from gem4.model.layers import (
     GeluMul, QuantLinear, RMSNorm, Softcap, attend, embed_scale, experts_forward, rms_norm, rope_cos_sin,
 )
-from gem4.weights.quants import GGMLType
+from gem4.ggml import GGMLType
 
 DECODE_ROWS = 32   # the most rows of a decode pass: the engine packs generated tokens into passes of this size
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem4.weights.quants import GGMLType, dequantize, tensor_nbytes
+from gem4.ggml import GGMLType, dequantize, tensor_nbytes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -33,14 +33,14 @@ from gem4.config import FULL, SLIDING, ConfigError, build_config, check_rope_the
 from gem4.model.backends import choose
 from gem4.model.assistant import Assistant, AssistantConfig, CentroidHead
 from gem4.weights.checkpoint import CheckpointError, TensorEntry
-from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
+from gem4.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
 from gem4.weights.gguf_model import (
     FILE_TYPE, LAYER_NAMES, OUT_TYPES, GGUFMeta, attention_geometry, layer_types_from, rope_metadata, tensor_entry,
     tensor_type,
 )
 from gem4.weights.hf import config_from_hf, int_field, safetensors_files
 from gem4.weights.loader import AUTO_DTYPE, DTYPES, block_storage, check_manifest, weight_dtype
-from gem4.weights.quants import GGMLType, quantize
+from gem4.ggml import GGMLType, quantize
 
 ARCH = "gemma4-assistant"
 MODEL_TYPE = "gemma4_assistant"

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from gem4.config import ModelConfig
-from gem4.weights.quants import GGMLType
+from gem4.ggml import GGMLType
 
 
 class CheckpointError(ValueError):

@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from gem4 import paths
+
 DIRECT_ALIGN = 4096         # O_DIRECT: file offsets, lengths and buffer addresses in multiples of this
 REPACK_VERSION = 2          # the repacked files' layout; a change makes new ones (2: Q8_0 / Q4_0 in 16-row panels)
 GB = 10 ** 9                # sizes in decimal GB, as file sizes are quoted (also memory_limit's unit)
@@ -142,8 +144,7 @@ class SlotLayout:
 
 def repack_root() -> Path:
     """Where repacked expert files go: `$GEM4_CACHE/experts` (default ~/.cache/gem4/experts)."""
-    from gem4.demo import cache_root               # the one owner of GEM4_CACHE
-    return cache_root() / "experts"
+    return paths.experts_dir()
 
 
 def _sha256_file(path: Path) -> str:

@@ -211,7 +211,7 @@ def _converter(ggml_type, rows: int, k: int, packed: bool, dtype: torch.dtype):
     """One expert's file bytes -> its slot layout, as the resident path binds it: KernelExperts.pack's packed rows (model/cpu.py)
     (packed) or the dense weight in `dtype` (loader: entry.dense().to(dtype))."""
     from gem4.model import kernels
-    from gem4.weights.quants import dequantize, ggml_dtype_view
+    from gem4.ggml import dequantize, ggml_dtype_view
 
     if packed:
         return lambda raw: kernels.repack(raw, rows, k, ggml_type)
@@ -235,7 +235,7 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
     `resident_bytes` of the other weights and WORKING_RESERVE, divided among the layers; a long context's
     KV cache comes on top. Returns the shared ExpertFile (`slots`, `stats`, `slot_bytes`: one slot in every
     layer)."""
-    from gem4.weights.quants import GGMLType
+    from gem4.ggml import GGMLType
 
     moe = model.config.moe
     if (slots is None) == (memory_limit is None):

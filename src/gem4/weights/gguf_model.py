@@ -24,8 +24,8 @@ from gem4.config import (
     rope_with_factors,
 )
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
-from gem4.weights.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
-from gem4.weights.quants import BLOCK_INFO, GGMLType, dequantize, ggml_dtype_view, quantize
+from gem4.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
+from gem4.ggml import BLOCK_INFO, GGMLType, dequantize, ggml_dtype_view, quantize
 
 ARCH = "gemma4"
 

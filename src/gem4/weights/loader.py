@@ -15,7 +15,7 @@ from tqdm import tqdm
 from gem4.model.backends import choose
 from gem4.model.gemma4 import Model
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
-from gem4.weights.quants import GGMLType
+from gem4.ggml import GGMLType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # "auto" is the fast mode: bf16 weights and KV cache, Q8_0/Q4_0/Q4_K/Q5_K/Q6_K kept packed for the compiled kernels where

@@ -407,9 +407,10 @@ static_assert(MAX_M == 8, "gem4_simd::with_count dispatches the row counts 1..8"
 using gem4_simd::with_count;
 
 // Whether passes of 2..8 rows of x over Q8_0 / Q4_0 panels run on AMX tiles (set_amx; on where the CPU and
-// kernel grant AMX, unless GEM4_NO_AMX is set). Either way the results are the same, bit for bit.
+// kernel grant AMX; Python turns it off for GEM4_NO_AMX when it loads the library). Either way the results are
+// the same, bit for bit.
 std::atomic<bool>& amx_on() {
-    static std::atomic<bool> on{gem4_panels::amx_granted() && std::getenv("GEM4_NO_AMX") == nullptr};
+    static std::atomic<bool> on{gem4_panels::amx_granted()};
     return on;
 }
 
