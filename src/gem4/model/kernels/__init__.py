@@ -175,7 +175,7 @@ def _activate() -> bool:
     try:
         _status.update(state="active", reason=_load_or_build(directory))
         if paths.no_amx():
-            set_amx(False)
+            torch.ops.gem4_kernels.set_amx(0)        # the op itself: set_amx() would wait for this activation
         return True
     except Exception as e:    # any failure of the build or the load: the portable path, said once
         cause = _cause(e)
