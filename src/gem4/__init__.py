@@ -13,20 +13,12 @@ import sys
 
 # Runtime settings read when torch loads (so set before `import torch`; an explicit value in the
 # environment wins):
-# - GOMP_SPINCOUNT: an idle OpenMP worker spins this many times (~20 ns each here) before it sleeps;
-#   libgomp's default is 300000 (~5 ms). 1000 (~20-40 us) bridges the gaps between one decode step's
-#   matmuls, so the workers are awake when the next one starts, yet gives a shared core back at once:
-#   a worker spinning for milliseconds burns the time slice of the thread it waits for. E2B Q4_0
-#   decode loop on 2 cores (benchmarks/RESULTS.md §4): free cores 12.4 tok/s (100000: 14.1, 0:
-#   11.5); beside one busy process 7.3 (100000: 1.6, 0: 7.6). The demo model's 64-token request
-#   beside a busy process took 9 s with 100000 and 0.2 s without spinning.
-# - OMP_WAIT_POLICY=ACTIVE: with GOMP_SPINCOUNT given, its only effect in libgomp is on the spin count used
-#   while the process holds more OpenMP threads than there are cores: 1000 (the count above) instead of
-#   100, i.e. no spinning at all. A model loaded on one thread and run on another (the engine's loop, the
-#   server) is that case: the loading thread keeps its idle team, so a 2-core process holds 4 OpenMP
-#   threads, and every parallel region of a decode step put the worker to sleep and woke it again. E2B
-#   Q4_0 decode on 2 cores, forward on the engine's thread: 57-71 -> 45-53 ms a token (3 rounds, each
-#   interleaved); on the loading thread 50-64 -> 45-57 ms.
+# - GOMP_SPINCOUNT=1000: an idle OpenMP worker spins ~20-40 us before it sleeps (libgomp's default: ~5 ms),
+#   long enough to bridge the gaps between one decode step's matmuls, short enough to give a shared core
+#   back at once (benchmarks/RESULTS.md §4).
+# - OMP_WAIT_POLICY=ACTIVE: keeps that spin while the process holds more OpenMP threads than cores (a model
+#   loaded on one thread and run on the engine's), where libgomp would sleep and wake its workers at every
+#   parallel region (benchmarks/RESULTS.md §B, the update of 2026-12-02 night).
 # (The packed weights ask for transparent huge pages themselves, in kernels/ggml_gemv.cpp; torch's
 # THP_MEM_ALLOC_ENABLE, which does it for every large tensor, made prefill's temporaries fault slowly.)
 _ENV_DEFAULTS = {"GOMP_SPINCOUNT": "1000", "OMP_WAIT_POLICY": "ACTIVE"}
