@@ -39,8 +39,8 @@ PACKED_TYPES = kernels.PACKED_TYPES   # the GGML types kept packed (the others a
 # a decode pass takes the compiled decode kernels; the engine packs generated tokens into decode passes of at
 # most a model's decode_rows rows, one of these two (`finish`):
 DECODE_ROWS = 32       # packed weights: the GEMV reads W once per pass of up to 8 rows
-DECODE_ROWS_BF16 = 8   # decoder layers with bf16 weights read by gemv_bf16 (4 rows per pass): 2.2x the bf16 GEMM's
-                       # time at 8 rows here (an AMX host), 4-9x at 16-32
+DECODE_ROWS_BF16 = 8   # decoder layers with bf16 weights read by gemv_bf16 (4 rows per pass), which loses to the
+                       # bf16 GEMM beyond 8 rows (benchmarks/kernels.py --ops gemv_bf16 linear_bf16)
 ALIGN_KEYS = 16        # prefill attention: zero keys put in front of a sequence's keys, so that key i sits at a
                        # position = i (mod 16) and kernels.attend_chunk sums in an order fixed by positions
 
