@@ -108,3 +108,16 @@ def test_the_reference_decode_step_compiles_as_one_graph(variants, name):
     for backend in ("eager", "inductor") if name == "dense_plain" else ("eager",):
         compiled = torch.compile(model.forward, fullgraph=True, backend=backend)(*decode_step())
         torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_every_backend_gives_the_engine_its_model_contract(variants):
+    """A loaded model is an EngineModel (model/backends.py) whichever backend computes it."""
+    from gem4.model.backends import EngineModel
+
+    fx = variants["ple_kvshare"]
+    backends = set()
+    for path, dtype in ((fx.hf_causal, "float32"), (fx.gguf["q4_0"], "bfloat16")):
+        model = gem4.load(path, dtype=dtype)
+        assert isinstance(model, EngineModel), (path, dtype)
+        backends.add(model.backend)
+    assert backends == ({"torch", "cpu"} if kernels.available() else {"torch"})

@@ -16,7 +16,7 @@ What the engine needs of a model, whatever its backend, is `EngineModel`.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -69,6 +69,7 @@ def choose(dtype: torch.dtype, device: str | torch.device) -> Backend:
     return TorchBackend()
 
 
+@runtime_checkable
 class EngineModel(Protocol):
     """What the engine (engine/runner.py, engine/mtp.py) uses of a model; `gem4.model.gemma4.Model` is one."""
 
