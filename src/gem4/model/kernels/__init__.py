@@ -480,15 +480,16 @@ def keep_heap(keep: bool = True) -> bool:
 
 
 def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
-    """GGML bytes of an [n_out, k_in] weight of a PACKED_TYPES type -> its x16 layout [n_out, packed_row_bytes] uint8."""
-    return _ops().repack_x16(raw.contiguous(), n_out, k_in, int(ggml_type))
+    """GGML bytes of an [n_out, k_in] weight of a PACKED_TYPES type -> the kernels' layout, uint8 [rows, row_bytes]
+    (Q8_0 / Q4_0: panels of 16 rows, the rows padded to a multiple of 16; the other types: x16 rows)."""
+    return _ops().repack(raw.contiguous(), n_out, k_in, int(ggml_type))
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
     """x [M, k_in] float32, packed weight -> x @ W.T [M, n_out] float32, activations quantized per 32-block:
     Q8_0 / Q4_0 (panels.h) to int8, scale amax / 127, round to nearest (GGML's Q8_0 activations: each value
     moves by at most half a step, 1/254 of the block's largest); the x16 types to int16 (2^-16 of it)."""
-    return _ops().gemv_x16(x, packed, n_out, k_in, int(ggml_type))
+    return _ops().gemv(x, packed, n_out, k_in, int(ggml_type))
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -500,7 +501,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
     """x [T, k_in] (rounded to bf16) @ W.T -> [T, n_out] float32 (prefill), row-invariant: each row's result is the
     same float whatever the other rows (tile_gemm.h); W turned into bf16 32 rows at a time."""
-    return _ops().linear_x16(x.to(torch.bfloat16).contiguous(), packed, n_out, k_in, int(ggml_type))
+    return _ops().linear_packed(x.to(torch.bfloat16).contiguous(), packed, n_out, k_in, int(ggml_type))
 
 
 def linear_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -515,7 +516,7 @@ def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.d
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dequant gives float32 or bfloat16, not {dtype}")
     ids = None if rows is None else rows.to(torch.int64).contiguous()
-    return _ops().dequant_x16(packed.contiguous(), k_in, int(ggml_type), dtype == torch.bfloat16, ids)
+    return _ops().dequant(packed.contiguous(), k_in, int(ggml_type), dtype == torch.bfloat16, ids)
 
 
 def set_amx(enable: bool | None = None) -> bool:
@@ -530,12 +531,12 @@ def set_amx(enable: bool | None = None) -> bool:
 def gemv_multi(x: torch.Tensor, packed: list[torch.Tensor], n_outs: list[int], k_in: int,
                ggml_type: GGMLType) -> list[torch.Tensor]:
     """The same x through several packed weights of one type: [x @ W_i.T], one pass over all their rows."""
-    return _ops().gemv_x16_multi(x, packed, n_outs, k_in, int(ggml_type))
+    return _ops().gemv_multi(x, packed, n_outs, k_in, int(ggml_type))
 
 
 def gemv_glu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
     """gelu_tanh(x @ Gate.T) * (x @ Up.T) [M, n_out] float32, both weights packed, in one pass."""
-    return _ops().gemv_x16_glu(x, gate, up, n_out, k_in, int(ggml_type))
+    return _ops().gemv_glu(x, gate, up, n_out, k_in, int(ggml_type))
 
 
 def gelu_mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

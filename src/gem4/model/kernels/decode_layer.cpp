@@ -48,7 +48,7 @@ struct Layer {
     int64_t k_in(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 1]; }
     int64_t type(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 2]; }
     at::Tensor apply(Linear l, const at::Tensor& x) const {
-        return type(l) == BF16_TYPE ? gemv_bf16(x, packed(l)) : gemv_x16(x, packed(l), n_out(l), k_in(l), type(l));
+        return type(l) == BF16_TYPE ? gemv_bf16(x, packed(l)) : gemv(x, packed(l), n_out(l), k_in(l), type(l));
     }
     // layers.project: x through several linears, one pass when all are packed of one type
     std::vector<at::Tensor> project(const at::Tensor& x, const std::vector<Linear>& ls) const {
@@ -62,12 +62,12 @@ struct Layer {
         std::vector<at::Tensor> ws;
         std::vector<int64_t> n_outs;
         for (Linear l : ls) ws.push_back(packed(l)), n_outs.push_back(n_out(l));
-        return gemv_x16_multi(x, ws, n_outs, k_in(ls[0]), type(ls[0]));
+        return gemv_multi(x, ws, n_outs, k_in(ls[0]), type(ls[0]));
     }
     // layers.glu: gelu_tanh(gate(x)) * up(x)
     at::Tensor glu(const at::Tensor& x) const {
         if (type(GATE) != BF16_TYPE && type(GATE) == type(UP))
-            return gemv_x16_glu(x, packed(GATE), packed(UP), n_out(GATE), k_in(GATE), type(GATE));
+            return gemv_glu(x, packed(GATE), packed(UP), n_out(GATE), k_in(GATE), type(GATE));
         return gelu_mul(apply(GATE, x), apply(UP, x));
     }
 
@@ -95,7 +95,7 @@ struct Layer {
         const int64_t type = moe_dim(type_dim);
         if (type == 0) return at::linear(xs.to(w.scalar_type()), w[e]).to(xs.scalar_type());
         const int64_t rows = w.size(0) / moe_dim(N_EXPERTS), k = xs.size(1);
-        return gemv_x16(xs.contiguous(), w.narrow(0, e * rows, rows), rows, k, type);
+        return gemv(xs.contiguous(), w.narrow(0, e * rows, rows), rows, k, type);
     }
 
     // layers.experts_forward (fast mode): grouped by expert, in ascending expert order

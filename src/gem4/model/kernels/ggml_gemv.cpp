@@ -8,9 +8,9 @@
 //                           w = d q + m / d (q - 16) / d q + m
 // K-quants (super-blocks of 256 weights): kquants.h. Their x16 rows use Q4_0's 32-weight blocks, groups and
 // nibble order for the low 4 bits of q, plus high-bit vectors and unpacked sub-block scales per group
-// (lossless: dequant_x16 gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
+// (lossless: dequant gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
 //
-// The "x16" layout (repack_x16, once at load; every type but Q8_0 / Q4_0): each row's blocks in groups of 16,
+// The "x16" layout (repack, once at load; every type but Q8_0 / Q4_0): each row's blocks in groups of 16,
 // the last group padded with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
 // quant bytes], so that every 64-byte load is cache-line aligned (unaligned loads cost a fifth of the
 // Q4_0 speed) and a row is read front to back. A group's quant bytes are Q/4 vectors of 64 bytes
@@ -19,16 +19,16 @@
 // integer accumulator: a group needs one float conversion and one scale multiply, not 16. The buffer
 // asks for transparent huge pages: it is streamed once per decoded token.
 //
-// gemv_x16: y[m, n] = sum_k x[m, k] W[n, k] (Q8_0 / Q4_0: panels.h, x in int8). For the x16 types activations
+// gemv: y[m, n] = sum_k x[m, k] W[n, k] (Q8_0 / Q4_0: panels.h, x in int8). For the x16 types activations
 // are quantized per 32-block to int16 (relative error <= 2^-16 of the block's largest value, far below bf16's
 // 2^-9) and laid out in the order the kernel reads them; each 16-bit half of a weight lane is one weight, so
 // one vpdpwssd takes two weights of every block of the group, with exact integer products and sums. An
 // offset of the quants (Q5_0's "- 16", Q6_K's "- 32") is applied once per block as a multiple of the
 // activation block's sum. The weights are read once per call for up to 8 rows of x at a
-// time; rows of W are split across torch's intra-op threads. gemv_x16_multi (several weights, one x)
-// and gemv_x16_glu (gelu(x Gate^T) * x Up^T) share one preparation of x and one parallel pass.
-// dequant_x16 turns (rows of) a weight back into float32 or bf16 (token tables are looked up by rows);
-// linear_x16 is prefill's GEMM (tile_gemm.h): 32 rows of W at a time turned into bf16, row-invariant.
+// time; rows of W are split across torch's intra-op threads. gemv_multi (several weights, one x)
+// and gemv_glu (gelu(x Gate^T) * x Up^T) share one preparation of x and one parallel pass.
+// dequant turns (rows of) a weight back into float32 or bf16 (token tables are looked up by rows);
+// linear_packed is prefill's GEMM (tile_gemm.h): 32 rows of W at a time turned into bf16, row-invariant.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -97,8 +97,8 @@ Format format_of(int64_t ggml_type, int64_t k_in) {
     return {ggml_type, block_bytes, block, q, meta, G, quants_at, quants_at + G * GROUP * q, false};
 }
 
-// GGML [N, K / block weights] -> x16 [N, groups * group_bytes]
-at::Tensor repack_x16(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+// GGML [N, K / block weights] -> the packed layout: panels (Q8_0 / Q4_0, panels.h), else x16 rows [N, row_bytes]
+at::Tensor repack(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Format f = format_of(ggml_type, k_in);
     const int64_t nb = k_in / f.block_elems;               // GGML blocks per row
     TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
@@ -154,7 +154,7 @@ at::Tensor repack_x16(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_ty
 }
 
 // Where activation element `e` of block `lane` sits in a group's stream of 512 int16 (the order in
-// which gemv_x16 multiplies them). A 32-bit weight lane holds bytes (4v, 4v+1 | 4v+2, 4v+3) of its
+// which gemv multiplies them). A 32-bit weight lane holds bytes (4v, 4v+1 | 4v+2, 4v+3) of its
 // block; the kernel splits it into int16 weights in these steps e (v = 0..3):
 //   e0: lo nibbles of bytes 0, 2    e1: of bytes 1, 3    e2, e3: the same for hi nibbles
 // The lo nibble of byte r of vector v is weight 4v + r, its hi nibble 16 + 4v + r (high bits: kquants.h).
@@ -390,7 +390,7 @@ void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, i
 }
 
 
-void check_x16(const at::Tensor& w, int64_t n_out, const Format& f) {
+void check_packed(const at::Tensor& w, int64_t n_out, const Format& f) {
     TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous() && w.dim() == 2 && w.size(0) == packed_rows(f, n_out)
                 && w.size(1) == f.row_bytes, "w must be the packed layout of an [n_out, k_in] weight");
 }
@@ -527,10 +527,10 @@ void for_row_tasks(int64_t n_out, Fn&& fn) {
     at::parallel_for(0, (n_out + GRAIN - 1) / GRAIN, 1, [&](int64_t t0, int64_t t1) { fn(t0 * GRAIN, std::min(n_out, t1 * GRAIN)); });
 }
 
-at::Tensor gemv_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
-    // x: [M, k_in] float32; w: x16 [n_out, row_bytes] -> y: [M, n_out] float32
+at::Tensor gemv(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+    // x: [M, k_in] float32; w: packed (repack) -> y: [M, n_out] float32
     const Prepared p(x, k_in, ggml_type);
-    check_x16(w, n_out, p.f);
+    check_packed(w, n_out, p.f);
     auto y = at::empty({p.M, n_out}, x.options());
     const uint8_t* wp = w.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
@@ -539,14 +539,14 @@ at::Tensor gemv_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int
 }
 
 // The same x through several weights of one type (Q, K, V): one pass over their rows, one preparation.
-std::vector<at::Tensor> gemv_x16_multi(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> n_outs,
+std::vector<at::Tensor> gemv_multi(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> n_outs,
                                        int64_t k_in, int64_t ggml_type) {
     TORCH_CHECK(!ws.empty() && ws.size() == n_outs.size(), "one n_out per weight");
     const Prepared p(x, k_in, ggml_type);
     std::vector<at::Tensor> ys;
     std::vector<int64_t> start{0};                       // first task of each weight in the joint range of tasks
     for (size_t i = 0; i < ws.size(); ++i) {
-        check_x16(ws[i], n_outs[i], p.f);
+        check_packed(ws[i], n_outs[i], p.f);
         ys.push_back(at::empty({p.M, n_outs[i]}, x.options()));
         start.push_back(start.back() + (n_outs[i] + GRAIN - 1) / GRAIN);
     }
@@ -562,10 +562,10 @@ std::vector<at::Tensor> gemv_x16_multi(at::Tensor x, std::vector<at::Tensor> ws,
 
 // gelu_tanh(x @ gate.T) * (x @ up.T): the gated MLP's first half in one pass (row n of both weights
 // in the same task, the activation applied as each task finishes).
-at::Tensor gemv_x16_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+at::Tensor gemv_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Prepared p(x, k_in, ggml_type);
-    check_x16(gate, n_out, p.f);
-    check_x16(up, n_out, p.f);
+    check_packed(gate, n_out, p.f);
+    check_packed(up, n_out, p.f);
     auto y = at::empty({p.M, n_out}, x.options());
     std::vector<float> g(p.M * n_out);
     const uint8_t *gp = gate.data_ptr<uint8_t>(), *up_ = up.data_ptr<uint8_t>();
@@ -833,9 +833,9 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
 
 // x16 / panels [N, ...] -> [N, K] float32 or bf16 (N: the packed tensor's rows, a panel's padding included), or
 // only the rows `ids` [R] -> [R, K] (token tables)
-at::Tensor dequant_x16(at::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std::optional<at::Tensor> ids) {
+at::Tensor dequant(at::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std::optional<at::Tensor> ids) {
     const Format f = format_of(ggml_type, k_in);
-    check_x16(w, w.size(0), f);
+    check_packed(w, w.size(0), f);
     const int64_t* idp = nullptr;
     if (ids) {
         TORCH_CHECK(ids->dtype() == at::kLong && ids->dim() == 1 && ids->is_contiguous(), "ids must be contiguous int64 [R]");
@@ -859,9 +859,9 @@ bool set_amx(int64_t want) {
 
 // x [T, k_in] bf16 @ W.T -> [T, n_out] float32, for prefill chunks, row-invariant (tile_gemm.h): each task turns a
 // block of 32 rows of W into bf16 and multiplies it with every row of x while it is in cache.
-at::Tensor linear_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+at::Tensor linear_packed(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
     const Format f = format_of(ggml_type, k_in);
-    check_x16(w, n_out, f);
+    check_packed(w, n_out, f);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k_in, "x must be [T, k_in]");
     const uint8_t* wp = w.data_ptr<uint8_t>();
     auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf) {    // as A tiles (tile_gemm.h)
@@ -879,11 +879,11 @@ at::Tensor linear_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, i
 using namespace gem4_ops;
 
 TORCH_LIBRARY(gem4_kernels, m) {
-    m.def("repack_x16(Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &repack_x16);
-    m.def("gemv_x16(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_x16);
-    m.def("gemv_x16_multi(Tensor x, Tensor[] ws, int[] n_outs, int k_in, int ggml_type) -> Tensor[]", &gemv_x16_multi);
-    m.def("gemv_x16_glu(Tensor x, Tensor gate, Tensor up, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_x16_glu);
-    m.def("dequant_x16(Tensor w, int k_in, int ggml_type, bool bf16, Tensor? ids) -> Tensor", &dequant_x16);
+    m.def("repack(Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &repack);
+    m.def("gemv(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &gemv);
+    m.def("gemv_multi(Tensor x, Tensor[] ws, int[] n_outs, int k_in, int ggml_type) -> Tensor[]", &gemv_multi);
+    m.def("gemv_glu(Tensor x, Tensor gate, Tensor up, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_glu);
+    m.def("dequant(Tensor w, int k_in, int ggml_type, bool bf16, Tensor? ids) -> Tensor", &dequant);
     m.def("set_amx(int want) -> bool", &set_amx);
-    m.def("linear_x16(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &linear_x16);
+    m.def("linear_packed(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &linear_packed);
 }

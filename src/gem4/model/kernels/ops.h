@@ -25,11 +25,11 @@ struct Aligned {
 };
 
 // ggml_gemv.cpp
-at::Tensor gemv_x16(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type);
-std::vector<at::Tensor> gemv_x16_multi(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> n_outs,
+at::Tensor gemv(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type);
+std::vector<at::Tensor> gemv_multi(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> n_outs,
                                        int64_t k_in, int64_t ggml_type);
 std::atomic<bool>& amx_on();          // AMX kernels in use where granted (set_amx)
-at::Tensor gemv_x16_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
+at::Tensor gemv_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
 
 // bf16_gemv.cpp
 at::Tensor gemv_bf16(at::Tensor x, at::Tensor w);
