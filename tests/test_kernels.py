@@ -19,6 +19,17 @@ def test_kernels_build_on_this_machine():
     assert kernels.available()
 
 
+def test_kernels_know_the_ggml_types_as_python_does():
+    """ggml_types.h (the type ids and blocks every kernel source uses) against gem4.ggml: a change on one side
+    fails here. Every type the kernels read is in it."""
+    from gem4.ggml import BLOCK_INFO
+    known = kernels.ggml_types()
+    assert {GGMLType[name] for name in known} >= set(kernels.PACKED_TYPES) | {GGMLType.BF16}
+    for name, (type_id, block_size, type_size) in known.items():
+        assert GGMLType[name] == type_id, name
+        assert (BLOCK_INFO[GGMLType[name]].block_size, BLOCK_INFO[GGMLType[name]].type_size) == (block_size, type_size), name
+
+
 def packed_linear(weight: torch.Tensor, ggml_type: GGMLType) -> tuple[PackedLinear, torch.Tensor]:
     out_f, in_f = weight.shape
     raw = quantize(weight, ggml_type)

@@ -76,7 +76,8 @@ from gem4 import paths
 from gem4.ggml import GGMLType
 
 SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "kquants.h", "panels.h", "tile_gemm.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "ggml_types.h", "kquants.h", "panels.h",
+                                                          "tile_gemm.h")]
 # compiler flag -m<key> -> the /proc/cpuinfo flag of the same extension
 ISA = {
     "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512vl": "avx512vl",     # the intrinsics' base
@@ -517,6 +518,12 @@ def dequant(packed: torch.Tensor, k_in: int, ggml_type: GGMLType, dtype: torch.d
         raise ValueError(f"dequant gives float32 or bfloat16, not {dtype}")
     ids = None if rows is None else rows.to(torch.int64).contiguous()
     return _ops().dequant(packed.contiguous(), k_in, int(ggml_type), dtype == torch.bfloat16, ids)
+
+
+def ggml_types() -> dict[str, tuple[int, int, int]]:
+    """The GGML types the kernels know (ggml_types.h): name -> (type id, weights per block, bytes per block)."""
+    names, ids, block_sizes, type_sizes = _ops().ggml_types()
+    return {name: (i, b, t) for name, i, b, t in zip(names, ids, block_sizes, type_sizes)}
 
 
 def set_amx(enable: bool | None = None) -> bool:

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <utility>
 
+#include "ggml_types.h"
 #include "ops.h"
 
 namespace {
@@ -36,7 +37,7 @@ enum MoeWeight { PRE_FFN_2, POST_FFN_1, POST_FFN_2, ROUTER_SCALE, ROUTER_PROJ, E
                  N_MOE_WEIGHTS };
 enum MoeDim { N_EXPERTS, TOP_K, GATE_UP_TYPE, DOWN_TYPE, N_MOE_DIMS };
 constexpr size_t DENSE_WEIGHTS = N_NORMS + N_LINEARS, DENSE_DIMS = LINEAR_DIMS + 3 * N_LINEARS;
-constexpr int64_t BF16_TYPE = 30;      // GGML type id
+using gem4_ggml::BF16;
 
 struct Layer {
     const std::vector<at::Tensor>& w;
@@ -48,11 +49,11 @@ struct Layer {
     int64_t k_in(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 1]; }
     int64_t type(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 2]; }
     at::Tensor apply(Linear l, const at::Tensor& x) const {
-        return type(l) == BF16_TYPE ? gemv_bf16(x, packed(l)) : gemv(x, packed(l), n_out(l), k_in(l), type(l));
+        return type(l) == BF16 ? gemv_bf16(x, packed(l)) : gemv(x, packed(l), n_out(l), k_in(l), type(l));
     }
     // layers.project: x through several linears, one pass when all are packed of one type
     std::vector<at::Tensor> project(const at::Tensor& x, const std::vector<Linear>& ls) const {
-        bool one_pass = ls.size() > 1 && type(ls[0]) != BF16_TYPE;
+        bool one_pass = ls.size() > 1 && type(ls[0]) != BF16;
         for (Linear l : ls) one_pass = one_pass && type(l) == type(ls[0]);
         std::vector<at::Tensor> out;
         if (!one_pass) {
@@ -66,7 +67,7 @@ struct Layer {
     }
     // layers.glu: gelu_tanh(gate(x)) * up(x)
     at::Tensor glu(const at::Tensor& x) const {
-        if (type(GATE) != BF16_TYPE && type(GATE) == type(UP))
+        if (type(GATE) != BF16 && type(GATE) == type(UP))
             return gemv_glu(x, packed(GATE), packed(UP), n_out(GATE), k_in(GATE), type(GATE));
         return gelu_mul(apply(GATE, x), apply(UP, x));
     }

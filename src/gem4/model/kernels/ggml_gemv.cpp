@@ -39,9 +39,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
+#include "ggml_types.h"
 #include "kquants.h"
 #include "ops.h"
 #include "panels.h"
@@ -50,16 +53,15 @@
 
 namespace gem4_ops {
 
-constexpr int QK = 32;                 // weights per GGML block
+using gem4_ggml::QK, gem4_ggml::Q8_0, gem4_ggml::Q4_0, gem4_ggml::Q4_1, gem4_ggml::Q5_0, gem4_ggml::Q5_1;
 constexpr int GROUP = 16;              // blocks per x16 group
 constexpr int64_t GROUP_ELEMS = GROUP * QK;
 constexpr int MAX_M = 8;               // rows of x handled per pass over a row of W
 constexpr int64_t PREFETCH = 2048;     // software prefetch distance in the weight stream (faster in most runs)
-constexpr int64_t Q8_0_TYPE = 8, Q4_0_TYPE = 2, Q4_1_TYPE = 3, Q5_0_TYPE = 6, Q5_1_TYPE = 7;   // GGML type ids
 // Q4_1 / Q5_0 / Q5_1 (32-weight blocks): Q4_0's nibbles; Q5_0 / Q5_1 add one high-bit vector per group (bit i
 // of the block's qh placed as for Q5_K, kquants.h); Q4_1 / Q5_1 keep their fp16 m beside d (64 scale bytes a group).
-constexpr bool legacy_high(int64_t t) { return t == Q5_0_TYPE || t == Q5_1_TYPE; }
-constexpr bool legacy_min(int64_t t) { return t == Q4_1_TYPE || t == Q5_1_TYPE; }
+constexpr bool legacy_high(int64_t t) { return t == Q5_0 || t == Q5_1; }
+constexpr bool legacy_min(int64_t t) { return t == Q4_1 || t == Q5_1; }
 
 int64_t groups_of(int64_t k_in) { return (k_in / QK + GROUP - 1) / GROUP; }
 
@@ -80,21 +82,19 @@ int64_t packed_rows(const Format& f, int64_t n_out) { return f.panel ? (n_out + 
 
 Format format_of(int64_t ggml_type, int64_t k_in) {
     const bool k = gem4_kq::is_k(ggml_type);
-    TORCH_CHECK(ggml_type == Q8_0_TYPE || ggml_type == Q4_0_TYPE || ggml_type == Q4_1_TYPE || legacy_high(ggml_type) || k,
-                "only Q8_0 (8), Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q4_K (12), Q5_K (13) and Q6_K (14) have kernels");
+    TORCH_CHECK(ggml_type == Q8_0 || ggml_type == Q4_0 || ggml_type == Q4_1 || legacy_high(ggml_type) || k, "GGML type ",
+                ggml_type, " has no kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K have: ggml_types.h)");
     const int64_t block = k ? gem4_kq::QK_K : QK;
     TORCH_CHECK(k_in > 0 && k_in % block == 0, "k_in must be a positive multiple of ", block, " for this type");
     if (gem4_panels::is_panel_type(ggml_type)) {
         const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);
-        return {ggml_type, 2 + P.qb, QK, P.qb, 0, 0, 0, P.panel_bytes / gem4_panels::PANEL, true};
+        return {ggml_type, gem4_ggml::type_size(ggml_type), QK, P.qb, 0, 0, 0, P.panel_bytes / gem4_panels::PANEL, true};
     }
     const int64_t q = 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : legacy_high(ggml_type));
     const int64_t G = groups_of(k_in);
     const int64_t meta = k ? gem4_kq::meta_bytes(ggml_type) : GROUP * 2 * (legacy_min(ggml_type) ? 2 : 1);
     const int64_t quants_at = (G * meta + 63) / 64 * 64;
-    const int64_t block_bytes = k ? gem4_kq::super_bytes(ggml_type)
-                                  : 2 + 16 + 2 * legacy_min(ggml_type) + 4 * legacy_high(ggml_type);
-    return {ggml_type, block_bytes, block, q, meta, G, quants_at, quants_at + G * GROUP * q, false};
+    return {ggml_type, gem4_ggml::type_size(ggml_type), block, q, meta, G, quants_at, quants_at + G * GROUP * q, false};
 }
 
 // GGML [N, K / block weights] -> the packed layout: panels (Q8_0 / Q4_0, panels.h), else x16 rows [N, row_bytes]
@@ -198,7 +198,7 @@ void prepare_row(const float* x, int64_t K, int64_t ggml_type, int64_t mc, int64
                                 _mm512_permutexvar_epi16(perm, q), 4);
         dx[at] = scale;
         const int32_t lo = _mm512_reduce_add_epi32(q0), hi = _mm512_reduce_add_epi32(q1);
-        if (ggml_type == Q5_0_TYPE) {
+        if (ggml_type == Q5_0) {
             corr[at] = -16 * (lo + hi);
         } else if (ggml_type == gem4_kq::Q6_K) {
             corr[at] = -32 * lo;
@@ -264,7 +264,7 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
             const int64_t at = g * MC * GROUP;                      // row i's per-block values at at + i * GROUP
             __m512i dot[MC];
             for (int i = 0; i < MC; ++i)
-                dot[i] = TYPE == Q5_0_TYPE ? _mm512_load_si512(corr + at + i * GROUP) : _mm512_setzero_si512();
+                dot[i] = TYPE == Q5_0 ? _mm512_load_si512(corr + at + i * GROUP) : _mm512_setzero_si512();
             __m512i h0 = _mm512_setzero_si512();
             if constexpr (H5) {
                 _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + 256), _MM_HINT_T0);
@@ -463,8 +463,8 @@ struct Prepared {
         const int64_t p0 = n0 / PANEL, p1 = (n1 + PANEL - 1) / PANEL, nb = P.nb;
         if (amx) {
             const PanelX xp{nullptr, dx.data, nullptr, planes.data, M, 0};
-            if (type == Q8_0_TYPE) amx_rows<Q8_0_TYPE>(xp, P, w, y, ldy, p0, p1);
-            else amx_rows<Q4_0_TYPE>(xp, P, w, y, ldy, p0, p1);
+            if (type == Q8_0) amx_rows<Q8_0>(xp, P, w, y, ldy, p0, p1);
+            else amx_rows<Q4_0>(xp, P, w, y, ldy, p0, p1);
             return;
         }
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
@@ -472,8 +472,8 @@ struct Prepared {
             const PanelX xp{quads.data + m0 * per_row, dx.data + m0 * nb, corr.data + m0 * nb, nullptr, M, m0};
             with_count(mc, [&](auto rows) {
                 constexpr int MC = decltype(rows)::value;
-                if (type == Q8_0_TYPE) vnni_panels<MC, Q8_0_TYPE>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
-                else vnni_panels<MC, Q4_0_TYPE>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
+                if (type == Q8_0) vnni_panels<MC, Q8_0>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
+                else vnni_panels<MC, Q4_0>(xp, P, w, y + m0 * ldy, ldy, p0, p1);
             });
         }
     }
@@ -507,9 +507,9 @@ struct Prepared {
         with_count(mc, [&](auto rows) {
             constexpr int MC = decltype(rows)::value;
             switch (type) {
-                case Q4_1_TYPE: gemv_rows<MC, Q4_1_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
-                case Q5_0_TYPE: gemv_rows<MC, Q5_0_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
-                case Q5_1_TYPE: gemv_rows<MC, Q5_1_TYPE>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case Q4_1: gemv_rows<MC, Q4_1>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case Q5_0: gemv_rows<MC, Q5_0>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case Q5_1: gemv_rows<MC, Q5_1>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case gem4_kq::Q4_K: gemv_rows_k<MC, gem4_kq::Q4_K>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case gem4_kq::Q5_K: gemv_rows_k<MC, gem4_kq::Q5_K>(xc, f, w, y, ldy, n0, n1, sp); break;
                 default: gemv_rows_k<MC, gem4_kq::Q6_K>(xc, f, w, y, ldy, n0, n1, sp); break;
@@ -622,7 +622,7 @@ inline void store_block(uint8_t* dst, __m512 w0, __m512 w1, bool bf16) {
 // d: w = d q (Q8_0), d (q - 8) (Q4_0), as quants.py, exact in float32.
 inline void panel_block(int64_t ggml_type, const uint8_t* q_lo, const uint8_t* q_hi, float d, __m512& w0, __m512& w1) {
     const __m512 dv = _mm512_set1_ps(d);
-    if (ggml_type == Q8_0_TYPE) {
+    if (ggml_type == Q8_0) {
         w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q_lo)))), dv);
         w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q_hi)))), dv);
         return;
@@ -660,7 +660,7 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
     // Q4_0 to bf16 (prefill's GEMM): each weight looked up in its block's 16 values d (q - 8), rounded once (the
     // same bf16 as panel_block's float, rounded)
     const __m512 centred = q4_0_values();
-    const bool lookup = bf16 && ggml_type == Q4_0_TYPE;
+    const bool lookup = bf16 && ggml_type == Q4_0;
     for (int64_t p = n0 / PANEL; p * PANEL < n1; ++p) {
         const uint8_t* panel = wp + p * P.panel_bytes;
         const int64_t j0 = std::max(n0, p * PANEL) - p * PANEL, j1 = std::min(n1, (p + 1) * PANEL) - p * PANEL;
@@ -718,7 +718,7 @@ void lanes_panels(const uint8_t* wp, int64_t k_in, int64_t n_out, int64_t ggml_t
             for (int64_t r = 0; r < P.qb / 4; ++r) {
                 const __m512i raw = _mm512_load_si512(q + 64 * r);   // lane j: bytes 4r..4r+3 of row j's block
                 __m512 w[8];                                         // Q4_0: 4 low nibbles, then 4 high; Q8_0: 4 bytes
-                if (ggml_type == Q4_0_TYPE) {
+                if (ggml_type == Q4_0) {
                     for (int t = 0; t < 8; ++t)                      // vpermps reads an index's low 4 bits only
                         w[t] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8 * (t % 4) + 4 * (t / 4)), centred), d);
                     pair(w[0], w[1], piece + 32 * (2 * r));              // weights 4r, 4r + 1
@@ -874,6 +874,18 @@ at::Tensor linear_packed(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in
     return gem4_tiles::linear_rows(x, n_out, rows, lanes);
 }
 
+// ggml_types.h's table as (names, ids, weights per block, bytes per block): a test holds it to gem4.ggml's.
+std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> ggml_types() {
+    std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>> out;
+    for (const gem4_ggml::TypeInfo& t : gem4_ggml::TYPES) {
+        std::get<0>(out).emplace_back(t.name);
+        std::get<1>(out).push_back(t.id);
+        std::get<2>(out).push_back(t.block_size);
+        std::get<3>(out).push_back(t.type_size);
+    }
+    return out;
+}
+
 }  // namespace gem4_ops
 
 using namespace gem4_ops;
@@ -886,4 +898,5 @@ TORCH_LIBRARY(gem4_kernels, m) {
     m.def("dequant(Tensor w, int k_in, int ggml_type, bool bf16, Tensor? ids) -> Tensor", &dequant);
     m.def("set_amx(int want) -> bool", &set_amx);
     m.def("linear_packed(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &linear_packed);
+    m.def("ggml_types() -> (str[] names, int[] ids, int[] block_sizes, int[] type_sizes)", &ggml_types);
 }

@@ -21,13 +21,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ggml_types.h"
+
 namespace gem4_kq {
 
-constexpr int64_t Q4_K = 12, Q5_K = 13, Q6_K = 14;      // GGML type ids
-constexpr int64_t QK_K = 256;
+using gem4_ggml::Q4_K, gem4_ggml::Q5_K, gem4_ggml::Q6_K, gem4_ggml::QK_K;
 
 inline bool is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
-inline int64_t super_bytes(int64_t type) { return type == Q4_K ? 144 : type == Q5_K ? 176 : 210; }
 inline int64_t high_vectors(int64_t type) { return type == Q5_K ? 1 : type == Q6_K ? 2 : 0; }
 inline int64_t meta_bytes(int64_t type) { return type == Q6_K ? 36 : 40; }
 

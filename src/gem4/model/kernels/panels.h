@@ -26,13 +26,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ggml_types.h"
 #include "simd.h"
 
 namespace gem4_panels {
 
-constexpr int64_t QK = 32;          // weights per GGML block
+using gem4_ggml::QK, gem4_ggml::Q8_0, gem4_ggml::Q4_0;
 constexpr int64_t PANEL = 16;       // rows of W per panel
-constexpr int64_t Q8_0 = 8, Q4_0 = 2;
 constexpr int64_t PREFETCH = 2048;  // software prefetch distance in the weight stream (AMX, the prefill dequants)
 // The VNNI kernel's: 8 KB, a few blocks' worth of time ahead when 8 rows of x make each block slow (one
 // 65536 x 1536 Q4_0 weight out of cache, 2 threads, 8 rows: 2 KB 1.78-1.84 ms, 4 KB 1.44, 8 KB 1.32-1.39,
@@ -59,7 +59,7 @@ inline Panels panels_of(int64_t type, int64_t n_out, int64_t k_in) {
 
 // GGML blocks [n_out, nb] (Q8_0: fp16 d | int8 q[32]; Q4_0: fp16 d | u8 qs[16]) -> panel p (rows past n_out zero).
 inline void repack_panel(const uint8_t* src, const Panels& P, int64_t p, uint8_t* panel) {
-    const int64_t bb = 2 + P.qb;
+    const int64_t bb = gem4_ggml::type_size(P.type);
     std::memset(panel, 0, P.panel_bytes);
     for (int64_t j = 0; j < PANEL && p * PANEL + j < P.n_out; ++j)
         for (int64_t b = 0; b < P.nb; ++b) {

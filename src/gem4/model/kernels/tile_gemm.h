@@ -23,12 +23,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "ggml_types.h"
 #include "ops.h"
 #include "panels.h"
 
 namespace gem4_tiles {
 
-constexpr int64_t QK = 32;           // inputs per step (one tile row of bf16)
+constexpr int64_t QK = gem4_ggml::QK;   // inputs per step: one tile row of bf16, a GGML block (the callers'
+                                       // dequant writes W a block at a time)
 constexpr int64_t NR = 32;           // rows of W per block (two A tiles)
 constexpr int64_t MR = 32;           // rows of x per block (two B tiles)
 
