@@ -8,7 +8,7 @@
   `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode; on Q8_0 / Q4_0 panels passes of 2-8 rows
   of x run on AMX tiles where the CPU grants them, bit-identical to the VNNI kernel: `set_amx`); `gemv_multi`
   (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's
-  GEMM (`tile_gemm.h`: 32 rows of W at a time turned into bf16 and multiplied while in cache, on AMX tiles where
+  GEMM (`tile_gemm.cpp`: 32 rows of W at a time turned into bf16 and multiplied while in cache, on AMX tiles where
   granted; row-invariant: a row's result does not depend on the other rows); `dequant`: rows of W in float32 /
   bf16 (token tables).
 - `gemv_bf16(x, w)` / `linear_bf16(x, w)`: the same products for bf16 weights as they are stored (`bf16_gemv.cpp`).
@@ -75,7 +75,8 @@ import torch
 from gem4 import paths
 from gem4.ggml import GGMLType
 
-SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "decode_ops.cpp", "chunk_attention.cpp", "decode_layer.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "tile_gemm.cpp", "decode_ops.cpp",
+                                                      "chunk_attention.cpp", "decode_layer.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "ggml_types.h", "kquants.h", "panels.h",
                                                           "tile_gemm.h")]
 # compiler flag -m<key> -> the /proc/cpuinfo flag of the same extension
@@ -501,7 +502,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
     """x [T, k_in] (rounded to bf16) @ W.T -> [T, n_out] float32 (prefill), row-invariant: each row's result is the
-    same float whatever the other rows (tile_gemm.h); W turned into bf16 32 rows at a time."""
+    same float whatever the other rows (tile_gemm.cpp); W turned into bf16 32 rows at a time."""
     return _ops().linear_packed(x.to(torch.bfloat16).contiguous(), packed, n_out, k_in, int(ggml_type))
 
 

@@ -35,6 +35,8 @@
 #include <immintrin.h>
 #include <cstdint>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -406,11 +408,28 @@ int64_t rows_of(const at::Tensor& x, int64_t k_in) {
 static_assert(MAX_M == 8, "gem4_simd::with_count dispatches the row counts 1..8");
 using gem4_simd::with_count;
 
+// CPUID leaf 7 reports AMX-TILE and AMX-INT8, and Linux grants this process the tile state (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once; false where either refuses.
+constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+unsigned cpuid7_edx() {
+    unsigned a, b, c, d;
+    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+    return d;
+}
+bool amx_granted() {
+    static const bool granted = [] {
+        const unsigned d = cpuid7_edx();
+        const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
+        return tile && int8 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return granted;
+}
+
 // Whether passes of 2..8 rows of x over Q8_0 / Q4_0 panels run on AMX tiles (set_amx; on where the CPU and
 // kernel grant AMX; Python turns it off for GEM4_NO_AMX when it loads the library). Either way the results are
 // the same, bit for bit.
 std::atomic<bool>& amx_on() {
-    static std::atomic<bool> on{gem4_panels::amx_granted()};
+    static std::atomic<bool> on{amx_granted()};
     return on;
 }
 
@@ -688,7 +707,7 @@ void dequant_panels(const uint8_t* wp, int64_t k_in, int64_t ggml_type, bool bf1
 }
 
 // Rows [n0, n0 + 32) of a Q8_0 / Q4_0 panel weight (n0 a multiple of 32; rows past n_out zero) -> bf16 pairs in
-// lanes, as gem4_tiles::pairs_in_lanes lays them out (the piece of step b and panel half h at out + (2 b + h) 512:
+// lanes, as tile_gemm.h's Lanes lays them out (the piece of step b and panel half h at out + (2 b + h) 512:
 // [16 pairs][16 rows] 32-bit), straight from the panels, whose 32-bit lanes are already rows: each weight's float
 // d (q - 8) / d q (exact) rounded once to bf16, the same bf16 as dequant_panels'.
 void lanes_panels(const uint8_t* wp, int64_t k_in, int64_t n_out, int64_t ggml_type, int64_t n0, uint16_t* out) {
@@ -853,7 +872,7 @@ at::Tensor dequant(at::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std
 
 // want 0 / 1: panel passes of >= 2 rows on VNNI / on AMX (where granted); -1: only ask. -> whether AMX is on.
 bool set_amx(int64_t want) {
-    if (want >= 0) amx_on().store(want == 1 && gem4_panels::amx_granted());
+    if (want >= 0) amx_on().store(want == 1 && amx_granted());
     return amx_on().load();
 }
 

@@ -1,5 +1,11 @@
 // What one kernel source uses of another: the kernels decode_layer.cpp combines (each is also a torch op
-// of its own).
+// of its own), the AMX switch and grant the prefill GEMM shares with the panel GEMV.
+//
+// The library's ops are registered under torch.ops.gem4_kernels, each in the file that implements it. Only
+// ggml_gemv.cpp opens the library with TORCH_LIBRARY(gem4_kernels, m); every other source registers its ops
+// with TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) (a second TORCH_LIBRARY fails when the library loads). A new
+// source does the same, and is added to SOURCES in kernels/__init__.py (a new header to HEADERS: both are in the build
+// key).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <algorithm>
@@ -25,10 +31,12 @@ struct Aligned {
 };
 
 // ggml_gemv.cpp
+unsigned cpuid7_edx();                // CPUID leaf 7's EDX: bit 22 AMX-BF16, 24 AMX-TILE, 25 AMX-INT8
+bool amx_granted();                   // AMX-TILE and AMX-INT8 reported and the tile state granted (asked once)
+std::atomic<bool>& amx_on();          // AMX kernels in use where granted (set_amx)
 at::Tensor gemv(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type);
 std::vector<at::Tensor> gemv_multi(at::Tensor x, std::vector<at::Tensor> ws, std::vector<int64_t> n_outs,
-                                       int64_t k_in, int64_t ggml_type);
-std::atomic<bool>& amx_on();          // AMX kernels in use where granted (set_amx)
+                                   int64_t k_in, int64_t ggml_type);
 at::Tensor gemv_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out, int64_t k_in, int64_t ggml_type);
 
 // bf16_gemv.cpp

@@ -17,10 +17,11 @@
 // tile product whose A rows are (row of x, hi / lo, block of the pair) -- the other block's half of the row
 // zero; hi rows are zero since x became int8 (they held q's high byte when q was int16) -- against B = the two
 // blocks' weights (16 x 64 bytes), then the same float steps.
+//
+// Part of ggml_gemv.cpp, the one source that includes it (its kernels are templates instantiated there; the AMX
+// grant and switch are in ops.h).
 #pragma once
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -185,23 +186,6 @@ void vnni_panels(const PanelX& x, const Panels& P, const uint8_t* w, float* y, i
         }
         store_rows(acc, MC, P, p, y, ldy);
     }
-}
-
-// AMX: CPUID leaf 7 reports AMX-TILE and AMX-INT8, and Linux grants this process the tile state
-// (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), asked once; false where either refuses.
-constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-inline unsigned cpuid7_edx() {       // CPUID leaf 7's EDX: bit 22 AMX-BF16, 24 AMX-TILE, 25 AMX-INT8
-    unsigned a, b, c, d;
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    return d;
-}
-inline bool amx_granted() {
-    static const bool granted = [] {
-        const unsigned d = cpuid7_edx();
-        const bool tile = (d >> 24) & 1, int8 = (d >> 25) & 1;
-        return tile && int8 && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    }();
-    return granted;
 }
 
 // Q4_0 blocks [b0, b1) of a panel as AMX B rows: each block's nibbles split and centred (w - 8), low nibbles
