@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 
 from gem4.model import kernels
+from gem4.model.kernels import build
 
-needs_cpu = pytest.mark.skipif(bool(kernels.missing_cpu_flags()),
-                               reason=f"this CPU lacks {kernels.missing_cpu_flags()}: no build is attempted")
+needs_cpu = pytest.mark.skipif(bool(build.missing_cpu_flags()),
+                               reason=f"this CPU lacks {build.missing_cpu_flags()}: no build is attempted")
 RUN_DEMO = [sys.executable, "-m", "gem4.cli", "run", "--demo", "-p", "hi", "-n", "4", "--seed", "0"]
 AMX_MNEMONICS = ("ldtilecfg", "sttilecfg", "tileloadd", "tilestored", "tilerelease", "tilezero", "tdpb")
 
@@ -89,7 +90,7 @@ def fresh_cache(tmp_path: Path, demo: Path) -> Path:
 def key_dir(cache: Path, monkeypatch) -> Path:
     """The kernels' build directory a gem4 process with GEM4_CACHE=cache uses."""
     monkeypatch.setenv("GEM4_CACHE", str(cache))
-    return kernels.build_dir()
+    return build.build_dir()
 
 
 def warnings_in(stderr: str) -> list[str]:
@@ -108,34 +109,34 @@ def assert_ran_portable(result: subprocess.CompletedProcess, cause: str) -> None
 
 
 def test_build_key_names_everything_the_library_depends_on(monkeypatch, tmp_path):
-    base = kernels.build_key()
-    assert kernels.build_key() == base                                     # stable
-    assert kernels.build_key(cflags=kernels.CFLAGS + ("-g",)) != base       # compiler flags
-    assert kernels.build_key(ldflags=()) != base                           # linker flags
-    assert kernels.build_key(cpu_flags=kernels.CPU_FLAGS - {"avx512_bf16"}) != base   # CPU features
-    assert kernels.build_key(torch_version="9.9.9") != base                # torch (its ABI)
-    assert kernels.build_key(python="cpython-3.99.0") != base              # Python
+    base = build.build_key()
+    assert build.build_key() == base                                     # stable
+    assert build.build_key(cflags=build.CFLAGS + ("-g",)) != base       # compiler flags
+    assert build.build_key(ldflags=()) != base                           # linker flags
+    assert build.build_key(cpu_flags=build.CPU_FLAGS - {"avx512_bf16"}) != base   # CPU features
+    assert build.build_key(torch_version="9.9.9") != base                # torch (its ABI)
+    assert build.build_key(python="cpython-3.99.0") != base              # Python
     monkeypatch.setenv("GEM4_CACHE", str(tmp_path))
-    assert kernels.build_dir() == tmp_path / "kernels" / base
+    assert build.build_dir() == tmp_path / "kernels" / base
 
 
 def test_build_key_follows_every_source_and_header(monkeypatch, tmp_path):
-    base = kernels.build_key()
-    for path in kernels.SOURCES + kernels.HEADERS:
+    base = build.build_key()
+    for path in build.SOURCES + build.HEADERS:
         copy = tmp_path / path.name
         copy.write_bytes(path.read_bytes() + b"\n")
-        monkeypatch.setattr(kernels, "SOURCES", [copy if p == path else p for p in kernels.SOURCES])
-        monkeypatch.setattr(kernels, "HEADERS", [copy if p == path else p for p in kernels.HEADERS])
-        assert kernels.build_key() != base, path.name
+        monkeypatch.setattr(build, "SOURCES", [copy if p == path else p for p in build.SOURCES])
+        monkeypatch.setattr(build, "HEADERS", [copy if p == path else p for p in build.HEADERS])
+        assert build.build_key() != base, path.name
         monkeypatch.undo()
 
 
 def test_flags_name_the_instruction_sets_and_never_native_or_amx():
-    assert not any(f.startswith("-march") or "native" in f or "amx" in f for f in kernels.CFLAGS)
-    for isa, cpu_flag in kernels.ISA.items():                  # what is compiled for is what is checked
-        assert f"-m{isa}" in kernels.CFLAGS and cpu_flag in kernels.CPU_FLAGS
+    assert not any(f.startswith("-march") or "native" in f or "amx" in f for f in build.CFLAGS)
+    for isa, cpu_flag in build.ISA.items():                  # what is compiled for is what is checked
+        assert f"-m{isa}" in build.CFLAGS and cpu_flag in build.CPU_FLAGS
     # the intrinsics of the sources: AVX-512 F/BW/VL, VNNI (vpdpwssd) and BF16 (vdpbf16ps)
-    assert {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"} <= kernels.CPU_FLAGS
+    assert {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"} <= build.CPU_FLAGS
 
 
 def test_gem4_no_kernels_turns_them_off(tmp_path):
@@ -160,7 +161,7 @@ def test_built_library_has_amx_instructions_only_in_the_amx_kernels():
     gem4_tiles::amx_blocks (with its tile configuration and release) alone, run only once the CPU and kernel grant
     AMX: any other function with a tile instruction would trap on a host whose VM does not enable AMX."""
     assert kernels.available(), kernels.describe()["reason"]
-    library = kernels.build_dir() / kernels.LIBRARY
+    library = build.build_dir() / build.LIBRARY
     objdump = shutil.which("objdump")
     assert objdump, "objdump (binutils, installed with the compiler) is needed to read the library"
     listing = subprocess.run([objdump, "-d", "-C", "--no-show-raw-insn", str(library)], capture_output=True,
@@ -187,8 +188,8 @@ def test_doctor_says_active_and_where(capsys):
     assert main(["doctor"]) == 0
     report = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
     assert report["active"] == "True" and report["state"] == "active"
-    assert report["library"] == str(kernels.build_dir() / kernels.LIBRARY)
-    assert report["key"] == kernels.build_key() and report["cpu_flags_missing"] == "(none)"
+    assert report["library"] == str(build.build_dir() / build.LIBRARY)
+    assert report["key"] == build.build_key() and report["cpu_flags_missing"] == "(none)"
 
 
 # --- (b) a broken compiler ---------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def test_broken_compiler_warns_once_and_runs_portable(kind, tmp_path, fake_compi
     result = subprocess.run(RUN_DEMO, env=env, capture_output=True, text=True, timeout=300)
     assert_ran_portable(result, CAUSES[kind])
     (notice,) = [line for line in result.stderr.splitlines() if "compiling the CPU kernels" in line]   # announced,
-    assert kernels.BUILD_TIME in notice and "GEM4_NO_KERNELS=1" in notice      # with its time and how to skip it
+    assert build.BUILD_TIME in notice and "GEM4_NO_KERNELS=1" in notice      # with its time and how to skip it
     assert "this compiler" not in result.stderr.replace(warnings_in(result.stderr)[0], "")   # said once
     log = (key_dir(cache, monkeypatch) / "build.log").read_text()
     assert "this compiler" in log and str(fake_compilers[kind] / "c++") in log
@@ -217,7 +218,7 @@ def test_broken_compiler_warns_once_and_runs_portable(kind, tmp_path, fake_compi
 def test_library_that_does_not_load_is_rebuilt(tmp_path, broken_compiler, monkeypatch):
     directory = key_dir(tmp_path, monkeypatch)
     directory.mkdir(parents=True)
-    (directory / kernels.LIBRARY).write_bytes(b"not a library")
+    (directory / build.LIBRARY).write_bytes(b"not a library")
     code = "from gem4.model import kernels; print(kernels.available())"
     out = subprocess.run([sys.executable, "-c", code], env=env_with(tmp_path, broken_compiler),
                          capture_output=True, text=True, timeout=300)
@@ -259,14 +260,14 @@ def test_live_build_is_waited_for_with_a_message(tmp_path, broken_compiler, monk
 def test_sources_include_narrow_torch_headers():
     """torch/extension.h (pybind11 and torch's whole C++ API) took ~20 s of each source's ~30 s to compile; the
     library is no Python module (TORCH_LIBRARY ops, torch.ops.load_library), so no source or header needs it."""
-    for path in kernels.SOURCES + kernels.HEADERS:
+    for path in build.SOURCES + build.HEADERS:
         includes = re.findall(r"^#include\s*<([^>]+)>", path.read_text(), re.MULTILINE)
         assert "torch/extension.h" not in includes and "torch/torch.h" not in includes, path.name
         assert not any(i.startswith(("torch/csrc", "pybind11", "Python")) for i in includes), path.name
 
 
 def test_build_is_never_silent_for_long():
-    assert kernels.PROGRESS_EVERY_S <= 10 and kernels._Progress.TICK_S <= 1
+    assert build.PROGRESS_EVERY_S <= 10 and build._Progress.TICK_S <= 1
 
 
 class Terminal(io.StringIO):
@@ -282,10 +283,10 @@ def compile_object(directory: Path, source: str) -> None:
 def watch(monkeypatch, tmp_path, steps, stream, waiting=False) -> str:
     """stream's text after a _Progress over tmp_path (ticks of 20 ms, a pipe line after 0.3 s of silence) saw
     steps: (seconds to wait, sources to compile then)."""
-    monkeypatch.setattr(kernels, "PROGRESS_EVERY_S", 0.3)
-    monkeypatch.setattr(kernels._Progress, "TICK_S", 0.02)
+    monkeypatch.setattr(build, "PROGRESS_EVERY_S", 0.3)
+    monkeypatch.setattr(build._Progress, "TICK_S", 0.02)
     (tmp_path / "build-test").mkdir()
-    with kernels._Progress(tmp_path, waiting=waiting, stream=stream):
+    with build._Progress(tmp_path, waiting=waiting, stream=stream):
         for seconds, sources in steps:
             time.sleep(seconds)
             for name in sources:
@@ -294,7 +295,7 @@ def watch(monkeypatch, tmp_path, steps, stream, waiting=False) -> str:
 
 
 def test_progress_through_a_pipe_names_each_source_and_the_time(monkeypatch, tmp_path):
-    names = [p.name for p in kernels.SOURCES]
+    names = [p.name for p in build.SOURCES]
     n = len(names)
     steps = [(0.45, []), (0.0, [names[2]]), (0.15, names[:2]), (0.45, []), (0.0, names[3:])]
     text = watch(monkeypatch, tmp_path, steps, io.StringIO())
@@ -314,14 +315,14 @@ def test_progress_through_a_pipe_names_each_source_and_the_time(monkeypatch, tmp
 
 
 def test_progress_on_a_terminal_is_one_line_redrawn_then_erased(monkeypatch, tmp_path):
-    names = [p.name for p in kernels.SOURCES]
+    names = [p.name for p in build.SOURCES]
     text = watch(monkeypatch, tmp_path, [(0.1, names[:2]), (0.1, names[2:]), (0.1, [])], Terminal())
     assert "\n" not in text and text.count("\r") >= 4
     frames = text.split("\r")[1:]
     n = len(names)
     assert frames[0].startswith(f"gem4:   0/{n} sources compiled, 0 s (left: ")
     assert any(f.startswith(f"gem4:   2/{n} sources compiled") for f in frames)
-    assert any(f.startswith(f"gem4:   linking {kernels.LIBRARY}") for f in frames)
+    assert any(f.startswith(f"gem4:   linking {build.LIBRARY}") for f in frames)
     assert frames[-2].strip() == "" and frames[-1] == ""                  # erased: the next line starts clean
     widths = [len(f) for f in frames[:-1]]
     assert widths == sorted(widths)                                       # each frame covers the one before
@@ -329,7 +330,7 @@ def test_progress_on_a_terminal_is_one_line_redrawn_then_erased(monkeypatch, tmp
 
 
 def test_progress_of_a_wait_says_how_the_other_build_goes(monkeypatch, tmp_path):
-    names = [p.name for p in kernels.SOURCES]
+    names = [p.name for p in build.SOURCES]
     text = watch(monkeypatch, tmp_path, [(0.0, names[:1]), (0.45, [])], io.StringIO(), waiting=True)
     lines = text.splitlines()
     n = len(names)
@@ -361,7 +362,8 @@ def test_a_build_says_each_source_and_is_never_silent_for_long(tmp_path):
     for name in ("c++", "g++"):
         (compiler / name).write_text("#!/bin/sh\n" + SLOW_COMPILER)
         (compiler / name).chmod(0o755)
-    code = "from gem4.model import kernels; kernels.PROGRESS_EVERY_S = 1.0; print(kernels.available())"
+    code = ("from gem4.model import kernels; from gem4.model.kernels import build; build.PROGRESS_EVERY_S = 1.0; "
+            "print(kernels.available())")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env_with(tmp_path / "cache", compiler),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stamped = [(time.monotonic(), line.rstrip("\n")) for line in proc.stderr]
@@ -370,9 +372,9 @@ def test_a_build_says_each_source_and_is_never_silent_for_long(tmp_path):
     start = next(i for i, line in enumerate(lines) if "compiling the CPU kernels" in line)
     assert "GEM4_NO_KERNELS=1" in lines[start]
     end = next(i for i, line in enumerate(lines) if "compiled CPU kernels are unavailable" in line)
-    n = len(kernels.SOURCES)
+    n = len(build.SOURCES)
     compiled = sorted(m[1] for m in (re.match(rf"gem4:   compiled (\S+) \(\d/{n}, \d+ s\)", line) for line in lines) if m)
-    assert compiled == sorted(p.name for p in kernels.SOURCES), lines
+    assert compiled == sorted(p.name for p in build.SOURCES), lines
     assert any(line.startswith(f"gem4:   {n - 1}/{n} sources compiled") and line.endswith("(left: decode_layer.cpp)")
                for line in lines), lines
     gaps = [b[0] - a[0] for a, b in zip(stamped[start:end], stamped[start + 1:end + 1])]
@@ -438,7 +440,7 @@ def test_build_killed_by_sigkill_does_not_block_the_next_run(tmp_path, broken_co
     stale = list(directory.glob("build-*"))
     assert (directory / "build.lock").exists() and stale               # what a dead build leaves
     assert (stale[0] / "lock").exists()                                 # torch's own baton, never released
-    assert not (directory / kernels.LIBRARY).exists()
+    assert not (directory / build.LIBRARY).exists()
 
     # the next run is not blocked by either lock: it builds again (here with the broken compiler, so in
     # seconds) and, the build failing, generates on the portable path

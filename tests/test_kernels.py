@@ -7,6 +7,7 @@ import torch
 import gem4
 from gem4.model import cpu, kernels
 from gem4.model.cpu import DECODE_ROWS, DECODE_ROWS_BF16, KernelExperts, PackedLinear
+from gem4.model.kernels import build
 from gem4.model.layers import QuantLinear
 from gem4.ggml import GGMLType, dequantize, quantize
 from model_fixtures import VARIANTS
@@ -606,7 +607,7 @@ def test_panel_gemv_is_the_same_on_amx_and_vnni(ggml_type):
                 assert_panel_product(tiles, x[:m], dense)
     finally:
         kernels.set_amx(was)
-    cpu_has_amx = {"amx_tile", "amx_int8"} <= kernels._cpu_flags()
+    cpu_has_amx = {"amx_tile", "amx_int8"} <= build.cpu_flags()
     assert kernels.set_amx() in ((False,) if not cpu_has_amx else (True, False))   # never on without the CPU's AMX
 
 

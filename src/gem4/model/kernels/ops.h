@@ -4,8 +4,7 @@
 // The library's ops are registered under torch.ops.gem4_kernels, each in the file that implements it. Only
 // ggml_gemv.cpp opens the library with TORCH_LIBRARY(gem4_kernels, m); every other source registers its ops
 // with TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) (a second TORCH_LIBRARY fails when the library loads). A new
-// source does the same, and is added to SOURCES in kernels/__init__.py (a new header to HEADERS: both are in the build
-// key).
+// source does the same, and is added to SOURCES in build.py (a new header to HEADERS: both are in the build key).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <algorithm>
