@@ -500,6 +500,27 @@ def test_keep_heap_serves_large_blocks_from_the_heap(tmp_path):
     assert where == {"default": "mapping", "keep": "heap", "give": "mapping"}
 
 
+def test_decode_plan_gives_decode_layer_its_arguments_in_its_order(monkeypatch, variants):
+    """decode_layer.cpp declares its weights and dims by name (decode_layer_schema); cpu.py's DecodePlan gives them in
+    the same order, and a reordering on either side fails when a model is loaded, naming the first difference."""
+    assert cpu.decode_layer_schema() == kernels.decode_layer_schema()
+    cpu.check_decode_layer_schema()
+    weights, dims, moe, moe_dims = kernels.decode_layer_schema()
+    with pytest.raises(RuntimeError, match=r"MoE dims at position 2: decode_layer.cpp expects "
+                                           r"'experts.down_proj.type', DecodePlan gives 'experts.gate_up_proj.type'"):
+        cpu.check_decode_layer_schema((weights, dims, moe, (*moe_dims[:2], moe_dims[3], moe_dims[2])))
+    q, k, *rest = cpu.DECODE_LAYER_LINEARS
+    monkeypatch.setattr(cpu, "DECODE_LAYER_LINEARS", (k, q, *rest))
+    cpu._check_decode_layer_schema_once.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"weights at position 8: decode_layer.cpp expects 'self_attn.q_proj', "
+                                               r"DecodePlan gives 'self_attn.k_proj'"):
+            gem4.load(variants["dense_plain"].gguf["q4_0"], dtype="bfloat16")
+    finally:
+        monkeypatch.undo()
+        cpu._check_decode_layer_schema_once.cache_clear()
+
+
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0", "bf16"])
 def test_decode_layer_is_the_layer_it_replaces(tmp_path, qtype):
     """kernels.decode_layer runs a decode step's layer in one call: bit-identical logits to the Python layer

@@ -24,6 +24,8 @@ the GEMV for inputs of up to DECODE_ROWS rows.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -215,8 +217,10 @@ class KernelExperts(Experts):
 
 # ---- a decoder layer of a decode step in one call ----
 
-# kernels.decode_layer's arguments, named as the Python layer names its modules (decode_layer.cpp lists the same
-# order): the norms' weights, layer_scalar, the projections' weights, and for 26B-A4B the MoE tensors
+# kernels.decode_layer's arguments, named as the Python layer names its modules and attributes: the norms' weights,
+# layer_scalar, the projections' weights, and for 26B-A4B the MoE tensors; the dims: the LayerSpec's, each
+# projection's, and for 26B-A4B the experts'. decode_layer.cpp declares its own order under the same names
+# (kernels.decode_layer_schema), checked against these once per process, at the first DecodePlan.
 DECODE_LAYER_NORMS = ("input_layernorm", "self_attn.q_norm", "self_attn.k_norm", "post_attention_layernorm",
                       "pre_feedforward_layernorm", "post_feedforward_layernorm", "post_per_layer_input_norm")
 DECODE_LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -224,6 +228,36 @@ DECODE_LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_pro
 DECODE_LAYER_MOE = ("pre_feedforward_layernorm_2.weight", "post_feedforward_layernorm_1.weight",
                     "post_feedforward_layernorm_2.weight", "router.scale", "router.proj.weight",
                     "router.per_expert_scale", "experts.gate_up_proj", "experts.down_proj")
+DECODE_LAYER_DIMS = ("n_heads", "n_kv_heads", "head_dim", "owns_kv", "k_eq_v")     # of the layer's LayerSpec
+DECODE_LAYER_LINEAR_DIMS = ("out_features", "in_features", "gemv_type")            # of each projection, in turn
+DECODE_LAYER_MOE_DIMS = ("experts.num_experts", "router.top_k", "experts.gate_up_proj.type", "experts.down_proj.type")
+
+
+def decode_layer_schema() -> tuple[tuple[str, ...], ...]:
+    """The names of the weights and dims DecodePlan gives kernels.decode_layer, in its order and as
+    kernels.decode_layer_schema() names them: a dense layer's weights and dims, then the MoE ones."""
+    weights = (*DECODE_LAYER_NORMS, "layer_scalar", *DECODE_LAYER_LINEARS)
+    dims = (*DECODE_LAYER_DIMS, *(f"{lin}.{d}" for lin in DECODE_LAYER_LINEARS for d in DECODE_LAYER_LINEAR_DIMS))
+    return weights, dims, DECODE_LAYER_MOE, DECODE_LAYER_MOE_DIMS
+
+
+def check_decode_layer_schema(native: tuple[tuple[str, ...], ...] | None = None) -> None:
+    """Raise when decode_layer.cpp takes its arguments in another order than DecodePlan gives them (native: its
+    schema, kernels.decode_layer_schema() unless given): a reordering on one side only fails at load, by name."""
+    native = kernels.decode_layer_schema() if native is None else native
+    for what, ours, theirs in zip(("weights", "dims", "MoE weights", "MoE dims"), decode_layer_schema(), native):
+        if tuple(ours) != tuple(theirs):
+            at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise RuntimeError(
+                f"kernels.decode_layer and cpu.py's DecodePlan disagree on the layer's {what} at position {at}: "
+                f"decode_layer.cpp expects {theirs[at] if at < len(theirs) else '(nothing)'!r}, DecodePlan gives "
+                f"{ours[at] if at < len(ours) else '(nothing)'!r} (decode_layer.cpp: {', '.join(theirs)}; "
+                f"DecodePlan: {', '.join(ours)})")
+
+
+@functools.cache
+def _check_decode_layer_schema_once() -> None:
+    check_decode_layer_schema()
 
 
 def _find(module: nn.Module, path: str):
@@ -247,6 +281,7 @@ class DecodePlan:
         """The layer's plan, or None where kernels.decode_layer does not cover it: a projection that no GEMV kernel
         reads (neither packed nor bf16), a 26B-A4B router projection that is not a dense float32 matrix, or
         streamed experts (their slots are filled by the Python store)."""
+        _check_decode_layer_schema_once()
         spec = layer.spec
         linears = [_find(layer, path) for path in DECODE_LAYER_LINEARS]
         if any(lin is not None and not isinstance(lin, (PackedLinear, Bf16Linear)) for lin in linears):
@@ -256,9 +291,9 @@ class DecodePlan:
         weights = ([none if n is None else n.weight for n in norms] + [layer.layer_scalar]
                    + [none if lin is None else lin.packed if isinstance(lin, PackedLinear) else lin.weight
                       for lin in linears])
-        dims = [spec.n_heads, spec.n_kv_heads, spec.head_dim, int(spec.owns_kv), int(spec.k_eq_v)]
+        dims = [int(getattr(spec, name)) for name in DECODE_LAYER_DIMS]
         for lin in linears:
-            dims += [0, 0, 0] if lin is None else [lin.out_features, lin.in_features, int(lin.gemv_type)]
+            dims += [0 if lin is None else int(getattr(lin, name)) for name in DECODE_LAYER_LINEAR_DIMS]
         if hasattr(layer, "experts"):                  # 26B-A4B
             router, experts = layer.router, layer.experts
             if experts.store.streamed:
@@ -266,8 +301,9 @@ class DecodePlan:
             if router.proj.layout != "dense" or router.proj.weight.dtype != torch.float32:
                 return None
             weights += [_find(layer, path) for path in DECODE_LAYER_MOE]
-            dims += [experts.num_experts, router.top_k] + [int(experts.packed_types.get(name, 0))
-                                                           for name in ("gate_up_proj", "down_proj")]
+            # "experts.<weight>.type": the GGML type that expert weight is packed in (0: dense)
+            dims += [int(experts.packed_types.get(path.split(".")[1], 0)) if path.endswith(".type")
+                     else int(_find(layer, path)) for path in DECODE_LAYER_MOE_DIMS]
         return cls(weights, dims, max_rows)
 
 

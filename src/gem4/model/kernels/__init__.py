@@ -183,6 +183,12 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return _ops().attend_chunk(q.contiguous(), k, v, mask.contiguous())
 
 
+def decode_layer_schema() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """The names of decode_layer's weights and dims in the order it takes them (decode_layer.cpp): a dense layer's
+    weights, its dims (each linear's as "<linear>.<dim>"), and what 26B-A4B layers append to each."""
+    return tuple(tuple(names) for names in _ops().decode_layer_schema())
+
+
 def decode_layer(x: torch.Tensor, ple: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor | None, a,
                  weights: list[torch.Tensor], dims: list[int], eps: float) -> torch.Tensor:

@@ -8,20 +8,26 @@
 // None; cos / sin [T, 1, d]. k_store / v_store [R, nkv, d] bf16 are the layer's KV storage: a KV-owning
 // layer first writes its k / v to `rows` [T] (int64), a KV-shared layer (rows None) reads what its donor
 // wrote; then query row t attends to key_rows[q_seq[t], q_lo[t] : q_hi[t]] (kv_cache.Attend, see attend).
-// weights, in this order (an empty tensor where a variant has none):
+// weights and dims, in the order of the lists below (NORMS, LINEARS; DIMS, then LINEAR_DIMS of each linear), each
+// named as the Python layer names it (model/cpu.py's DecodePlan gives them in its own order, checked against
+// decode_layer_schema() when a model is loaded); an empty tensor where a variant has none:
 //   norms:    input, q, k, post-attention, pre-feedforward, post-feedforward, post-per-layer-input, layer scalar
 //   linears:  q, k, v, o, gate, up, down, per-layer-input gate, per-layer projection
-// dims: n_heads, n_kv_heads, head_dim, owns_kv, k_eq_v, then (n_out, k_in, type) of each linear. A linear is
-// packed (its GGML type: Q8_0 / Q4_0 panels, the other types x16 rows; ggml_gemv.cpp) or bf16 [n_out, k_in] as
-// stored (type 30, GGML's BF16); Q/K/V and gate/up take one fused pass when they are packed of one type, one
-// call each otherwise (as in Python).
-// 26B-A4B layers append to weights: the norms pre-feedforward-2, post-feedforward-1, post-feedforward-2, the
-// router's scale, projection [E, H] (float32) and per-expert scale, the experts' gate_up and down; and to
-// dims: E, top_k, then each expert weight's type (packed as [E * rows, ...]; 0: dense [E, rows, k]).
+//   dims:     n_heads, n_kv_heads, head_dim, owns_kv, k_eq_v, then (n_out, k_in, type) of each linear
+// A linear is packed (its GGML type: Q8_0 / Q4_0 panels, the other types x16 rows; ggml_gemv.cpp) or bf16
+// [n_out, k_in] as stored (GGML's BF16 id); Q/K/V and gate/up take one fused pass when they are packed of one
+// type, one call each otherwise (as in Python).
+// 26B-A4B layers append to weights (MOE_WEIGHTS): the norms pre-feedforward-2, post-feedforward-1,
+// post-feedforward-2, the router's scale, projection [E, H] (float32) and per-expert scale, the experts' gate_up
+// and down; and to dims (MOE_DIMS): E, top_k, then each expert weight's type (packed as [E * rows, ...]; 0: dense
+// [E, rows, k]).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <cmath>
+#include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "ggml_types.h"
 #include "ops.h"
@@ -30,13 +36,34 @@ namespace {
 
 using namespace gem4_ops;
 
-enum Norm { IN_NORM, Q_NORM, K_NORM, POST_ATTN, PRE_FFN, POST_FFN, POST_PLE, SCALAR, N_NORMS };
-enum Linear { Q, K, V, O, GATE, UP, DOWN, PLE_GATE, PLE_PROJ, N_LINEARS };
-enum Dim { N_HEADS, N_KV_HEADS, HEAD_DIM, OWNS_KV, K_EQ_V, LINEAR_DIMS };
-enum MoeWeight { PRE_FFN_2, POST_FFN_1, POST_FFN_2, ROUTER_SCALE, ROUTER_PROJ, EXPERT_SCALE, EXPERTS_GATE_UP, EXPERTS_DOWN,
-                 N_MOE_WEIGHTS };
-enum MoeDim { N_EXPERTS, TOP_K, GATE_UP_TYPE, DOWN_TYPE, N_MOE_DIMS };
-constexpr size_t DENSE_WEIGHTS = N_NORMS + N_LINEARS, DENSE_DIMS = LINEAR_DIMS + 3 * N_LINEARS;
+// The argument lists, declared once: X(enum constant, name) in order. The names are the Python layer's
+// (cpu.py: DECODE_LAYER_NORMS + layer_scalar, DECODE_LAYER_LINEARS, DECODE_LAYER_DIMS, DECODE_LAYER_LINEAR_DIMS,
+// DECODE_LAYER_MOE, DECODE_LAYER_MOE_DIMS).
+#define NORMS(X) X(IN_NORM, "input_layernorm") X(Q_NORM, "self_attn.q_norm") X(K_NORM, "self_attn.k_norm") \
+    X(POST_ATTN, "post_attention_layernorm") X(PRE_FFN, "pre_feedforward_layernorm") \
+    X(POST_FFN, "post_feedforward_layernorm") X(POST_PLE, "post_per_layer_input_norm") X(SCALAR, "layer_scalar")
+#define LINEARS(X) X(Q, "self_attn.q_proj") X(K, "self_attn.k_proj") X(V, "self_attn.v_proj") X(O, "self_attn.o_proj") \
+    X(GATE, "mlp.gate_proj") X(UP, "mlp.up_proj") X(DOWN, "mlp.down_proj") X(PLE_GATE, "per_layer_input_gate") \
+    X(PLE_PROJ, "per_layer_projection")
+#define DIMS(X) X(N_HEADS, "n_heads") X(N_KV_HEADS, "n_kv_heads") X(HEAD_DIM, "head_dim") X(OWNS_KV, "owns_kv") \
+    X(K_EQ_V, "k_eq_v")
+#define LINEAR_DIMS(X) X(N_OUT, "out_features") X(K_IN, "in_features") X(TYPE, "gemv_type")   // of each linear
+#define MOE_WEIGHTS(X) X(PRE_FFN_2, "pre_feedforward_layernorm_2.weight") \
+    X(POST_FFN_1, "post_feedforward_layernorm_1.weight") X(POST_FFN_2, "post_feedforward_layernorm_2.weight") \
+    X(ROUTER_SCALE, "router.scale") X(ROUTER_PROJ, "router.proj.weight") X(EXPERT_SCALE, "router.per_expert_scale") \
+    X(EXPERTS_GATE_UP, "experts.gate_up_proj") X(EXPERTS_DOWN, "experts.down_proj")
+#define MOE_DIMS(X) X(N_EXPERTS, "experts.num_experts") X(TOP_K, "router.top_k") \
+    X(GATE_UP_TYPE, "experts.gate_up_proj.type") X(DOWN_TYPE, "experts.down_proj.type")
+#define AS_ENUM(c, name) c,
+#define AS_NAME(c, name) name,
+
+enum Norm { NORMS(AS_ENUM) N_NORMS };
+enum Linear { LINEARS(AS_ENUM) N_LINEARS };
+enum Dim { DIMS(AS_ENUM) N_DIMS };
+enum LinearDim { LINEAR_DIMS(AS_ENUM) N_LINEAR_DIMS };
+enum MoeWeight { MOE_WEIGHTS(AS_ENUM) N_MOE_WEIGHTS };
+enum MoeDim { MOE_DIMS(AS_ENUM) N_MOE_DIMS };
+constexpr size_t DENSE_WEIGHTS = N_NORMS + N_LINEARS, DENSE_DIMS = N_DIMS + N_LINEAR_DIMS * N_LINEARS;
 using gem4_ggml::BF16;
 
 struct Layer {
@@ -45,9 +72,10 @@ struct Layer {
 
     const at::Tensor& norm(Norm n) const { return w[n]; }
     const at::Tensor& packed(Linear l) const { return w[N_NORMS + l]; }
-    int64_t n_out(Linear l) const { return dims[LINEAR_DIMS + 3 * l]; }
-    int64_t k_in(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 1]; }
-    int64_t type(Linear l) const { return dims[LINEAR_DIMS + 3 * l + 2]; }
+    int64_t linear_dim(Linear l, LinearDim d) const { return dims[N_DIMS + N_LINEAR_DIMS * l + d]; }
+    int64_t n_out(Linear l) const { return linear_dim(l, N_OUT); }
+    int64_t k_in(Linear l) const { return linear_dim(l, K_IN); }
+    int64_t type(Linear l) const { return linear_dim(l, TYPE); }
     at::Tensor apply(Linear l, const at::Tensor& x) const {
         return type(l) == BF16 ? gemv_bf16(x, packed(l)) : gemv(x, packed(l), n_out(l), k_in(l), type(l));
     }
@@ -170,10 +198,22 @@ at::Tensor decode_layer(at::Tensor x, std::optional<at::Tensor> ple, at::Tensor 
     return x * L.norm(SCALAR);
 }
 
+// The names of decode_layer's weights and dims in order: dense layers' (each linear's dims as "<linear>.<dim>"),
+// then what 26B-A4B layers append.
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>, std::vector<std::string>>
+decode_layer_schema() {
+    std::vector<std::string> weights{NORMS(AS_NAME) LINEARS(AS_NAME)}, dims{DIMS(AS_NAME)};
+    for (const char* linear : {LINEARS(AS_NAME)})
+        for (const char* dim : {LINEAR_DIMS(AS_NAME)}) dims.push_back(std::string(linear) + "." + dim);
+    return {weights, dims, {MOE_WEIGHTS(AS_NAME)}, {MOE_DIMS(AS_NAME)}};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
     m.def("decode_layer(Tensor x, Tensor? ple, Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, "
           "Tensor? rows, Tensor key_rows, Tensor q_seq, Tensor q_lo, Tensor q_hi, Tensor[] weights, int[] dims, "
           "float eps) -> Tensor", &decode_layer);
+    m.def("decode_layer_schema() -> (str[] weights, str[] dims, str[] moe_weights, str[] moe_dims)",
+          &decode_layer_schema);
 }
