@@ -8,13 +8,10 @@ vocab.json was derived from. The demo is built into a private GEM4_CACHE (a buil
 from __future__ import annotations
 
 import json
-import threading
-import time
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 
 import gem4
 from gem4 import Engine, SamplingParams
@@ -22,6 +19,7 @@ from gem4.chat import encode_prompt
 from gem4.demo import DEMO_VERSION, VOCAB_FILE, demo_tokenizer, ensure_demo, write_tokenizer
 from gem4.parser import Gemma4Parser
 from gem4.tokenizer import Tokenizer, TokenType
+from server_helpers import InProcessServer
 
 VOCAB_GGUF = Path(__file__).parent / "assets" / "gemma4-vocab" / "ggml-vocab-gemma-4.gguf"
 SPECIAL_TYPES = (TokenType.CONTROL, TokenType.USER_DEFINED)
@@ -146,26 +144,6 @@ def test_chat_replies_that_end_on_turn_end_hold_no_control_token_text(engine, re
             assert last.finish_reason == "stop" and result.stop_token_id == TURN_END
             with_text += bool(result.content)
     assert stopped >= 10 and with_text >= 6                   # the replies do end on <turn|>, most after text
-
-
-class InProcessServer:
-    """uvicorn in a thread on 127.0.0.1, port chosen by the OS."""
-
-    def __init__(self, app):
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "in-process server did not start"
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def test_served_demo_chat_content_holds_no_control_token_text(engine, real):
