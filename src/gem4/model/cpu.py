@@ -53,6 +53,11 @@ def takes_gemv(rows: int, prefill: bool | None) -> bool:
     return rows <= DECODE_ROWS if prefill is None else not prefill
 
 
+def gemv_input(x: torch.Tensor, prefill: bool | None) -> bool:
+    """x goes to a GEMV kernel as it is: float32 [M, in], contiguous, decode rows (takes_gemv)."""
+    return x.dim() == 2 and takes_gemv(x.shape[0], prefill) and x.dtype == torch.float32 and x.is_contiguous()
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType,
                   prefill: bool | None) -> torch.Tensor:
     """x [M, k_in] @ W.T [M, n_out] float32 for W packed in the kernels' layout (takes_gemv says which kernel)."""
@@ -103,12 +108,8 @@ class PackedLinear(QuantLinear):
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return kernels.dequant(self.packed, self.in_features, self.ggml_type, torch.float32, rows=ids.reshape(-1))
 
-    def gemv(self, x: torch.Tensor, prefill: bool | None) -> bool:
-        """forward(x) is one GEMV kernel call: x float32 [M, in], contiguous, decode rows (takes_gemv)."""
-        return x.dim() == 2 and takes_gemv(x.shape[0], prefill) and x.dtype == torch.float32 and x.is_contiguous()
-
     def forward(self, x: torch.Tensor, prefill: bool | None = None) -> torch.Tensor:
-        if self.gemv(x, prefill):                                 # decode: the common case first
+        if gemv_input(x, prefill):                                # decode: the common case first
             return kernels.gemv(x, self.packed, self.out_features, self.in_features, self.ggml_type)
         y = packed_linear(x.reshape(-1, self.in_features), self.packed, self.out_features, self.in_features,
                           self.ggml_type, prefill)
@@ -123,7 +124,7 @@ class Bf16Linear(QuantLinear):
     gemv_type = GGMLType.BF16
 
     def forward(self, x: torch.Tensor, prefill: bool | None = None) -> torch.Tensor:
-        if x.dim() == 2 and takes_gemv(x.shape[0], prefill) and x.dtype == torch.float32 and x.is_contiguous():
+        if gemv_input(x, prefill):
             return kernels.gemv_bf16(x, self.weight)
         if self.in_features % 32 == 0:
             y = kernels.linear_bf16(x.reshape(-1, self.in_features), self.weight)
@@ -133,7 +134,7 @@ class Bf16Linear(QuantLinear):
 
 def one_gemv_pass(x: torch.Tensor, prefill: bool | None, linears) -> bool:
     """Several packed layers of one type can take x in one kernel pass."""
-    return (all(isinstance(lin, PackedLinear) and lin.gemv(x, prefill) for lin in linears)
+    return (gemv_input(x, prefill) and all(isinstance(lin, PackedLinear) for lin in linears)
             and len({lin.ggml_type for lin in linears}) == 1)
 
 
