@@ -16,6 +16,7 @@ import torch
 
 from gem4.sampling import (
     MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
     InvalidParameter,
     Sampler,
     SeedStream,
@@ -33,6 +34,7 @@ from gem4.sampling import (
     sample,
     token_counts,
 )
+from gem4.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INF = float("inf")
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -496,6 +498,10 @@ def test_params_are_normalised_frozen_and_hashable():
         ({"logit_bias": {2**40: 1.0}}, "logit_bias"),
         ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
         ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+        # bounds on the per-token work of stop matching (issue 34)
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": ["x" * (MAX_STOP_CHARS + 1)]}, "stop"),
+        ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids"),
     ],
 )
 def test_params_validation_names_the_field(kwargs, field):
@@ -508,6 +514,7 @@ def test_params_at_their_bounds_are_accepted():
     SamplingParams(top_k=2**31 - 1, presence_penalty=-2, frequency_penalty=2, seed=2**64 - 1)
     SamplingParams(seed=-(2**63), logit_bias={i: (-100 if i % 2 else 100) for i in range(MAX_LOGIT_BIAS)})
     SamplingParams(repetition_penalty=1e-300, temperature=1e-300)
+    SamplingParams(stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS, stop_token_ids=range(MAX_STOP_TOKEN_IDS))
 
 
 def test_error_for_a_huge_int_is_short():

@@ -437,6 +437,46 @@ def test_stop_strings_cut_the_content(fake):
     assert s["content"] == full[:cut] and s["finish_reason"] == "stop"
 
 
+def test_stop_limits_are_400_naming_stop_before_any_work(fake):
+    """60,000 stop strings (the attack of issue 34) are refused with 400 naming `stop` in about the time it
+    takes to read the body: compared with a body of the same size refused for another field; so are one string
+    too many, one too long, and too many stop_token_ids; the most the limits allow is served, on both
+    endpoints."""
+    from gem4.sampling import MAX_STOP_TOKEN_IDS
+    from gem4.stops import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    engine, base, _ = fake
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    many = [f"s{i}" for i in range(60_000)]
+    bodies = {"/v1/completions": {"model": "scripted", "prompt": "PLAIN"},
+              "/v1/chat/completions": {"model": "scripted", "messages": user("PLAIN")}}
+    n_requests = len(engine.prompts)
+    for path, body in bodies.items():
+        took, baseline = [], []
+        for _ in range(3):                   # interleaved; medians
+            t0 = time.perf_counter()
+            assert_openai_error(httpx.post(base + path, json={**body, "stop": many}, headers=headers, timeout=60),
+                                400, param="stop")
+            took.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert_openai_error(httpx.post(base + path, json={**body, "user": many},
+                                           headers=headers, timeout=60), 400, param="user")
+            baseline.append(time.perf_counter() - t0)
+        assert sorted(took)[1] < 2 * sorted(baseline)[1] + 0.25, (took, baseline)
+        for bad, param in (({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+                           ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
+                           ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids")):
+            err = assert_openai_error(httpx.post(base + path, json={**body, **bad}, headers=headers, timeout=60),
+                                      400, param=param)
+            assert "at most" in err["message"], err
+    assert len(engine.prompts) == n_requests                    # none of them reached the engine
+    most = [f"{i:02d}" + "z" * (MAX_STOP_CHARS - 2) for i in range(MAX_STOP_STRINGS)]
+    for path, body in bodies.items():
+        r = httpx.post(base + path, json={**body, "stop": most, "stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))},
+                       headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+
+
 def test_include_usage_chunk(fake):
     _, base, _ = fake
     lines = sse_lines(base, "/v1/chat/completions", {"model": "scripted", "messages": user("PLAIN"), "stream": True,

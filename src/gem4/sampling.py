@@ -60,7 +60,8 @@ field): temperature finite >= 0; top_k -1..2^31-1 (the engine also refuses top_k
 top_p in (0, 1]; min_p in [0, 1]; repetition_penalty finite > 0; presence/frequency penalties
 in [-2, 2] (OpenAI's documented range, vLLM's check); logit_bias at most 300 entries of token id
 -> bias in [-100, 100] (OpenAI documents the value range; its reference gives no count limit, so
-300 is our cap on the per-request work); seed in [-2^63, 2^64 - 1].
+300 is our cap on the per-request work); at most 64 stop strings of at most 256 characters
+(gem4/stops.py says why) and 256 stop_token_ids; seed in [-2^63, 2^64 - 1].
 """
 from __future__ import annotations
 
@@ -72,9 +73,11 @@ from dataclasses import dataclass
 import torch
 
 from gem4.numbers import is_finite_number
+from gem4.stops import check_stops
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300                 # entries per request
+MAX_STOP_TOKEN_IDS = 256             # entries per request
 LOGIT_BIAS_RANGE = 100.0             # |bias| <= 100 (OpenAI)
 PENALTY_RANGE = 2.0                  # |presence|, |frequency| <= 2 (OpenAI, vLLM)
 MAX_TOKEN_ID = 2**31 - 1             # no vocabulary is larger; the engine checks its own size
@@ -206,12 +209,18 @@ class SamplingParams:
             fail("stop", "must be a string or a sequence of strings")
         if not all(isinstance(s, str) and s for s in stop):
             fail("stop", "every stop string must be a non-empty str")
+        try:
+            check_stops(stop)
+        except ValueError as e:
+            raise InvalidParameter("stop", str(e)) from None
         object.__setattr__(self, "stop", stop)
 
         try:
             stop_ids = tuple(self.stop_token_ids)
         except TypeError:
             fail("stop_token_ids", "must be a sequence of ints")
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} entries", f"{len(stop_ids)} entries")
         bad = next((t for t in stop_ids if not (_is_int(t) and 0 <= t <= MAX_TOKEN_ID)), None)
         if bad is not None:
             fail("stop_token_ids", f"token ids must be ints in [0, {MAX_TOKEN_ID}]", bad)

@@ -11,8 +11,8 @@ engine thread touches it. It knows its token ids, how many of them are in the KV
 
     token id -> end id?  -> finish "stop"   (the end token's text is never emitted)
              -> incremental detokenizer (complete UTF-8 only, CONTROL tokens dropped)
-             -> stop strings: text that could still become a stop string is held back;
-                a completed stop string finishes "stop" and neither it nor what follows is emitted
+             -> stop strings (gem4/stops.py): text that could still become a stop string is held
+                back; a completed stop string finishes "stop" and neither it nor what follows is emitted
              -> max_tokens reached -> finish "length" (held text is released)
 
 so the concatenated text deltas of a request equal `tokenizer.decode(output, skip_special=True)`
@@ -26,6 +26,7 @@ from collections.abc import Collection, Sequence as Seq
 from dataclasses import dataclass
 
 from gem4.sampling import SamplingParams
+from gem4.stops import StopStrings
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"   # finish reasons (OpenAI's names)
 MAX_DRAFT_PAUSE = 64     # decode steps without drafts at most, after verification rounds that accepted none
@@ -71,38 +72,6 @@ class TokenOutput:
     text: str                       # text that became certain ('' while held back)
     finish_reason: str | None       # None while running
     stop_reason: int | str | None   # the end token id or stop string that finished the request
-
-
-class StopStrings:
-    """Streams text, holding back any tail that could still grow into a stop string.
-
-    feed(text) -> (text safe to emit, stop string matched or None). After a match the rest of the
-    stream is discarded; `flush()` releases the held tail when the stream ends otherwise.
-    """
-
-    def __init__(self, stops: Collection[str]):
-        self.stops = tuple(stops)
-        self._held = ""
-
-    def feed(self, text: str) -> tuple[str, str | None]:
-        buf = self._held + text
-        if not self.stops:
-            self._held = ""
-            return buf, None
-        # earliest match wins (a match can only start inside the held tail or the new text)
-        hits = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
-        if hits:
-            i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
-            self._held = ""
-            return buf[:i], s
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buf)), 0, -1)
-                    if buf.endswith(s[:k])), default=0)
-        self._held = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep], None
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held
 
 
 _request_counter = itertools.count()

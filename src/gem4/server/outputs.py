@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gem4.engine import GenerationEvent
-from gem4.engine.sequence import StopStrings
 from gem4.parser import (
     ContentDelta,
     Gemma4Parser,
@@ -40,6 +39,7 @@ from gem4.parser import (
 )
 from gem4.server import protocol as P
 from gem4.server.request import ServerRequest
+from gem4.stops import StopStrings
 
 # ---------------------------------------------------------------------------------------------
 # Chat: engine events -> OpenAI deltas and the final message

@@ -31,7 +31,8 @@ from pydantic import (
     model_validator,
 )
 
-from gem4.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS
+from gem4.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from gem4.stops import check_stops
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -323,15 +324,18 @@ class SamplingRequest(_In):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
 
     @field_validator("stop")
     @classmethod
     def _stop(cls, v):
+        """Non-empty strings, within the limits of gem4/stops.py (chat applies them in the server, so the
+        engine's SamplingParams never sees them: they are checked here for both endpoints)."""
         stops = [v] if isinstance(v, str) else (v or [])
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        check_stops(stops)
         return v
 
     @field_validator("logit_bias")
