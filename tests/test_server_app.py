@@ -437,6 +437,22 @@ def test_stop_strings_cut_the_content(fake):
     assert s["content"] == full[:cut] and s["finish_reason"] == "stop"
 
 
+def test_a_chat_reply_ended_by_a_stop_string_is_logged_as_stop(fake, caplog):
+    """The server ends the reply at the stop string and aborts the engine request; the request's log line
+    (written when the engine's "abort" arrives) and the finish metric say "stop", as the client saw."""
+    _, base, _ = fake
+    before = metric(base, "gem4:request_success_total", finished_reason="stop")
+    with caplog.at_level("INFO", logger="gem4.server"):
+        for stream in (False, True):
+            r = client_for(base).chat.completions.create(model="scripted", messages=user("PLAIN"), stop="2+2",
+                                                         stream=stream)
+            rid = [chunk.id for chunk in r][0] if stream else r.id
+            wait_for(lambda: any(rid in rec.getMessage() for rec in caplog.records))
+            [line] = [rec.getMessage() for rec in caplog.records if rid in rec.getMessage()]
+            assert line.endswith("finish stop"), line
+    assert metric(base, "gem4:request_success_total", finished_reason="stop") == before + 2
+
+
 def test_stop_limits_are_400_naming_stop_before_any_work(fake):
     """60,000 stop strings (the attack of issue 34) are refused with 400 naming `stop` in about the time it
     takes to read the body: compared with a body of the same size refused for another field; so are one string

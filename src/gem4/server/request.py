@@ -90,6 +90,7 @@ class ServerRequest:
         self._last_token: float | None = None
         self._last_of: dict[int, float] = {}          # choice -> its last token's time (inter-token latency)
         self._n_tokens = 0
+        self._ended: dict[int, str] = {}   # choice -> why the server ended it before the engine ("stop", ...)
         self.cached_tokens = 0          # prompt tokens the engine found in its prefix cache
 
         engine, metrics, config = state.ready_engine(), state.metrics, state.config
@@ -126,8 +127,8 @@ class ServerRequest:
                 self._last_token = self._last_of[item.index] = now
             if item.finished:
                 self._open -= 1
-                if not self._open:
-                    self._end(now, item.finish_reason)
+                if not self._open:     # the engine's "abort" of a choice the server ended says "abort"
+                    self._end(now, self._ended.get(item.index, item.finish_reason))
         else:
             self._end(time.perf_counter(), "error")
         self._queue.put_nowait(item)
@@ -165,9 +166,11 @@ class ServerRequest:
         if not self.finished:
             self._deliver(ServerShuttingDown("the server is shutting down"))
 
-    def end_choice(self, index: int) -> None:
-        """The server ended choice `index` before the engine did (a stop string, a single tool call): stop
-        generating it; the request's other choices go on (with one choice, `close` stops the request)."""
+    def end_choice(self, index: int, reason: str) -> None:
+        """The server ended choice `index` before the engine did, for `reason` (a stop string: "stop", a
+        single tool call: "tool_calls"): stop generating it; the request's other choices go on (with one
+        choice, `close` stops the request). The request's log line gives `reason`, not the engine's "abort"."""
+        self._ended[index] = reason
         if self.n > 1 and not self.finished:
             self.state.engine.abort(self.request_id, index)
 
@@ -274,7 +277,7 @@ async def whole_reply(request: Request, gen: ServerRequest, outs: list, build: C
                 continue
             out.feed(ev)
             if out.done and not ev.finished:
-                gen.end_choice(ev.index)
+                gen.end_choice(ev.index, out.finish_reason)
         return build()
 
     try:

@@ -95,7 +95,7 @@ async def _chat_stream(gen: ServerRequest, outs: list[ChatOutput], request_id: s
             if out.done:
                 yield sse(chunk(ev.index, P.ChatDelta(), out.finish_reason, out.take_logprobs()))
                 if not ev.finished:
-                    gen.end_choice(ev.index)
+                    gen.end_choice(ev.index, out.finish_reason)
         gen.close(outs[0].finish_reason)
         if include_usage:
             final = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=[],
