@@ -493,6 +493,18 @@ def test_stop_limits_are_400_naming_stop_before_any_work(fake):
         assert r.status_code == 200, r.text
 
 
+def test_completions_default_to_16_tokens(fake):
+    """/v1/completions without max_tokens generates 16 tokens, OpenAI's and vLLM's default for it (chat's
+    default is the rest of the context); an explicit null means the rest of the context, as in vLLM."""
+    engine, base, _ = fake
+    r = client_for(base).completions.create(model="scripted", prompt="LONG")
+    assert engine.params[r.id].max_tokens == 16
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length")
+    r = httpx.post(base + "/v1/completions", json={"model": "scripted", "prompt": "PLAIN", "max_tokens": None},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert engine.params[r.json()["id"]].max_tokens is None
+
+
 def test_include_usage_chunk(fake):
     _, base, _ = fake
     lines = sse_lines(base, "/v1/chat/completions", {"model": "scripted", "messages": user("PLAIN"), "stream": True,

@@ -404,6 +404,9 @@ def _check_prompt(v):
 
 class CompletionRequest(SamplingRequest):
     prompt: Annotated[Any, AfterValidator(_check_prompt)]
+    # OpenAI's and vLLM's default for this endpoint; an explicit null generates until the context is full
+    # (as in vLLM). Chat has no default: it generates until the context is full.
+    max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
