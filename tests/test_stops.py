@@ -107,18 +107,19 @@ def _lines_run(fn) -> int:
             count += 1
         return trace
 
+    previous = sys.gettrace()
     sys.settrace(trace)
     try:
         fn()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return count
 
 
 def test_work_per_character_does_not_grow_with_the_number_of_stop_strings():
     """The same 4,000 characters, fed one token-sized piece at a time, through a matcher with one stop
     string and through one with the most and longest stop strings allowed, made to keep matching
-    partially: the operations executed in the matcher differ by less than 2x (the plain search: ~10,000x)."""
+    partially: the operations executed in the matcher differ by less than 2x (1.3x; the plain search: 1,900x)."""
     text = ("a" * 300 + "b") * 13 + "a" * 87                       # 4,000 characters
     pieces = [text[i:i + 4] for i in range(0, len(text), 4)]
     one = ["zz"]
