@@ -127,7 +127,7 @@ class ServerRequest:
                 self._last_token = self._last_of[item.index] = now
             if item.finished:
                 self._open -= 1
-                if not self._open:     # the engine's "abort" of a choice the server ended says "abort"
+                if not self._open:     # a choice the server ended: its reason, not the engine's "abort"
                     self._end(now, self._ended.get(item.index, item.finish_reason))
         else:
             self._end(time.perf_counter(), "error")
