@@ -162,6 +162,8 @@ MALFORMED = [
     # (what is wrong, the raw request, the status h11 suggests)
     ("not a request line", b"GARBAGE\r\n\r\n", 400),
     ("a header line without a colon", b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n", 400),
+    ("a 5000-byte header line without a colon", b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"x" * 5000 + b"\r\n\r\n",
+     400),
     ("no Host header in HTTP/1.1", b"GET /health HTTP/1.1\r\n\r\n", 400),
     ("a space before the colon", b"GET /health HTTP/1.1\r\nHost : x\r\n\r\n", 400),
     ("a bad Content-Length", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", 400),
@@ -182,6 +184,7 @@ def test_malformed_http_gets_an_openai_error_object(what, data, status):
         err = payload["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert err["code"] == "invalid_http_request" and err["message"].startswith("Invalid HTTP request: "), err
+        assert len(err["message"]) < 300                            # h11 quotes the bad line: not all of it
         assert httpx.get(base + "/health").status_code == 200
 
 
@@ -278,3 +281,15 @@ def test_serve_options_for_the_guards():
     assert (args.write_timeout, args.shutdown_timeout, args.metrics_api_key) == (30.0, 2.0, None)
     args = parser.parse_args(["m", "--write-timeout", "5", "--shutdown-timeout", "0.5", "--metrics-api-key", "mk"])
     assert (args.write_timeout, args.shutdown_timeout, args.metrics_api_key) == (5.0, 0.5, "mk")
+
+
+def test_a_token_id_prompt_is_echoed_as_its_text():
+    """/v1/completions with a token-id prompt and `echo` (the prompt decoded in the thread pool)."""
+    engine = ScriptedEngine()
+    app = create_app(ServerConfig(served_model_name="m"), engine)
+    ids = engine.tokenizer.encode("Say PLAIN please", add_bos=True)
+    with InProcessServer(app) as base:
+        plain = httpx.post(base + "/v1/completions", json={"prompt": ids, "max_tokens": 50}).json()
+        echoed = httpx.post(base + "/v1/completions", json={"prompt": ids, "max_tokens": 50, "echo": True}).json()
+    assert plain["choices"][0]["text"]
+    assert echoed["choices"][0]["text"] == engine.tokenizer.decode(ids) + plain["choices"][0]["text"]

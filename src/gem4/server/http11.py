@@ -151,8 +151,9 @@ class GuardedH11Protocol(H11Protocol):
         """uvicorn's answer to a request h11 cannot parse (RemoteProtocolError), as an error object."""
         e = self.conn.error
         status = e.error_status_hint if e is not None and e.error_status_hint in STATUS_PHRASES else 400
-        reason = f": {e}" if e is not None and str(e) else ""
-        self._refuse(APIError(status, f"Invalid HTTP request{reason}.", code="invalid_http_request"),
+        said = "" if e is None else str(e)           # h11 may quote the bad line: at most 200 characters of it
+        reason = f": {said[:200]}..." if len(said) > 200 else f": {said}." if said else "."
+        self._refuse(APIError(status, f"Invalid HTTP request{reason}", code="invalid_http_request"),
                      f"invalid HTTP{reason}")
 
     def on_response_complete(self) -> None:
