@@ -94,11 +94,11 @@ async def detokenize(request: Request):
     tok = engine.tokenizer
 
     def reply() -> dict[str, Any]:
-        n = tok.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < n), None)
-        if bad is not None:
+        n, ids = tok.vocab_size, req.tokens
+        if ids and not (min(ids) >= 0 and max(ids) < n):             # min and max loop in C: 1/10 the time
+            bad = next(t for t in ids if not 0 <= t < n)
             raise bad_request(f"token id {bad} is outside the vocabulary [0, {n})", "tokens")
-        return {"prompt": tok.decode(req.tokens)}
+        return {"prompt": tok.decode(ids)}
 
     return await _json_off_loop(reply)
 
