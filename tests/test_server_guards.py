@@ -101,7 +101,7 @@ def test_clients_that_do_not_read_are_cut_after_the_write_timeout(tiny_dir, tmp_
         try:
             wait_for(lambda: health(url) == 503, timeout=10)
             wait_for(lambda: log.read_text().count("finish length") == 2, timeout=120)
-            wait_for(lambda: log.read_text().count("write timeout") == 4, timeout=30)
+            wait_for(lambda: log.read_text().count("write timeout") == 4, timeout=60)
             assert health(url) == 200
         finally:
             for s in socks:
@@ -132,8 +132,8 @@ def test_sigterm_with_clients_that_do_not_read_exits_within_the_shutdown_timeout
         whole = non_reading(url, "/v1/chat/completions", {"messages": user("Go on"), "max_tokens": 1000, "n": 4,
                                                            "ignore_eos": True, **TOP_LOGPROBS})
         try:
-            wait_for(lambda: "finish length" in log.read_text(), timeout=120)     # the whole reply, ~4 MB
-            time.sleep(0.5)                                                      # ... written
+            wait_for(lambda: "finish length" in log.read_text(), timeout=120)     # the whole reply, ~4 MB ...
+            assert health(url) == 200              # ... built and written (the loop that builds it answers this)
             start = time.perf_counter()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 0, log.read_text()
@@ -142,7 +142,7 @@ def test_sigterm_with_clients_that_do_not_read_exits_within_the_shutdown_timeout
             stream.close()
             whole.close()
     text = log.read_text()
-    assert SHUTDOWN_TIMEOUT <= elapsed < SHUTDOWN_TIMEOUT + 4, (elapsed, text)
+    assert SHUTDOWN_TIMEOUT <= elapsed < SHUTDOWN_TIMEOUT + 8, (elapsed, text)     # + the engine's and Python's end
     assert "stopped 1 running request" in text
     assert re.search(rf"aborted [12] connections? that did not close within {SHUTDOWN_TIMEOUT:g} s", text), text
     assert "Traceback" not in text
