@@ -1,5 +1,9 @@
-"""The FastAPI app: the routers of routes/, OpenAI error objects for every failure, CORS, the API key,
-and the periodic throughput line."""
+"""The FastAPI app: the routers of routes/, OpenAI error objects for every failure, CORS, the API keys,
+and the periodic throughput line.
+
+Who may call what: /health and /version are open; /metrics is open too (as in vLLM: a Prometheus
+scraper carries no key) unless `metrics_api_key` is set, then it takes that key; everything else
+takes `api_key` when there is one."""
 from __future__ import annotations
 
 import asyncio
@@ -44,6 +48,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
     for error, handler in _ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
     app.include_router(info.public)
+    app.include_router(info.metrics_router, dependencies=[Depends(require_metrics_key)])
     # the key is checked as a dependency of each route, so before its handler reads the body
     for routes in (info.router, chat.router, completions.router):
         app.include_router(routes, dependencies=[Depends(require_key)])
@@ -52,7 +57,15 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
 
 async def require_key(request: Request) -> None:
     """`Authorization: Bearer KEY` when the server has an API key; 401 otherwise."""
-    key = request.app.state.gem4.config.api_key
+    _check_bearer(request, request.app.state.gem4.config.api_key)
+
+
+async def require_metrics_key(request: Request) -> None:
+    """/metrics: `Authorization: Bearer KEY` when the server has a metrics key (--metrics-api-key)."""
+    _check_bearer(request, request.app.state.gem4.config.metrics_api_key)
+
+
+def _check_bearer(request: Request, key: str | None) -> None:
     if key is None:
         return
     header = request.headers.get("authorization", "")

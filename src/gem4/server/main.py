@@ -51,7 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=port, default=8000, help="port (0: pick a free one)")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not for /health, "
+                                                   "/version and /metrics)")
+    p.add_argument("--metrics-api-key", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` for /metrics (default: /metrics is open, as in vLLM)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model ids clients may use; the first is the one reported (default: MODEL's file "
                         "stem and file name, or its directory name)")
@@ -104,6 +107,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a new connection: from its opening); then 408 and close")
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request body may go without a byte arriving; then 408 and close")
+    p.add_argument("--write-timeout", type=positive_float, default=30.0,
+                   help="seconds a response may wait without any of it being sent (the client does not read); "
+                        "then the connection is aborted and its request stopped")
+    p.add_argument("--shutdown-timeout", type=positive_float, default=2.0,
+                   help="on SIGTERM or Ctrl-C, seconds to wait for connections to close after every open "
+                        "request has been ended; then the rest are aborted and the process exits")
     p.add_argument("--max-connections", type=int_at_least(1), default=None,
                    help="open connections beyond which a new one gets 503 and is closed (default: --max-num-seqs "
                         "+ --max-waiting + 128: every request the engine may hold, plus idle keep-alive "
@@ -246,6 +255,7 @@ def serve(args: argparse.Namespace) -> int:
         path = str(ensure_demo(_log))
     names = model_ids(args, path)
     config = ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key,
+                          metrics_api_key=args.metrics_api_key,
                           default_chat_template_kwargs=args.default_chat_template_kwargs,
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                           heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
@@ -255,9 +265,10 @@ def serve(args: argparse.Namespace) -> int:
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = create_app(config)
     http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
-                            max_connections=max_connections(args))
+                            write_timeout=args.write_timeout, max_connections=max_connections(args))
     server = _uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
-                                            timeout_graceful_shutdown=2, http=http), app.state.gem4)
+                                            timeout_graceful_shutdown=args.shutdown_timeout, http=http),
+                             app.state.gem4)
     logging.getLogger("uvicorn.error").addFilter(_NoEarlyReadiness())
     _log(f"gem4: loading {path} ...")
     failure: list[BaseException] = []
@@ -295,8 +306,11 @@ def serve(args: argparse.Namespace) -> int:
 def _uvicorn_server(config, state):
     """uvicorn's Server, with gem4's shutdown: on SIGTERM or Ctrl-C every open request ends at once (a stream
     with an error event, then [DONE]; its engine request aborted) instead of uvicorn waiting for it and
-    then cutting it, and the process exits 0 (130 after Ctrl-C) rather than dying of the signal again.
-    `.signal` is the signal that stopped it."""
+    then cutting it; uvicorn then waits up to `config.timeout_graceful_shutdown` (--shutdown-timeout) for
+    the connections to close, cancels what still runs, and the connections still open (a client that
+    does not read, whose last bytes cannot be flushed) are aborted rather than left to the process's end.
+    The process exits 0 (130 after Ctrl-C) rather than dying of the signal again. `.signal` is the
+    signal that stopped it."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -324,6 +338,14 @@ def _uvicorn_server(config, state):
             stopped = state.shut_down()
             if stopped:
                 _log(f"gem4: stopped {stopped} running request{'s' if stopped != 1 else ''}")
-            await super().shutdown(sockets)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                left = list(self.server_state.connections)
+                for connection in left:
+                    connection.transport.abort()
+                if left:
+                    _log(f"gem4: aborted {len(left)} connection{'s' if len(left) != 1 else ''} that did not "
+                         f"close within {config.timeout_graceful_shutdown:g} s (--shutdown-timeout)")
 
     return Server(config)

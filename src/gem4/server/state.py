@@ -35,6 +35,7 @@ class ServerConfig:
     model_path: str | None = None              # also accepted as the request's `model`
     model_aliases: tuple[str, ...] = ()        # more ids a request's `model` may name (vLLM's extra names)
     api_key: str | None = None
+    metrics_api_key: str | None = None         # /metrics is open without it (as in vLLM), takes it with it
     default_chat_template_kwargs: dict = field(default_factory=dict)
     max_num_seqs: int = 1                       # the engine's; splits in-flight requests into running/waiting
     max_waiting: int = 64                       # more waiting requests than this -> 503 + Retry-After

@@ -1,6 +1,7 @@
 """POST /v1/completions: a text or token-id prompt -> the engine -> `CompletionOutput`."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,7 +36,7 @@ async def completions(request: Request):
         bad = next((t for t in prompt_ids if not 0 <= t < vocab_size(engine)), None)
         if bad is not None:
             raise bad_request(f"prompt token id {bad} is outside the vocabulary", "prompt")
-        prompt_text = tok.decode(prompt_ids) if req.echo else ""
+        prompt_text = await asyncio.to_thread(tok.decode, prompt_ids) if req.echo else ""
     n_top = req.logprobs or 0
     params = sampling_params(req, vocab_size(engine), max_tokens=req.max_tokens, stop=req.stop_list(),
                              logprobs=req.logprobs is not None, top_logprobs=n_top)
