@@ -50,12 +50,11 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from gem4.chat import (ChatTemplateError, RenderAborted, RenderBudget, encode_prompt, is_gemma4_template,
-                       min_prompt_tokens)
+from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudget, encode_prompt,
+                       is_gemma4_template, min_prompt_tokens)
 from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
 from gem4.server.protocol import APIError, bad_request
-from gem4.server.request import _until_disconnect
 from gem4.server.state import DEFAULT_RENDER_SECONDS, EngineLike, ServerState
 
 # names encode_prompt / the renderers take themselves: never template variables from a request
@@ -184,7 +183,10 @@ async def text_prompt(tokenizer, text: str, *, add_special_tokens: bool = True) 
     return await asyncio.to_thread(tokenizer.encode, text, add_bos=add_bos, parse_special=True)
 
 
-RENDER_THREADS = 8      # chat renders at once (they share the GIL; each budget counts its own CPU time)
+# Chat renders at once. The pool makes threads as it needs them, and a long render spends most of its time
+# waiting for its turn in the long-render lane (gem4.chat.RenderBudget), using no CPU: so there are many,
+# and a short render does not wait for a thread behind long ones.
+RENDER_THREADS = 64
 _render_pool: ThreadPoolExecutor | None = None
 
 
@@ -206,8 +208,9 @@ def check_turns(messages, template: str | None, max_model_len: int, room: int = 
     if least > max_model_len - room:
         raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your messages "
                           f"({len(messages)} messages) would render to at least {least} tokens (each user, system "
-                          f"or developer turn takes at least 5 tokens, each assistant turn 2, each tool message is "
-                          f"counted as 1). Please reduce the number of messages.", "messages",
+                          f"or developer turn takes at least {TURN_TOKENS['user']} tokens, each assistant turn "
+                          f"{TURN_TOKENS['assistant']}, each tool message is counted as {TURN_TOKENS['tool']}). "
+                          f"Please reduce the number of messages.", "messages",
                           code="context_length_exceeded")
 
 
@@ -228,19 +231,24 @@ async def chat_prompt(engine: EngineLike, messages, tools: list[dict] | None, *,
                             add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
                             kwargs=kwargs, budget=budget)
     rendering = asyncio.get_running_loop().run_in_executor(render_pool(), job)
-    if request is None:
-        return await rendering
-    watch = asyncio.ensure_future(_until_disconnect(request))
+    watch = None if request is None else asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({rendering, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({rendering} if watch is None else {rendering, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not rendering.done():        # the client left (or the handler was cancelled): stop the render
             budget.cancel()
-        watch.cancel()
+        if watch is not None:
+            watch.cancel()
     if not rendering.done():
         rendering.add_done_callback(_discard)   # its RenderAborted, when the thread reaches a checkpoint
         raise bad_request("The client closed the connection while the chat template was rendering.", "messages")
     return rendering.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read by now: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _discard(future: asyncio.Future) -> None:
