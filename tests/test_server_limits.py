@@ -76,8 +76,10 @@ NORMAL = {"model": "demo", "messages": [{"role": "user", "content": "Tell me a s
 
 def test_thousands_of_messages_get_their_400_at_once_and_a_neighbour_is_not_delayed(server):
     """The issue's attack: 4,000 one-character messages. The turns bound refuses them (20,001 tokens at
-    least) within 1 s, and a normal chat sent at the same moment takes at most 20 % longer than alone
-    (medians of interleaved rounds)."""
+    least) within 1 s, and a normal chat sent at the same moment takes at most 20 % longer than alone:
+    medians over rounds in ABBA order (alone, beside, beside, alone, ...), so that the load of a busy
+    machine drifting during the test weighs on both sides; a measurement spoilt by a burst of load
+    elsewhere is taken again, up to three times (a real delay fails every one)."""
     base, _ = server
     assert len(MANY) > 130_000
     status, body, took = raw_post(base, MANY)
@@ -86,23 +88,32 @@ def test_thousands_of_messages_get_their_400_at_once_and_a_neighbour_is_not_dela
     assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
     assert "4000 messages" in err["message"] and "at least 20001 tokens" in err["message"]
 
+    attacks = []
     with httpx.Client(timeout=60) as client:
-        def normal() -> float:
-            start = time.perf_counter()
-            r = client.post(base + "/v1/chat/completions", json=NORMAL)
-            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 96, r.text
-            return time.perf_counter() - start
-
-        normal()                                        # warm-up
-        alone, beside, attacks = [], [], []
-        for _ in range(7):
-            alone.append(normal())
+        def normal(with_attack: bool) -> float:
             attack = threading.Thread(target=lambda: attacks.append(raw_post(base, MANY)))
-            attack.start()
-            beside.append(normal())
-            attack.join()
-    assert [a[0] for a in attacks] == [400] * 7 and max(a[2] for a in attacks) < 1.0, attacks
-    assert statistics.median(beside) <= 1.2 * statistics.median(alone), (alone, beside)
+            start = time.perf_counter()
+            if with_attack:
+                attack.start()
+            r = client.post(base + "/v1/chat/completions", json=NORMAL)
+            took = time.perf_counter() - start
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 96, r.text
+            if with_attack:
+                attack.join()
+            return took
+
+        normal(False)                                   # warm-up
+        tries = []
+        for _ in range(3):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for beside in [False, True, True, False] * 4:
+                times[beside].append(normal(beside))
+            alone, beside = statistics.median(times[False]), statistics.median(times[True])
+            tries.append((round(alone, 3), round(beside, 3)))
+            if beside <= 1.2 * alone:
+                break
+    assert {a[0] for a in attacks} == {400} and max(a[2] for a in attacks) < 1.0, attacks
+    assert tries[-1][1] <= 1.2 * tries[-1][0], f"(alone, beside) medians per try: {tries}"
 
 
 def test_six_such_requests_at_once_are_all_answered_within_a_second(server):
