@@ -8,9 +8,14 @@ support) the llama.cpp-style rewrite `chat.convert_tool_messages`, which has its
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import random
+import statistics
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -418,8 +423,6 @@ def random_conversation(rng, n: int) -> list[dict]:
 def test_turn_tokens_are_lower_bounds(template_name):
     """min_prompt_tokens never exceeds what a conversation really renders to (the real tokenizer), for
     every template and mix of the cheapest messages, with or without a generation prompt."""
-    import random
-
     tok, template = real_tokenizer(), templates()[template_name]
     rng = random.Random(7)
     for n in [1, 2, 3, 5, 8, 13, 40] * 4:
@@ -454,18 +457,18 @@ def test_a_budget_does_not_change_the_render(name, messages, tools, agp, templat
 
 
 def test_budget_checks_cost_little():
-    """The checkpoints, measured on an ordinary agent conversation (tools, calls, 100 messages): a render
-    with a budget takes at most 25 % longer than one without (measured: 1-10 %). Best of interleaved runs."""
-    import time
+    """The checkpoints, measured on an ordinary agent conversation (tools, calls, ~80 messages): a render
+    with a budget takes at most 25 % more CPU than one without (measured: 4-10 %). Best of interleaved
+    runs, in the thread's CPU time (a long render gives the CPU away between its slices)."""
 
     conv = [m for _, messages, _, _ in CONVERSATIONS[6:12] for m in messages] * 3
     tools = [WEATHER, SEARCH, NOW, LOOKUP]
     best = {"plain": float("inf"), "budget": float("inf")}
     for _ in range(15):
         for kind in best:
-            start = time.perf_counter()
+            start = time.thread_time()
             render(conv, tools, template=None, budget=chat.RenderBudget(60) if kind == "budget" else None)
-            best[kind] = min(best[kind], time.perf_counter() - start)
+            best[kind] = min(best[kind], time.thread_time() - start)
     assert best["budget"] <= 1.25 * best["plain"], best
 
 
@@ -473,7 +476,6 @@ QUADRATIC = [{"role": "user", "content": "a"}] + [{"role": "assistant", "content
 
 
 def test_a_render_past_its_budget_stops():
-    import time
 
     start = time.perf_counter()
     with pytest.raises(chat.RenderAborted) as e:
@@ -486,8 +488,6 @@ def test_cancelled_renders_stop_and_long_renders_take_turns():
     """cancel() from another thread stops a render promptly, whether it is rendering or waiting for its turn
     in the long-render lane; the lane is free again afterwards; a budget cancelled before its render starts
     stops it before any template work. Three long renders run at once and each gets turns."""
-    import threading
-    import time
 
     budgets = [chat.RenderBudget(None) for _ in range(3)]
     errors = []
@@ -515,3 +515,39 @@ def test_cancelled_renders_stop_and_long_renders_take_turns():
     assert not chat._LANE.locked()
     with pytest.raises(chat.RenderAborted, match="cancelled"):
         render([{"role": "user", "content": "x"}], template=None, budget=budgets[0])
+
+
+def test_long_renders_leave_the_gil_to_others():
+    """Beside two long renders, a thread that sleeps and wakes as the event loop does (0.5 ms asleep, a
+    little Python awake) runs at most 5x slower than alone (measured: 1.3-2.2x; without the lane and the
+    turns, 10-23x). Medians of rounds, alone and beside interleaved."""
+
+    def probe() -> float:
+        start = time.perf_counter()
+        for _ in range(200):
+            time.sleep(0.0005)
+            sum(range(300))
+        return time.perf_counter() - start
+
+    def long_render(budget):
+        with contextlib.suppress(chat.RenderAborted):
+            render(QUADRATIC, template=None, budget=budget)
+
+    def beside() -> float:
+        budgets = [chat.RenderBudget(30) for _ in range(2)]
+        threads = [threading.Thread(target=long_render, args=(b,)) for b in budgets]
+        for t in threads:
+            t.start()
+        time.sleep(0.1)                                 # both are long by now
+        took = probe()
+        for b in budgets:
+            b.cancel()
+        for t in threads:
+            t.join()
+        return took
+
+    alone, with_renders = [], []
+    for _ in range(3):
+        alone.append(probe())
+        with_renders.append(beside())
+    assert statistics.median(with_renders) <= 5 * statistics.median(alone), (alone, with_renders)
