@@ -18,20 +18,31 @@ import pytest
 
 from gem4 import Engine, load
 from gem4.demo import DEMO_VERSION, ensure_demo
+from gem4.paths import cache_root
 from gem4.server import ServerConfig, create_app
 from gem4.tokenizer import Tokenizer
-from server_helpers import HOST, InProcessServer, assert_openai_error, raw_response
+from server_helpers import HOST, InProcessServer, assert_openai_error, gem4_serve, raw_response
 
 DEMO_CONTEXT = 8192
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def cache(tmp_path_factory) -> Path:
+    """A private GEM4_CACHE with the demo checkpoint built in it, and this session's compiled kernels
+    linked in (`gem4 serve` would otherwise build them again: minutes)."""
     cache = tmp_path_factory.mktemp("gem4-cache")
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (cache / "kernels").symlink_to(kernels, target_is_directory=True)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GEM4_CACHE", str(cache))
-        demo = ensure_demo()
-    assert demo == Path(cache) / f"demo-{DEMO_VERSION}"
+        assert ensure_demo() == cache / f"demo-{DEMO_VERSION}"
+    return cache
+
+
+@pytest.fixture(scope="module")
+def engine(cache):
+    demo = cache / f"demo-{DEMO_VERSION}"
     with Engine(load(demo), Tokenizer.from_file(demo), max_num_seqs=4) as e:
         assert e.max_model_len == DEMO_CONTEXT
         assert e.tokenizer.chat_template is None or "<|turn>" in e.tokenizer.chat_template
@@ -47,7 +58,7 @@ def server(engine):
 
 
 def chat_bytes(messages: list[dict], **extra) -> bytes:
-    return json.dumps({"model": "demo", "messages": messages, **extra}).encode()
+    return json.dumps({"messages": messages, **extra}).encode()
 
 
 def raw_post(base: str, body: bytes, path: str = "/v1/chat/completions") -> tuple[int, dict, float]:
@@ -147,6 +158,17 @@ def test_a_render_past_the_budget_gets_its_400(engine):
         assert took < 5.0                               # 0.5 s of CPU, on a busy machine
         r = httpx.post(base + "/v1/chat/completions", json={**NORMAL, "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
+
+
+def test_serve_takes_the_render_budget_option(cache, tmp_path):
+    """`gem4 serve --demo --max-render-seconds 0.3`: the option reaches the server."""
+    with gem4_serve(["--demo", "--max-render-seconds", "0.3"], tmp_path / "serve.log",
+                    env={"GEM4_CACHE": str(cache)}) as base:
+        status, body, _ = raw_post(base, chat_bytes(QUADRATIC))
+        assert status == 400 and body["error"]["code"] == "render_time_exceeded", body
+        assert "(0.3 s, --max-render-seconds)" in body["error"]["message"]
+        status, body, _ = raw_post(base, MANY)
+        assert status == 400 and body["error"]["code"] == "context_length_exceeded", body
 
 
 def render_cpu() -> float:
