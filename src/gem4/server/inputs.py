@@ -27,9 +27,10 @@ Bounded work before admission (each limit refuses before the work it bounds):
   call (`gem4.chat`), so the render stops where it is: no thread keeps working for a client that left.
 - **Where**: chat prompts render and tokenize in their own pool of `RENDER_THREADS` threads, never on
   the event loop and never in the default pool, so renders cannot hold up text tokenization (the
-  default pool); a long render gives the GIL away every millisecond (`RenderBudget`), so the event
-  loop and the engine thread keep running beside it. Text prompts tokenize in the default pool
-  (`Tokenizer.encode` releases the GIL; the character bound caps its work).
+  default pool). Long renders (past 20 ms of CPU) take turns in one lane, 0.2 ms of CPU at a time
+  (`gem4.chat.RenderBudget`): however many there are, the event loop, the engine thread and ordinary
+  chats compete with one of them, and get the GIL within a fraction of a millisecond. Text prompts
+  tokenize in the default pool (`Tokenizer.encode` releases the GIL; the character bound caps its work).
 
 Why a budget checked inside the template rather than a process pool: a process can be killed at
 any point and does not hold this process's GIL, but each render would pickle its messages across,

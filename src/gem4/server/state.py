@@ -13,7 +13,7 @@ from gem4.sampling import SamplingParams
 from gem4.server.metrics import Metrics
 from gem4.server.protocol import APIError
 
-DEFAULT_RENDER_SECONDS = 10.0              # --max-render-seconds: how long one chat template render may take
+DEFAULT_RENDER_SECONDS = 10.0              # --max-render-seconds: CPU seconds one chat template render may take
 
 
 class EngineLike(Protocol):
@@ -43,7 +43,7 @@ class ServerConfig:
     heartbeat_s: float = 10.0                   # SSE `: ping` after this long without output
     log_interval_s: float = 10.0                # a throughput line (logger gem4.server, info) this often
     max_request_body: int | None = None         # bytes; None: default_body_limit(max_model_len) (inputs.py)
-    max_render_s: float = DEFAULT_RENDER_SECONDS  # a chat template render stops (400) after this long (inputs.py)
+    max_render_s: float = DEFAULT_RENDER_SECONDS  # CPU s after which a chat template render stops, 400 (inputs.py)
     # CORS (vLLM's flags and defaults: any origin, method and header; no credentials)
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
