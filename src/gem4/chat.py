@@ -38,8 +38,12 @@ Nothing here imports torch.
 """
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
+import math
+import threading
+import time
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -48,6 +52,10 @@ from typing import Any, Sequence
 
 __all__ = [
     "ChatTemplateError",
+    "RenderAborted",
+    "RenderBudget",
+    "TURN_TOKENS",
+    "min_prompt_tokens",
     "render",
     "render_jinja",
     "check_template",
@@ -82,6 +90,116 @@ class ChatTemplateError(ValueError):
     """The messages cannot be rendered (raised by a template's `raise_exception`, or by bad input)."""
 
 
+class RenderAborted(ChatTemplateError):
+    """A render stopped at a checkpoint: its `RenderBudget` ran out (`reason` "budget") or was cancelled
+    (`reason` "cancelled": the client went away); `seconds`: the CPU time it had taken."""
+
+    def __init__(self, reason: str, seconds: float):
+        super().__init__(f"rendering {'ran past its budget' if reason == 'budget' else 'was cancelled'} "
+                         f"after {seconds:.2f} s")
+        self.reason = reason
+        self.seconds = seconds
+
+
+class RenderBudget:
+    """How much CPU time one render may take, and a flag another thread sets to stop it (`cancel()`).
+
+    A template cannot be interrupted from outside its thread, so it is stopped from inside: the
+    sandbox routes every attribute access, item access and call of the template through its
+    `getattr` / `getitem` / `call` methods, and gem4's environment checks the budget of the render
+    in progress there (`check`), raising `RenderAborted`. Every loop of the Gemma 4 templates reads
+    a message or a namespace attribute in its body, so a render stops within tens of microseconds of
+    its deadline or its cancellation. (A loop that touches no attribute, item or call is not checked
+    inside; the sandbox caps each `range()` at 100,000 items.)
+
+    The budget counts the rendering thread's CPU time (`time.thread_time`), not the wall clock, so that a
+    render does not run out of time while others hold the GIL. Long renders take turns: once a render
+    has used `LONG` s of CPU it renders only while it holds the one long-render lane (`_LANE`), a slice of
+    `SLICE` s at a time, giving the lane and the GIL away between slices (a render waiting for the
+    lane uses no CPU, and sees a cancellation within `WAIT` s). However many long renders run, the
+    event loop, the engine thread and every short render (an ordinary chat renders in a few
+    milliseconds) compete with one of them at a time, and wait for the GIL a fraction of a millisecond
+    rather than a whole switch interval (5 ms) each time they need it. Measured: a thread that sleeps
+    0.5 ms and computes 50 us, 200 times, ran 1.2-1.4x slower beside one long render, 1.3-2.2x beside
+    two and 1.8-3x beside six; without the lane and the turns, 10x, 10-23x and 75x. The turns cost a
+    long render about 9 % more CPU.
+    """
+
+    EVERY = 32              # checkpoints between clock reads: tens of microseconds of template work
+    LONG = 0.02             # s of CPU after which a render is long: it renders in the lane
+    SLICE = 0.0002          # s of CPU a long render does per turn in the lane
+    WAIT = 0.25             # s between two looks at `cancelled` while waiting for the lane
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.cancelled = False
+        self._in_lane = False
+        self.begin()
+
+    def begin(self) -> None:
+        """Start counting (in the thread that renders: the CPU time counted is that thread's)."""
+        self.start = time.thread_time()
+        self.deadline = math.inf if self.seconds is None else self.start + self.seconds
+        self._turn_at = self.start + self.LONG
+        self._ticks = 0
+
+    def cancel(self) -> None:
+        """Stop the render at its next checkpoint (safe from any thread)."""
+        self.cancelled = True
+
+    def check(self) -> None:
+        self._ticks -= 1
+        if self._ticks > 0:
+            return
+        self._ticks = self.EVERY
+        now = time.thread_time()
+        if self.cancelled:
+            raise RenderAborted("cancelled", now - self.start)
+        if now > self.deadline:
+            raise RenderAborted("budget", now - self.start)
+        if now >= self._turn_at:
+            self._next_turn()
+            self._turn_at = time.thread_time() + self.SLICE
+
+    def _next_turn(self) -> None:
+        """Give the lane (if held) and the GIL away, then wait for the lane (still cancellable)."""
+        if self._in_lane:
+            self._in_lane = False
+            _LANE.release()
+        time.sleep(0)
+        while not _LANE.acquire(timeout=self.WAIT):
+            if self.cancelled:
+                raise RenderAborted("cancelled", time.thread_time() - self.start)
+        self._in_lane = True
+
+    def end(self) -> None:
+        """The render is over (finished or stopped): give the lane back if it holds it."""
+        if self._in_lane:
+            self._in_lane = False
+            _LANE.release()
+
+
+_LANE = threading.Lock()    # held by the one long render that may run now (RenderBudget)
+
+# The budget of the render running in this thread (None: unbounded), read at every checkpoint.
+_BUDGET: contextvars.ContextVar[RenderBudget | None] = contextvars.ContextVar("gem4_render_budget", default=None)
+
+
+# The fewest tokens one message renders to under the Gemma 4 templates (A, B and C, docs/gemma4.md §7.1),
+# measured with the real tokenizer and empty content (tests/test_chat.py checks every shape): a user,
+# system or developer turn is `<|turn>ROLE\n` + text + `<turn|>\n` (5 tokens); an assistant turn that
+# continues an assistant turn is `<turn|>\n` alone under template C (2). A tool message renders as a
+# tool response of 10 or more tokens after the call it answers, and template C drops one that answers
+# no call: it is charged 1, so that no conversation is free to walk over.
+TURN_TOKENS = {"user": 5, "system": 5, "developer": 5, "assistant": 2, "tool": 1}
+
+
+def min_prompt_tokens(roles: Sequence[str]) -> int:
+    """A lower bound on the tokens a conversation with these message roles renders to under a Gemma 4
+    template, whatever the messages say (`TURN_TOKENS`, plus `<bos>`): known before rendering."""
+    return 1 + sum(TURN_TOKENS.get(r, 1) for r in roles)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public entry points
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +212,7 @@ def render(
     add_generation_prompt: bool = True,
     enable_thinking: bool = False,
     template: str | None = None,
+    budget: RenderBudget | None = None,
     **kwargs: Any,
 ) -> str:
     """Render a conversation to the prompt text (it starts with `<bos>`; tokenize it with
@@ -101,6 +220,7 @@ def render(
 
     template: Jinja source (typically `tokenizer.chat_template`); None uses the official template C
     shipped in the package (`official_template()`).
+    budget: stops the render (`RenderAborted`) when it runs out or is cancelled; None: no limit.
     kwargs: extra template variables (e.g. `bos_token=...` to override the special token strings).
     """
     if template is None:
@@ -112,6 +232,7 @@ def render(
         tools,
         add_generation_prompt=add_generation_prompt,
         enable_thinking=enable_thinking,
+        budget=budget,
         **kwargs,
     )
 
@@ -124,6 +245,7 @@ def encode_prompt(
     add_generation_prompt: bool = True,
     enable_thinking: bool = False,
     template: str | None | bool = True,
+    budget: RenderBudget | None = None,
     **kwargs: Any,
 ) -> list[int]:
     """Render with the tokenizer's template and tokenize: the ids to prefill.
@@ -132,7 +254,7 @@ def encode_prompt(
     is Jinja source, None or False forces the official template C. The special token strings come from the
     tokenizer. If a generation prompt was asked for and the rendered text ends with `<turn|>\\n`
     (template C after a model turn that has tool responses and content), `<|turn>model\\n` is
-    appended, as llama.cpp does (docs/gemma4.md §7.3).
+    appended, as llama.cpp does (docs/gemma4.md §7.3). budget: see `render`.
     """
     if template is True:
         template = tokenizer.chat_template
@@ -145,6 +267,7 @@ def encode_prompt(
         add_generation_prompt=add_generation_prompt,
         enable_thinking=enable_thinking,
         template=template,
+        budget=budget,
         **specials,
     )
     if add_generation_prompt and text.endswith(TURN_END + "\n"):
@@ -364,7 +487,32 @@ def _compile(template: str):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} is not allowed")
 
-    env = ImmutableSandboxedEnvironment(
+    sandbox_getattr = ImmutableSandboxedEnvironment.getattr
+    sandbox_getitem = ImmutableSandboxedEnvironment.getitem
+    sandbox_call = ImmutableSandboxedEnvironment.call
+    get_budget = _BUDGET.get
+
+    class BudgetedEnvironment(ImmutableSandboxedEnvironment):
+        # every attribute access, item access and call of the template is a checkpoint (RenderBudget)
+        def getattr(self, obj, attribute):
+            budget = get_budget()
+            if budget is not None:
+                budget.check()
+            return sandbox_getattr(self, obj, attribute)
+
+        def getitem(self, obj, argument):
+            budget = get_budget()
+            if budget is not None:
+                budget.check()
+            return sandbox_getitem(self, obj, argument)
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's own signature
+            budget = get_budget()
+            if budget is not None:
+                budget.check()
+            return sandbox_call(__self, __context, __obj, *args, **kwargs)
+
+    env = BudgetedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
@@ -392,14 +540,20 @@ def render_jinja(
     *,
     add_generation_prompt: bool = True,
     enable_thinking: bool = False,
+    budget: RenderBudget | None = None,
     **kwargs: Any,
 ) -> str:
-    """Render already-prepared messages with a Jinja template, as transformers does."""
+    """Render already-prepared messages with a Jinja template, as transformers does (budget: see `render`)."""
     import jinja2
 
     variables = {**DEFAULT_SPECIAL_TOKENS, **_plain(kwargs)}
+    compiled = _compile(template)
+    token = _BUDGET.set(budget)
     try:
-        return _compile(template).render(
+        if budget is not None:
+            budget.begin()
+            budget.check()                  # cancelled before it started
+        return compiled.render(
             messages=[_alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in _plain(list(messages))],
             tools=_plain(list(tools)) if tools is not None else None,
             documents=None,
@@ -413,3 +567,7 @@ def render_jinja(
         raise ChatTemplateError(f"chat template error: {e}") from e
     except (TypeError, KeyError, AttributeError, IndexError) as e:
         raise ChatTemplateError(f"chat template failed on these messages: {e!r}") from e
+    finally:
+        _BUDGET.reset(token)
+        if budget is not None:
+            budget.end()

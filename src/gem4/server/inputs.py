@@ -14,22 +14,49 @@ Bounded work before admission (each limit refuses before the work it bounds):
   user/system/developer texts of a chat (before rendering), and the rendered chat prompt (before
   tokenizing, whatever the template did) that cannot fit max_model_len that way get the
   context-length 400 without being tokenized. The exact token check follows for the rest.
+- **Turns before rendering**: every message of a chat renders to a few tokens at least under the
+  Gemma 4 templates (`gem4.chat.TURN_TOKENS`: 5 for a user, system or developer turn, 2 for an
+  assistant turn, 1 charged for a tool message), so a conversation with more messages than the
+  context can hold gets the context-length 400 from its message roles alone. This matters because
+  the official template's cost grows with the square of the number of messages (each message looks
+  back over all the earlier ones): 4,000 messages took a minute to render.
+- **Render budget** (`ServerConfig.max_render_s`, `--max-render-seconds`, default 10 s of the render's
+  CPU time): what the turns bound lets through (4,000 empty assistant turns fit an 8K context and
+  take a minute) is stopped there, with a 400 naming `messages`, and as soon as the client
+  disconnects. The template checks its `RenderBudget` at every attribute access, item access and
+  call (`gem4.chat`), so the render stops where it is: no thread keeps working for a client that left.
+- **Where**: chat prompts render and tokenize in their own pool of `RENDER_THREADS` threads, never on
+  the event loop and never in the default pool, so renders cannot hold up text tokenization (the
+  default pool). Long renders (past 20 ms of CPU) take turns in one lane, 0.2 ms of CPU at a time
+  (`gem4.chat.RenderBudget`): however many there are, the event loop, the engine thread and ordinary
+  chats compete with one of them, and get the GIL within a fraction of a millisecond. Text prompts
+  tokenize in the default pool (`Tokenizer.encode` releases the GIL; the character bound caps its work).
+
+Why a budget checked inside the template rather than a process pool: a process can be killed at
+any point and does not hold this process's GIL, but each render would pickle its messages across,
+a killed worker must be respawned (a new interpreter, a fraction of a second of CPU, each time a
+client leaves mid-render: itself work a client could buy), and each worker would hold its own
+tokenizer. The checks add a few percent to a render (tests/test_chat.py bounds it) and stop it
+within tens of microseconds.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from gem4.chat import ChatTemplateError, encode_prompt
+from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudget, encode_prompt,
+                       is_gemma4_template, min_prompt_tokens)
 from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
 from gem4.server.protocol import APIError, bad_request
-from gem4.server.state import EngineLike, ServerState
+from gem4.server.state import DEFAULT_RENDER_SECONDS, EngineLike, ServerState
 
 # names encode_prompt / the renderers take themselves: never template variables from a request
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokenizer", "add_generation_prompt",
@@ -157,16 +184,77 @@ async def text_prompt(tokenizer, text: str, *, add_special_tokens: bool = True) 
     return await asyncio.to_thread(tokenizer.encode, text, add_bos=add_bos, parse_special=True)
 
 
+# Chat renders at once. The pool makes threads as it needs them, and a long render spends most of its time
+# waiting for its turn in the long-render lane (gem4.chat.RenderBudget), using no CPU: so there are many,
+# and a short render does not wait for a thread behind long ones.
+RENDER_THREADS = 64
+_render_pool: ThreadPoolExecutor | None = None
+
+
+def render_pool() -> ThreadPoolExecutor:
+    """The threads chat prompts render and tokenize in (made on first use, one per process)."""
+    global _render_pool
+    if _render_pool is None:
+        _render_pool = ThreadPoolExecutor(RENDER_THREADS, thread_name_prefix="gem4-render")
+    return _render_pool
+
+
+def check_turns(messages, template: str | None, max_model_len: int, room: int = 1) -> None:
+    """The turns bound: refuse a conversation whose messages render to more tokens than the context holds,
+    leaving `room`, counting each at its fewest (`gem4.chat.TURN_TOKENS`), before it is rendered. Only
+    for a Gemma 4 template (None is the official one); another template may render a message to nothing."""
+    if template is not None and not is_gemma4_template(template):
+        return
+    least = min_prompt_tokens([m.role for m in messages])
+    if least > max_model_len - room:
+        raise bad_request(f"This model's maximum context length is {max_model_len} tokens. However, your messages "
+                          f"({len(messages)} messages) would render to at least {least} tokens (each user, system "
+                          f"or developer turn takes at least {TURN_TOKENS['user']} tokens, each assistant turn "
+                          f"{TURN_TOKENS['assistant']}, each tool message is counted as {TURN_TOKENS['tool']}). "
+                          f"Please reduce the number of messages.", "messages",
+                          code="context_length_exceeded")
+
+
 async def chat_prompt(engine: EngineLike, messages, tools: list[dict] | None, *, add_generation_prompt: bool,
-                      enable_thinking: bool, kwargs: dict, room: int = 1) -> list[int]:
-    """A chat's prompt ids: the validated `messages` rendered with the template and tokenized in the thread
-    pool, the rendered text held to the early character bound (`check_chars`, leaving `room`) first."""
-    token_chars = getattr(engine.tokenizer, "max_token_chars", None)
-    bounded = _PromptTokenizer(engine.tokenizer, lambda n: check_chars(n, token_chars, engine.max_model_len,
-                                                                       "messages", room))
-    return await asyncio.to_thread(render_chat, bounded, [_message_dict(m) for m in messages], tools,
-                                   add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
-                                   kwargs=kwargs)
+                      enable_thinking: bool, kwargs: dict, room: int = 1, request: Request | None = None,
+                      max_render_s: float | None = DEFAULT_RENDER_SECONDS) -> list[int]:
+    """A chat's prompt ids: the validated `messages` held to the turns bound (`check_turns`), rendered with the
+    template within `max_render_s` seconds (None: no limit) and tokenized in the render pool, the rendered text
+    held to the early character bound (`check_chars`, leaving `room`) first. The render stops, with a 400, when
+    its budget runs out or when `request`'s client disconnects."""
+    tokenizer = engine.tokenizer
+    check_turns(messages, tokenizer.chat_template, engine.max_model_len, room)
+    token_chars = getattr(tokenizer, "max_token_chars", None)
+    bounded = _PromptTokenizer(tokenizer, lambda n: check_chars(n, token_chars, engine.max_model_len,
+                                                                "messages", room))
+    budget = RenderBudget(max_render_s)
+    job = functools.partial(render_chat, bounded, [_message_dict(m) for m in messages], tools,
+                            add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
+                            kwargs=kwargs, budget=budget)
+    rendering = asyncio.get_running_loop().run_in_executor(render_pool(), job)
+    watch = None if request is None else asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({rendering} if watch is None else {rendering, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not rendering.done():        # the client left (or the handler was cancelled): stop the render
+            budget.cancel()
+        if watch is not None:
+            watch.cancel()
+    if not rendering.done():
+        rendering.add_done_callback(_discard)   # its RenderAborted, when the thread reaches a checkpoint
+        raise bad_request("The client closed the connection while the chat template was rendering.", "messages")
+    return rendering.result()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (the body is read by now: the next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _discard(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()              # retrieved: not logged as "never retrieved"
 
 
 class _PromptTokenizer:
@@ -222,13 +310,24 @@ def template_kwargs(defaults: dict, requested: dict | None) -> tuple[bool, dict]
 
 
 def render_chat(tokenizer, messages, tools, *, add_generation_prompt: bool, enable_thinking: bool,
-                kwargs: dict) -> list[int]:
-    """Render + tokenize (runs in the thread pool); template failures are the request's fault."""
+                kwargs: dict, budget: RenderBudget | None = None) -> list[int]:
+    """Render + tokenize (runs in the render pool; `budget` counts the render's CPU time); template failures
+    are the request's fault."""
     import jinja2
 
     try:
         return encode_prompt(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
-                             enable_thinking=enable_thinking, **kwargs)
+                             enable_thinking=enable_thinking, budget=budget, **kwargs)
+    except RenderAborted as e:
+        if e.reason == "cancelled":
+            raise
+        raise bad_request(f"Rendering the chat template took longer than this server allows ({budget.seconds:g} s, "
+                          f"--max-render-seconds): the template's time grows with the square of the number of "
+                          f"messages. Please reduce the number of messages.", "messages",
+                          code="render_time_exceeded") from None
+    except RecursionError:
+        raise bad_request("The chat template could not render the request: its messages or tools are nested "
+                          "too deeply.", "messages") from None
     except ChatTemplateError as e:
         raise bad_request(f"The chat template rejected the messages: {e}", "messages") from None
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, AttributeError) as e:

@@ -102,6 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "64 bytes per token of max_model_len: the longest Gemma 4 token is 31 characters, a run of "
                         "newlines JSON writes in 62 bytes, and ordinary text takes 4-12 bytes a token, so any "
                         "prompt that fits the context fits the body; 9 MiB for a 128K context)")
+    p.add_argument("--max-render-seconds", type=positive_float, default=10.0, metavar="S",
+                   help="CPU seconds a chat template render may take; then it stops with a 400 (the official "
+                        "template's time grows with the square of the number of messages). A render also stops "
+                        "when its client disconnects")
     p.add_argument("--header-timeout", type=positive_float, default=10.0,
                    help="seconds a connection has to send its request headers, counted from its first byte "
                         "(a new connection: from its opening); then 408 and close")
@@ -260,7 +264,7 @@ def serve(args: argparse.Namespace) -> int:
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
                           heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
                           max_request_body=None if args.max_request_body_mb is None
-                          else int(args.max_request_body_mb * 2**20),
+                          else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = create_app(config)

@@ -9,6 +9,13 @@ Responses are built with the models below and serialised with `dump(model)` (`ex
 field is on the wire exactly when the code set it, so `"finish_reason": null` and `"usage": null`
 appear where OpenAI sends them and `reasoning_content` appears only when there was reasoning.
 
+Tools are bounded before anything renders them (`check_tools`, `FunctionDef`): at most `MAX_TOOLS`
+(128, OpenAI's own limit), each at most `MAX_TOOL_BYTES` (64 KiB as compact JSON; coding agents send
+20-60 tools of a few KiB), JSON nested at most `MAX_JSON_DEPTH` (64) deep in a parameters schema or
+in tool-call arguments (OpenAI's structured outputs allow 10 schema levels, about 22 JSON levels;
+the templates format schemas and arguments recursively). `response_format` other than `text` is
+refused before anything reads its schema (no constrained decoding yet), so it needs no bound here.
+
 Extensions beyond OpenAI's parameters follow vLLM's names: `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`, and the
 `/tokenize` / `/detokenize` bodies.
@@ -193,6 +200,31 @@ def content_text(content: Any) -> str:
     return "\n".join(p["text"] for p in content)
 
 
+MAX_TOOLS = 128                 # OpenAI's limit on functions per request
+MAX_TOOL_BYTES = 64 * 1024      # one tool as compact JSON
+MAX_JSON_DEPTH = 64             # objects and arrays nested in a parameters schema or in tool-call arguments
+
+
+def json_depth(value: Any) -> int:
+    """How deeply objects and arrays nest in a JSON value (a scalar: 0), without recursion."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, depth = todo.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        deepest = max(deepest, depth)
+        todo.extend((x, depth + 1) for x in items)
+    return deepest
+
+
+def check_depth(value: Any, where: str) -> None:
+    depth = json_depth(value)
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"objects and arrays nested {depth} deep in {where}; at most {MAX_JSON_DEPTH} levels "
+                         f"are accepted")
+
+
 class FunctionCallIn(_In):
     name: str
     arguments: str | dict[str, Any] = "{}"
@@ -200,13 +232,17 @@ class FunctionCallIn(_In):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, v):
+        parsed = v
         if isinstance(v, str):
             try:
                 parsed = json.loads(v) if v.strip() else {}
             except ValueError:
                 raise ValueError("arguments must be a JSON object encoded as a string") from None
+            except RecursionError:
+                raise ValueError(f"the arguments nest objects and arrays more than {MAX_JSON_DEPTH} deep") from None
             if not isinstance(parsed, dict):
                 raise ValueError("arguments must encode a JSON object")  # noqa: TRY004
+        check_depth(parsed, "the arguments")
         return v
 
 
@@ -276,12 +312,29 @@ class FunctionDef(_In):
         req = v.get("required", [])
         if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
             raise ValueError("'required' must be an array of parameter names")
+        check_depth(v, "the parameters schema")
         return v
 
 
 class Tool(_In):
     type: Literal["function"]
     function: FunctionDef
+
+    @model_validator(mode="after")
+    def _size(self):
+        size = len(self.model_dump_json(exclude_none=True))
+        if size > MAX_TOOL_BYTES:
+            raise ValueError(f"a tool may take at most {MAX_TOOL_BYTES} bytes as JSON, this one takes {size}")
+        return self
+
+
+def check_tools(v: list[Tool] | None) -> list[Tool] | None:
+    if v is not None and len(v) > MAX_TOOLS:
+        raise ValueError(f"at most {MAX_TOOLS} tools are accepted, got {len(v)}")
+    return v
+
+
+Tools = Annotated[list[Tool] | None, AfterValidator(check_tools)]
 
 
 class NamedFunction(_In):
@@ -369,7 +422,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[Tool] | None = None
+    tools: Tools = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
@@ -433,7 +486,7 @@ class TokenizeRequest(_In):
     messages: list[Message] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
-    tools: list[Tool] | None = None
+    tools: Tools = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 

@@ -5,7 +5,8 @@ Thread model (what runs where):
 - **The event loop thread** (uvicorn's asyncio loop) runs every handler: parsing and validating
   requests, building SamplingParams, feeding generated token ids to the output parser
   (`gem4.parser`), formatting JSON and SSE, heartbeats, metrics. It never blocks on the engine.
-  Rendering a chat template and tokenizing run in the default thread pool (`asyncio.to_thread`),
+  Rendering a chat template runs in its own threads (`inputs.render_pool`, bounded in time and
+  cancelled when the client leaves), tokenizing text in the default thread pool (`asyncio.to_thread`),
   and `Tokenizer.encode` releases the GIL while it works (4M characters once kept the loop, /health
   included, from running for 15 s). Parsing a body's JSON
   holds the GIL wherever it runs, so it stays on the loop: 1.5 ms (ASCII) to 12 ms (CJK) per MiB,

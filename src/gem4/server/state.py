@@ -13,6 +13,8 @@ from gem4.sampling import SamplingParams
 from gem4.server.metrics import Metrics
 from gem4.server.protocol import APIError
 
+DEFAULT_RENDER_SECONDS = 10.0              # --max-render-seconds: CPU seconds one chat template render may take
+
 
 class EngineLike(Protocol):
     """What the server needs of an engine (`gem4.Engine` is one). Read by /metrics when present, not
@@ -42,6 +44,7 @@ class ServerConfig:
     heartbeat_s: float = 10.0                   # SSE `: ping` after this long without output
     log_interval_s: float = 10.0                # a throughput line (logger gem4.server, info) this often
     max_request_body: int | None = None         # bytes; None: default_body_limit(max_model_len) (inputs.py)
+    max_render_s: float = DEFAULT_RENDER_SECONDS  # CPU s after which a chat template render stops, 400 (inputs.py)
     # CORS (vLLM's flags and defaults: any origin, method and header; no credentials)
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)

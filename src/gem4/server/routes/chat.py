@@ -46,7 +46,8 @@ async def chat_completions(request: Request):
     check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
                 "messages")
     prompt_ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
-                                   enable_thinking=thinking, kwargs=kwargs)
+                                   enable_thinking=thinking, kwargs=kwargs, request=request,
+                                   max_render_s=config.max_render_s)
     check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages",
                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
     outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
