@@ -124,9 +124,9 @@ class Page:
     """A page of the chat in a fresh browser context (its own localStorage, the API key in it unless `key` is
     None), with its console errors, uncaught exceptions, CSP violations and requests recorded."""
 
-    def __init__(self, browser, url: str, *, key: str | None = API_KEY, viewport=DESKTOP):
+    def __init__(self, browser, url: str, *, key: str | None = API_KEY, viewport=DESKTOP, color_scheme="light"):
         self.url = url
-        self.context = browser.new_context(viewport=viewport, accept_downloads=True)
+        self.context = browser.new_context(viewport=viewport, color_scheme=color_scheme, accept_downloads=True)
         self.errors: list[str] = []
         self.requests: list = []
         self.context.add_init_script(
@@ -439,6 +439,62 @@ def test_markdown_with_script_payloads_renders_inert(open_page, server, tmp_path
     p.check_clean(allowed=(f"404 (Not Found) ({server}/x)",))      # <img src="x">; the CSP never had to block
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_a_tool_call_takes_a_pasted_result_and_the_reply_goes_on(open_page, server, tmp_path):
+    """A reply that called a tool (from an imported conversation: the random demo does not call tools) shows
+    the call and a box for its result; the result goes to the server as a `tool` message, and the reply
+    that follows is the API's reply to the same messages."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    export = tmp_path / "tool.json"
+    export.write_text(json.dumps({"title": "Weather", "messages": messages}))
+    p = open_page()
+    p.configure(temperature=0, max_tokens=12, tools=json.dumps([WEATHER_TOOL]))
+    p.page.set_input_files("#import-file", str(export))
+    view = ".message.assistant[data-index='1']"
+    assert p.page.inner_text(f"{view} .tool-call code") == "get_weather"
+    assert json.loads(p.page.inner_text(f"{view} .tool-call .arguments")) == {"city": "Oslo"}
+    p.page.fill(f"{view} .tool-result", "Sunny, 21 degrees")
+    p.page.click(f"{view} .send-results")
+    p.wait_reply(3)
+    expected = api_reply(server, [*messages, {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 degrees"}],
+                         tools=[WEATHER_TOOL], temperature=0, max_tokens=12,
+                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert p.raw(3) == expected.choices[0].message.content
+    assert p.page.inner_text(".message.tool[data-index='2'] .body") == "Sunny, 21 degrees"
+    assert not p.page.query_selector(f"{view} .tool-result")           # answered: no box any more
+    # the keyboard: Shift-Enter is a new line, Enter sends
+    p.page.click("#input")
+    p.page.keyboard.type("first line")
+    p.page.keyboard.press("Shift+Enter")
+    p.page.keyboard.type("second line")
+    assert p.page.input_value("#input") == "first line\nsecond line"
+    assert len(p.page.query_selector_all(".message")) == 4
+    p.page.keyboard.press("Enter")
+    p.wait_reply(5)
+    assert p.page.inner_text(".message.user[data-index='4'] .body") == "first line\nsecond line"
+    assert p.page.input_value("#input") == ""
+    p.check_clean()
+
+
+def test_the_theme_toggle_is_kept(open_page):
+    p = open_page()
+    system = p.page.evaluate("matchMedia('(prefers-color-scheme: dark)').matches")
+    background = p.page.evaluate("getComputedStyle(document.body).backgroundColor")
+    p.page.click("#theme")
+    assert p.page.evaluate("document.documentElement.dataset.theme") == ("light" if system else "dark")
+    toggled = p.page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert toggled != background
+    p.page.reload()
+    p.wait_for_model()
+    assert p.page.evaluate("getComputedStyle(document.body).backgroundColor") == toggled
+    p.check_clean()
+
+
 def test_attachments_are_refused_clearly(open_page, tmp_path):
     p = open_page()
     image = tmp_path / "cat.png"
@@ -489,8 +545,9 @@ def test_screenshots_first_paint_and_bundle_size(open_page, server, browser):
                     "def tidal_acceleration(G, M, r, d):\n    return 2 * G * M * r / d**3\n```",
          "stats": {"ttft_ms": 41, "tokens_per_s": 21.7, "completion_tokens": 96, "prompt_tokens": 31,
                    "cached_tokens": 0}}]}]
-    for name, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
-        p = open_page(viewport=viewport)
+    for name, viewport, scheme in (("desktop", DESKTOP, "light"), ("phone", PHONE, "light"),
+                                   ("desktop-dark", DESKTOP, "dark")):
+        p = open_page(viewport=viewport, color_scheme=scheme)
         p.page.evaluate("(c) => localStorage.setItem('gem4.conversations', JSON.stringify(c))", sample)
         p.page.evaluate("localStorage.setItem('gem4.current', JSON.parse(localStorage.getItem('gem4.conversations'))[0].id)")
         p.page.reload()
