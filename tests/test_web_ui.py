@@ -212,11 +212,11 @@ def stats_numbers(text: str) -> dict:
 
 def test_a_streamed_reply_equals_the_apis_greedy_reply(open_page, server):
     question = "Write three short sentences about the sea."
-    expected = api_reply(server, [{"role": "user", "content": question}], temperature=0, max_tokens=48,
+    expected = api_reply(server, [{"role": "user", "content": question}], temperature=0, max_tokens=160,
                          extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert expected.usage.completion_tokens >= 16             # long enough to arrive in several pieces
     p = open_page()
-    p.configure(temperature=0, max_tokens=48)
+    p.configure(temperature=0, max_tokens=160)
     # every text the reply shows while it streams
     p.page.evaluate("""() => { window.__seen = new Set();
         new MutationObserver(() => { const raw = document.querySelector('.message.assistant pre.raw');

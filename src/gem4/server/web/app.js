@@ -200,9 +200,7 @@ function fillReply(view, message, index, streaming = false) {
 }
 
 function toolCallsView(message, index, streaming) {
-  const following = state.current.messages.slice(index + 1);
-  const answered = new Set(following.filter((m) => m.role === "tool").map((m) => m.tool_call_id));
-  const waiting = !streaming && index === state.current.messages.length - 1;
+  const waiting = !streaming && index === state.current.messages.length - 1;   // no result yet: boxes for them
   const inputs = [];
   const box = el("div", { class: "tool-calls" }, ...message.tool_calls.map((call) => {
     const result = el("textarea", { class: "tool-result", rows: 2, placeholder: "Paste the tool's result",
@@ -211,7 +209,7 @@ function toolCallsView(message, index, streaming) {
     return el("div", { class: "tool-call" },
       el("div", { class: "label" }, "Tool call ", el("code", { text: call.function.name })),
       el("pre", { class: "arguments", text: prettyJson(call.function.arguments) }),
-      waiting && !answered.has(call.id) ? result : null);
+      waiting ? result : null);
   }));
   if (waiting) {
     box.append(el("button", { type: "button", class: "send-results", text: "Send results", onclick: () => {
