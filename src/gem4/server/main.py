@@ -72,6 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='CORS: allowed request headers, a JSON list (default: ["*"])')
     p.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials (cookies, Authorization) in cross-origin requests")
+    p.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                   help="do not serve the chat page at / (docs/web.md); the API is unchanged")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto = bfloat16, the fast mode; float32 is the reference mode")
     p.add_argument("--device", default="cpu", help="torch device")
@@ -266,7 +268,8 @@ def serve(args: argparse.Namespace) -> int:
                           max_request_body=None if args.max_request_body_mb is None
                           else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                          web_ui=args.web_ui)
     app = create_app(config)
     http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                             write_timeout=args.write_timeout, max_connections=max_connections(args))

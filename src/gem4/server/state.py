@@ -50,6 +50,7 @@ class ServerConfig:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    web_ui: bool = True                         # GET / serves the chat page (routes/web.py); --no-web-ui: 404
 
 
 class ServerState:
