@@ -3,7 +3,7 @@
 The runner owns the KV pool's tensors (kv_cache.KVPool; where each sequence's K/V live is the block
 manager's, read here) and, per running request, its sampling generator (one `SeedStream` per seeded
 request, kept for the request's lifetime, preemptions included, so the same seed gives the same tokens
-whatever else runs; see sampling.py). It reads sequences and never changes them: the scheduler's
+whatever else runs; see sampling.py) and its grammar matcher (constrained requests, below). It reads sequences and never changes them: the scheduler's
 `postprocess` does that with the ids `run` returns.
 
 A step runs the batch's chunks through the model with their tokens laid out one sequence after another:
@@ -20,6 +20,14 @@ hidden state of each sampling row, so the forward then returns them too); its K+
 run in the same pass as any decode chunk (K+1 <= 8 <= the model's decode_rows, the same kernels as plain decoding) with
 logits for every row, and `speculative.verify` accepts drafts by exact rejection sampling with the
 sequence's own generator: a `Sample` then carries the accepted drafts and one more token.
+
+Constrained decoding (engine/grammar.py, docs/structured.md): a sequence whose params carry a grammar has one
+llguidance matcher, the runner's like its generator. Its drafts are cut before the forward at the first token
+the grammar rejects; after the forward, the bitmasks of every constrained row (one per sampled chunk, K + 1
+per verified one) are filled in one batched call and go to the sampler as its step 0 (sampling.py), so a
+request's tokens are always a prefix of a sentence of its grammar; then each matcher consumes the tokens its
+sequence emitted. A grammar that fails (it does not compile, a parser limit, a row with no allowed token)
+fails its chunk (`Failed`), like non-finite logits.
 
 Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
 forward: the copy-on-write block copies (the copy must hold the shared rows before a sequence writes over

@@ -38,6 +38,12 @@ is shared with plain decoding and consumed in order:
 - sampling drafter: one uniform per checked draft plus one for the final token (residual or bonus):
   reproducible for a seed, the same distribution, not the same text as plain decoding.
 
+Grammars (constrained decoding): the runner cuts a constrained sequence's drafts at the first one its
+grammar rejects before the forward, and hands `verify` one bitmask per row, row j's being the grammar's
+state after d_1 .. d_j; each row's sampling applies it as step 0, exactly as plain constrained decoding
+would at that position, so the acceptance above stays exact and the emitted tokens (accepted drafts, which
+the grammar allows, and a final token drawn from a masked row) always continue the grammar.
+
 Logprobs are those plain sampling reports: the log-softmax of each emitted row's adjusted logits (bias
 and penalties, before filters and temperature), with the row's own history.
 
