@@ -30,6 +30,8 @@ from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
 from gem4.server.protocol import APIError, bad_request
 from gem4.server.state import EngineLike, ServerState
+from gem4.structured.grammars import GrammarError, chat_grammar, completion_grammar, lead_of, validate
+from gem4.structured.spec import GrammarSpec
 
 # names encode_prompt / the renderers take themselves: never template variables from a request
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokenizer", "add_generation_prompt",
@@ -237,13 +239,9 @@ def render_chat(tokenizer, messages, tools, *, add_generation_prompt: bool, enab
 
 
 def tools_for(req: P.ChatCompletionRequest) -> tuple[list[dict] | None, frozenset[str]]:
-    """The tools the template declares and the parser accepts, from tools + tool_choice."""
+    """The tools the template declares and the parser accepts, from tools + tool_choice ("required" and a
+    named choice are grammars: `chat_structured`)."""
     choice = req.tool_choice
-    if isinstance(choice, P.NamedToolChoice) or choice == "required":
-        what = f"a named tool_choice ({choice.function.name!r})" if isinstance(choice, P.NamedToolChoice) \
-            else "tool_choice 'required'"
-        raise bad_request(f"{what} is not supported yet: forcing a tool call needs constrained decoding. "
-                          "Use 'auto' or 'none'.", "tool_choice")
     if not req.tools or choice == "none":
         return None, frozenset()
     names = [t.function.name for t in req.tools]
@@ -251,6 +249,59 @@ def tools_for(req: P.ChatCompletionRequest) -> tuple[list[dict] | None, frozense
         raise bad_request("tool function names must be unique", "tools")
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     return tools, frozenset(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Constrained decoding: the request's grammar (gem4.structured.grammars), compiled before admission
+# ---------------------------------------------------------------------------------------------
+
+
+async def chat_structured(engine: EngineLike, req: P.ChatCompletionRequest, tools: list[dict] | None,
+                          prompt_ids: list[int], thinking: bool) -> GrammarSpec | None:
+    """The grammar a chat request asks for (tool_choice required / named, strict tools, response_format,
+    structured_outputs), or None; 400 naming the parameter the compiler cannot honour."""
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, P.NamedToolChoice) else req.tool_choice
+    if (choice == "required" or isinstance(choice, dict)) and not tools:
+        raise bad_request("tool_choice 'required' or a named tool needs 'tools'", "tool_choice")
+
+    def build():
+        return chat_grammar(tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
+                            response_format=req.response_format.wire() if req.response_format else None,
+                            structured_outputs=req.structured_outputs.wire() if req.structured_outputs else None,
+                            lead=lead_of(engine.tokenizer, prompt_ids, thinking))
+
+    return await _compiled(engine, build)
+
+
+async def completion_structured(engine: EngineLike, req: P.CompletionRequest) -> GrammarSpec | None:
+    """The grammar of a completion request's structured_outputs, or None; 400 as `chat_structured`."""
+    if req.structured_outputs is None:
+        return None
+    return await _compiled(engine, lambda: completion_grammar(req.structured_outputs.wire()))
+
+
+async def _compiled(engine: EngineLike, build: Callable[[], tuple[GrammarSpec, str] | None]) -> GrammarSpec | None:
+    """`build()`'s grammar, compiled against the engine's grammar vocabulary (the engine reuses that compile),
+    both in the thread pool: a large schema must not hold the event loop."""
+    vocab = getattr(engine, "grammar_vocab", None)
+    stats = getattr(engine, "grammar_stats", None)
+
+    def run() -> GrammarSpec | None:
+        built = build()
+        if built is None:
+            return None
+        spec, param = built
+        if vocab is None:
+            asked_by = "tool_choice" if spec.kind in ("tools_required", "tools_named") else param.split(".")[0]
+            raise GrammarError(asked_by, "This server's engine does not support constrained decoding (it has no "
+                                         "grammar vocabulary).")
+        validate(spec, param, vocab, stats.compile if stats is not None else None)
+        return spec
+
+    try:
+        return await asyncio.to_thread(run)
+    except GrammarError as e:
+        raise bad_request(e.message, e.param) from None
 
 
 # ---------------------------------------------------------------------------------------------
