@@ -30,7 +30,7 @@ from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
 from gem4.server.protocol import APIError, bad_request
 from gem4.server.state import EngineLike, ServerState
-from gem4.structured.grammars import GrammarError, chat_grammar, completion_grammar, lead_of, validate
+from gem4.structured.grammars import GrammarError, Lead, Plan, chat_plan, completion_plan, lead_of, validate
 from gem4.structured.spec import GrammarSpec
 
 # names encode_prompt / the renderers take themselves: never template variables from a request
@@ -256,50 +256,52 @@ def tools_for(req: P.ChatCompletionRequest) -> tuple[list[dict] | None, frozense
 # ---------------------------------------------------------------------------------------------
 
 
-async def chat_structured(engine: EngineLike, req: P.ChatCompletionRequest, tools: list[dict] | None,
-                          prompt_ids: list[int], thinking: bool) -> GrammarSpec | None:
+async def chat_plan_of(req: P.ChatCompletionRequest, tools: list[dict] | None) -> Plan | None:
     """The grammar a chat request asks for (tool_choice required / named, strict tools, response_format,
-    structured_outputs), or None; 400 naming the parameter the compiler cannot honour."""
+    structured_outputs) but its lead, or None; 400 naming the parameter the compiler cannot honour. Before
+    the template renders anything: a schema is checked (and bounded) before the prompt it is part of."""
     choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, P.NamedToolChoice) else req.tool_choice
     if (choice == "required" or isinstance(choice, dict)) and not tools:
         raise bad_request("tool_choice 'required' or a named tool needs 'tools'", "tool_choice")
+    return await _off_loop(lambda: chat_plan(
+        tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
+        response_format=req.response_format.wire() if req.response_format else None,
+        structured_outputs=req.structured_outputs.wire() if req.structured_outputs else None))
 
-    def build():
-        return chat_grammar(tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
-                            response_format=req.response_format.wire() if req.response_format else None,
-                            structured_outputs=req.structured_outputs.wire() if req.structured_outputs else None,
-                            lead=lead_of(engine.tokenizer, prompt_ids, thinking))
 
-    return await _compiled(engine, build)
+async def chat_structured(engine: EngineLike, plan: Plan | None, prompt_ids: list[int],
+                          thinking: bool) -> GrammarSpec | None:
+    """The plan's grammar with the lead the rendered prompt allows, compiled (`compiled`)."""
+    if plan is None:
+        return None
+    return await compiled(engine, plan.spec(lead_of(engine.tokenizer, prompt_ids, thinking)), plan)
 
 
 async def completion_structured(engine: EngineLike, req: P.CompletionRequest) -> GrammarSpec | None:
-    """The grammar of a completion request's structured_outputs, or None; 400 as `chat_structured`."""
+    """The grammar of a completion request's structured_outputs, compiled, or None; 400 as for chat."""
     if req.structured_outputs is None:
         return None
-    return await _compiled(engine, lambda: completion_grammar(req.structured_outputs.wire()))
+    plan = await _off_loop(lambda: completion_plan(req.structured_outputs.wire()))
+    return await compiled(engine, plan.spec(Lead.ANSWER), plan)
 
 
-async def _compiled(engine: EngineLike, build: Callable[[], tuple[GrammarSpec, str] | None]) -> GrammarSpec | None:
-    """`build()`'s grammar, compiled against the engine's grammar vocabulary (the engine reuses that compile),
-    both in the thread pool: a large schema must not hold the event loop."""
+async def compiled(engine: EngineLike, spec: GrammarSpec, plan: Plan) -> GrammarSpec:
+    """`spec`, compiled against the engine's grammar vocabulary in the thread pool (the engine reuses that
+    compile); 400 naming the plan's parameter when it does not compile."""
     vocab = getattr(engine, "grammar_vocab", None)
     stats = getattr(engine, "grammar_stats", None)
+    if vocab is None:
+        asked_by = "tool_choice" if plan.kind in ("tools_required", "tools_named") else plan.param.split(".")[0]
+        raise bad_request("This server's engine does not support constrained decoding (it has no grammar "
+                          "vocabulary).", asked_by)
+    await _off_loop(lambda: validate(spec, plan.param, vocab, stats.compile if stats is not None else None))
+    return spec
 
-    def run() -> GrammarSpec | None:
-        built = build()
-        if built is None:
-            return None
-        spec, param = built
-        if vocab is None:
-            asked_by = "tool_choice" if spec.kind in ("tools_required", "tools_named") else param.split(".")[0]
-            raise GrammarError(asked_by, "This server's engine does not support constrained decoding (it has no "
-                                         "grammar vocabulary).")
-        validate(spec, param, vocab, stats.compile if stats is not None else None)
-        return spec
 
+async def _off_loop(work: Callable[[], Any]) -> Any:
+    """`work()` in the thread pool, its GrammarError as a 400."""
     try:
-        return await asyncio.to_thread(run)
+        return await asyncio.to_thread(work)
     except GrammarError as e:
         raise bad_request(e.message, e.param) from None
 

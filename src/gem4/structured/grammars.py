@@ -24,7 +24,8 @@ ARGS follow the tool's `parameters` JSON Schema, written as the chat template wr
 `{key:value,...}` with bare keys in the template's `dictsort` order (case-insensitive alphabetical; a key
 that is not one bare word is written between `<|"|>` quotes, which the parser also reads), strings as
 `<|"|>raw text<|"|>` (no escapes: `"` and `\\` are plain text inside), numbers and `true`/`false`/`null`
-as JSON writes them (null also as the template's `None`), `[a,b]` lists, no spaces. `_ArgsCompiler` turns a schema into Lark rules:
+as JSON writes them (null also as the template's `None`), `[a,b]` lists, no spaces. `_ArgsCompiler` turns
+a schema into Lark rules:
 `type` (one or a list), `enum`, `const`, `properties` / `required` (optional members may be skipped, the
 commas stay right), `additionalProperties` (false / true / a schema: extra bare keys after the declared
 ones; absent, an object with `properties` has only those), `items`, `minItems` / `maxItems`, `minLength` /
@@ -50,6 +51,7 @@ import enum
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from gem4.structured.spec import GrammarSpec
@@ -144,10 +146,29 @@ def _grammar(start: str, rules: Sequence[str] = ()) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def chat_grammar(*, tools: Sequence[Mapping] | None, tool_choice: Any, parallel_tool_calls: bool,
-                 response_format: Mapping | None, structured_outputs: Mapping | None,
-                 lead: Lead) -> tuple[GrammarSpec, str] | None:
-    """The grammar of a chat request and the parameter it comes from, or None when nothing is constrained.
+@dataclass(frozen=True)
+class Plan:
+    """A request's grammar but for what may come before the answer (`Lead`, known once the prompt is
+    rendered): everything that can fail (bounds, schemas) has been checked when a Plan exists."""
+
+    body: str                        # the start rule after the lead
+    rules: tuple[str, ...]
+    kind: str                        # GrammarSpec.kind
+    param: str                       # the request parameter the grammar comes from (for a 400)
+    user: dict | None = None         # a client's Lark grammar, referenced from `body` as @user
+
+    def spec(self, lead: Lead) -> GrammarSpec:
+        main = _grammar(_LEADS[lead] + self.body, self.rules)
+        if self.user is None:
+            return GrammarSpec(grammar=main, kind=self.kind)
+        grammars = [{"lark_grammar": main}, {**self.user, "name": "user"}]
+        return GrammarSpec(grammar=json.dumps({"grammars": grammars}), kind=self.kind)
+
+
+def chat_plan(*, tools: Sequence[Mapping] | None, tool_choice: Any, parallel_tool_calls: bool,
+              response_format: Mapping | None, structured_outputs: Mapping | None) -> Plan | None:
+    """The grammar plan of a chat request, or None when nothing is constrained; GrammarError naming the
+    parameter it cannot honour.
 
     tools: the request's tools as dicts (`{"type": "function", "function": {...}}`), names unique.
     tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}} | None.
@@ -167,66 +188,51 @@ def chat_grammar(*, tools: Sequence[Mapping] | None, tool_choice: Any, parallel_
         if not named:
             raise GrammarError("tool_choice", f"tool_choice names the function {name!r}, which is not among the "
                                               "tools")
-        calls = _Calls(named, strict_only=False)
-        return GrammarSpec(grammar=_grammar(_LEADS[lead] + "call", calls.rules), kind="tools_named"), "tools"
+        return Plan("call", _calls(named, strict_only=False), "tools_named", "tools")
     if choice == "required":
         if not tools:
             raise GrammarError("tool_choice", "tool_choice 'required' needs at least one tool")
-        calls = _Calls(tools, strict_only=False)
-        body = "call+" if parallel_tool_calls else "call"
-        return GrammarSpec(grammar=_grammar(_LEADS[lead] + body, calls.rules), kind="tools_required"), "tools"
-
+        return Plan("call+" if parallel_tool_calls else "call", _calls(tools, strict_only=False), "tools_required",
+                    "tools")
     doc = _document(response_format, structured_outputs)
     strict = any(t["function"].get("strict") for t in tools)
     if doc is None and not strict:
         return None
     if doc is None:
-        calls = _Calls(tools, strict_only=True)
         body = "TEXT? (call TEXT?)*" if parallel_tool_calls else "TEXT? (call TEXT?)?"
-        return GrammarSpec(grammar=_grammar(_LEADS[lead] + body, calls.rules), kind="tools_auto"), "tools"
-    rule, extra, kind, param = doc
-    if isinstance(rule, dict):       # a user's Lark grammar: a grammar of its own, referenced as @user
-        return _with_user_grammar(_LEADS[lead], rule, tools, parallel_tool_calls), param
-    if tools:
-        calls = _Calls(tools, strict_only=True)
-        body = f"({rule} | call+)" if parallel_tool_calls else f"({rule} | call)"
-        return GrammarSpec(grammar=_grammar(_LEADS[lead] + body, [*extra, *calls.rules]), kind=kind), param
-    return GrammarSpec(grammar=_grammar(_LEADS[lead] + rule, extra), kind=kind), param
+        return Plan(body, _calls(tools, strict_only=True), "tools_auto", "tools")
+    if tools:                        # beside "auto" tools: the document, or calls
+        calls = "call+" if parallel_tool_calls else "call"
+        return replace(doc, body=f"({doc.body} | {calls})", rules=doc.rules + _calls(tools, strict_only=True))
+    return doc
+
+
+def completion_plan(structured_outputs: Mapping | None) -> Plan | None:
+    """The grammar plan of a /v1/completions request (`structured_outputs` over the whole generated text;
+    use it with `Lead.ANSWER`)."""
+    return _document(None, structured_outputs)
+
+
+def chat_grammar(*, lead: Lead, **request: Any) -> tuple[GrammarSpec, str] | None:
+    """`chat_plan(**request)` with its lead: (the grammar, its parameter), or None."""
+    plan = chat_plan(**request)
+    return None if plan is None else (plan.spec(lead), plan.param)
 
 
 def completion_grammar(structured_outputs: Mapping | None) -> tuple[GrammarSpec, str] | None:
-    """The grammar of a /v1/completions request (`structured_outputs` over the whole generated text)."""
-    doc = _document(None, structured_outputs)
-    if doc is None:
-        return None
-    rule, extra, kind, param = doc
-    if isinstance(rule, dict):
-        return _with_user_grammar("", rule, [], True), param
-    return GrammarSpec(grammar=_grammar(rule, extra), kind=kind), param
+    plan = completion_plan(structured_outputs)
+    return None if plan is None else (plan.spec(Lead.ANSWER), plan.param)
 
 
-def _with_user_grammar(lead: str, user: dict, tools, parallel: bool) -> GrammarSpec:
-    main_rules: list[str] = []
-    body = "@user"
-    if tools:
-        calls = _Calls(tools, strict_only=True)
-        main_rules = calls.rules
-        body = "(@user | call+)" if parallel else "(@user | call)"
-    main = _grammar(lead + body, main_rules)
-    return GrammarSpec(grammar=json.dumps({"grammars": [{"lark_grammar": main}, {**user, "name": "user"}]}),
-                       kind="grammar")
-
-
-def _document(response_format: Mapping | None, so: Mapping | None):
-    """(rule expression or a user grammar dict, extra rules, kind, param) of the answer, or None."""
+def _document(response_format: Mapping | None, so: Mapping | None) -> Plan | None:
+    """The plan of a document answer (response_format, or structured_outputs), or None."""
     if response_format is not None and response_format.get("type", "text") != "text":
         if response_format["type"] == "json_object":
-            return _json_rule({"type": "object"}, "response_format"), [], "json_object", "response_format"
-        spec = response_format.get("json_schema") or {}
+            return Plan(_json_rule({"type": "object"}, "response_format"), (), "json_object", "response_format")
         param = "response_format.json_schema.schema"
-        schema = spec.get("schema", {})
+        schema = (response_format.get("json_schema") or {}).get("schema", {})
         _check_size(schema, param)
-        return _json_rule(schema, param), [], "json_schema", param
+        return Plan(_json_rule(schema, param), (), "json_schema", param)
     if so is None:
         return None
     given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k) not in (None, False)]
@@ -238,24 +244,24 @@ def _document(response_format: Mapping | None, so: Mapping | None):
     param = f"structured_outputs.{key}"
     _check_size(value, param)
     if key == "json_object":
-        return _json_rule({"type": "object"}, param), [], "json_object", param
+        return Plan(_json_rule({"type": "object"}, param), (), "json_object", param)
     if key == "json":
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except ValueError as e:
                 raise GrammarError(param, f"{param} is not valid JSON: {e}") from None
-        return _json_rule(value, param), [], "json_schema", param
+        return Plan(_json_rule(value, param), (), "json_schema", param)
     if key == "regex":
         if not isinstance(value, str):
             raise GrammarError(param, f"{param} must be a string")
         import llguidance
 
-        return "USER_REGEX", [f"USER_REGEX: /{llguidance.regex_to_lark(value, '')}/"], "regex", param
+        return Plan("USER_REGEX", (f"USER_REGEX: /{llguidance.regex_to_lark(value, '')}/",), "regex", param)
     if key == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise GrammarError(param, f"{param} must be a non-empty list of non-empty strings")
-        return "(" + " | ".join(json.dumps(c) for c in value) + ")", [], "choice", param
+        return Plan("(" + " | ".join(json.dumps(c) for c in value) + ")", (), "choice", param)
     if not isinstance(value, str):
         raise GrammarError(param, f"{param} must be a string (a Lark or GBNF grammar)")
     from llguidance.gbnf_to_lark import any_to_lark
@@ -264,7 +270,7 @@ def _document(response_format: Mapping | None, so: Mapping | None):
         lark = any_to_lark(value)
     except Exception as e:        # the converter raises bare Exceptions for GBNF it cannot read
         raise GrammarError(param, f"{param} is neither a Lark nor a GBNF grammar llguidance reads: {e}") from None
-    return {"lark_grammar": lark}, [], "grammar", param
+    return Plan("@user", (), "grammar", param, user={"lark_grammar": lark})
 
 
 def _json_rule(schema: Any, param: str) -> str:
@@ -301,29 +307,27 @@ def _check_nesting(value: Any, param: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-class _Calls:
+def _calls(tools: Sequence[Mapping], *, strict_only: bool) -> tuple[str, ...]:
     """The `call` rule over `tools`: each tool's name, then its arguments by its schema (by a generic
     argument object when `strict_only` and the tool is not strict)."""
-
-    def __init__(self, tools: Sequence[Mapping], *, strict_only: bool):
-        self.rules: list[str] = []
-        names = []
-        for i, tool in enumerate(tools):
-            fn = tool["function"]
-            param = f"tools[{i}].function.parameters"
-            params = fn.get("parameters")
-            if strict_only and not fn.get("strict"):
-                args = "gobj"
-            elif params is None:
-                args = '"{" "}"'
-            else:
-                _check_size(params, param)
-                _check_nesting(params, param)
-                args = _ArgsCompiler(params, param, f"t{i}_", self.rules).value(params, "", 0)
-            rule = f"call_{i}"
-            self.rules.append(f"{rule}: {json.dumps(fn['name'])} {args}")
-            names.append(rule)
-        self.rules.append(f'call: <|tool_call> "call:" ({" | ".join(names)}) <tool_call|>')
+    rules: list[str] = []
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        param = f"tools[{i}].function.parameters"
+        params = fn.get("parameters")
+        if strict_only and not fn.get("strict"):
+            args = "gobj"
+        elif params is None:
+            args = '"{" "}"'
+        else:
+            _check_size(params, param)
+            _check_nesting(params, param)
+            args = _ArgsCompiler(params, param, f"t{i}_", rules).value(params, "", 0)
+        rules.append(f"call_{i}: {json.dumps(fn['name'])} {args}")
+        names.append(f"call_{i}")
+    rules.append(f'call: <|tool_call> "call:" ({" | ".join(names)}) <tool_call|>')
+    return tuple(rules)
 
 
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
@@ -426,7 +430,8 @@ class _ArgsCompiler:
         alts = self._alternatives(s, path, depth)
         if s.get("nullable") is True:
             alts.append("gnull")
-        return alts[0] if len(alts) == 1 else self._rule(" | ".join(alts))
+        # always one name: llguidance 1.9.1 misreads `<|"|>)~0..1` (a repetition right after a special token)
+        return alts[0] if len(alts) == 1 and " " not in alts[0] else self._rule(" | ".join(alts))
 
     def _alternatives(self, s: Mapping, path: str, depth: int) -> list[str]:
         constraints = [k for k in s if k not in _ANNOTATIONS and k != "nullable"]
@@ -555,9 +560,9 @@ class _ArgsCompiler:
             return self._rule('"[" "]"')
         more = f'("," {item})'
         if hi is None:
-            tail = f"{more}~{lo - 1} {more}*" if lo > 1 else f"{more}*"
+            tail = f"{more}~ {lo - 1} {more}*" if lo > 1 else f"{more}*"
         else:
-            tail = f"{more}~{max(lo - 1, 0)}..{hi - 1}" if hi > 1 else ""
+            tail = f"{more}~ {max(lo - 1, 0)}..{hi - 1}" if hi > 1 else ""
         items = f"{item} {tail}".strip()
         return self._rule(f'"[" {items} "]"' if lo else f'"[" ({items})? "]"')
 

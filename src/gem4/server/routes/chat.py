@@ -16,6 +16,7 @@ from gem4.engine import EngineError
 from gem4.server import protocol as P
 from gem4.server.inputs import (
     chat_chars,
+    chat_plan_of,
     chat_prompt,
     chat_structured,
     check_chars,
@@ -42,6 +43,7 @@ async def chat_completions(request: Request):
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     tools, tool_names = tools_for(req)
+    plan = await chat_plan_of(req, tools)
     thinking, kwargs = template_kwargs(config.default_chat_template_kwargs, req.chat_template_kwargs)
     max_tokens = req.token_limit
     params = sampling_params(req, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
@@ -52,7 +54,7 @@ async def chat_completions(request: Request):
                                    enable_thinking=thinking, kwargs=kwargs)
     check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages",
                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    structured = await chat_structured(engine, req, tools, prompt_ids, thinking)
+    structured = await chat_structured(engine, plan, prompt_ids, thinking)
     if structured is not None:
         params = dataclasses.replace(params, structured=structured)
     outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
