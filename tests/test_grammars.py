@@ -70,7 +70,8 @@ TREE = {"type": "function", "function": {"name": "plant", "parameters": {
                             "additionalProperties": {"type": "boolean"}}},
     "required": ["root"]}}}
 NO_ARGS = {"type": "function", "function": {"name": "ping"}}
-TOOLS = [WEATHER, SEARCH, TREE, NO_ARGS]
+UNTYPED = {"type": "function", "function": {"name": "note", "parameters": {"properties": {"text": {}}}}}
+TOOLS = [WEATHER, SEARCH, TREE, NO_ARGS, UNTYPED]
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,8 @@ CALLS = [
     ("plant", {"root": {"label": "x", "children": [{"label": "y"}, {"label": "x", "children": []}]},
                "when": "2026-12-03", "meta": {"id": 3, "extra": True}}),
     ("ping", {}),
+    ("note", {"text": [1, {"a b": "c", "x.y-z": 2.5e-7}, None, True]}),
+    ("note", {}),
 ]
 
 

@@ -263,6 +263,10 @@ async def chat_plan_of(req: P.ChatCompletionRequest, tools: list[dict] | None) -
     choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, P.NamedToolChoice) else req.tool_choice
     if (choice == "required" or isinstance(choice, dict)) and not tools:
         raise bad_request("tool_choice 'required' or a named tool needs 'tools'", "tool_choice")
+    if (choice in (None, "auto", "none") and req.structured_outputs is None
+            and (req.response_format is None or req.response_format.type == "text")
+            and not any(t["function"].get("strict") for t in tools or [])):
+        return None                     # nothing to constrain (the common case): no trip to the thread pool
     return await _off_loop(lambda: chat_plan(
         tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=req.response_format.wire() if req.response_format else None,

@@ -133,7 +133,7 @@ gany: gstr | GNUM | gbool | gnull | gobj | garr
 gobj: "{" (gkv ("," gkv)*)? "}"
 gkv: GKEY ":" gany
 garr: "[" (gany ("," gany)*)? "]"
-GKEY: /[A-Za-z_][A-Za-z0-9_.\-]{0,63}/
+GKEY: /[^\s:{}\[\],"]([^:{}\[\],\n]{0,62}[^\s:{}\[\],])?/
 """
 
 
@@ -323,6 +323,8 @@ def _calls(tools: Sequence[Mapping], *, strict_only: bool) -> tuple[str, ...]:
         else:
             _check_size(params, param)
             _check_nesting(params, param)
+            if isinstance(params, Mapping) and not _COMBINATORS & set(params):
+                params = {**params, "type": "object"}      # arguments are an object, whether or not it says so
             args = _ArgsCompiler(params, param, f"t{i}_", rules).value(params, "", 0)
         rules.append(f"call_{i}: {json.dumps(fn['name'])} {args}")
         names.append(f"call_{i}")
@@ -330,6 +332,7 @@ def _calls(tools: Sequence[Mapping], *, strict_only: bool) -> tuple[str, ...]:
     return tuple(rules)
 
 
+_COMBINATORS = frozenset({"$ref", "anyOf", "oneOf", "allOf", "enum", "const"})
 _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comment", "$schema", "$id", "deprecated",
                           "readOnly", "writeOnly", "$defs", "definitions", "x-guidance"})
 _KEYWORDS = {
@@ -583,8 +586,7 @@ class _ArgsCompiler:
         members = [f"{_key(k)} {self.value(props[k], f'{path}.properties.{k}', depth + 1)}" for k in names]
         if extra_schema not in (None, False):
             value = self.value(extra_schema, f"{path}.additionalProperties", depth + 1)
-            key = self._terminal(" & ".join(["/[A-Za-z_][A-Za-z0-9_.\\-]{0,63}/",
-                                             *(f"~{json.dumps(n)}" for n in names)]))
+            key = self._terminal(" & ".join(["GKEY", *(f"~{json.dumps(n)}" for n in names)]))
             extra = self._rule(f'{key} ":" {value}')
         else:
             extra = None
