@@ -29,8 +29,8 @@ from gem4.structured.grammars import (
     MAX_SPEC_BYTES,
     GrammarError,
     Lead,
-    chat_grammar,
-    completion_grammar,
+    chat_plan,
+    completion_plan,
     lead_of,
     validate,
 )
@@ -104,6 +104,17 @@ def accepts(ll, tok, grammar: str, text: str) -> bool:
     m = matcher(ll, grammar)
     ids = ids_of(tok, text)
     return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+def chat_grammar(*, lead: Lead, **request):
+    """(the grammar, its parameter) of a chat request with `lead`, or None."""
+    plan = chat_plan(**request)
+    return None if plan is None else (plan.spec(lead), plan.param)
+
+
+def completion_grammar(structured_outputs):
+    plan = completion_plan(structured_outputs)
+    return None if plan is None else (plan.spec(Lead.ANSWER), plan.param)
 
 
 def grammar_for(choice, *, tools=TOOLS, parallel=True, lead=Lead.ANSWER, response_format=None, so=None) -> str:
@@ -385,6 +396,18 @@ def test_an_unsupported_schema_is_refused_naming_the_keyword_and_the_parameter(p
                      response_format=None, structured_outputs=None, lead=Lead.ANSWER)
     assert e.value.param == "tools[1].function.parameters"
     assert keyword in e.value.message
+
+
+def test_a_named_choice_compiles_only_its_tool_and_names_it_by_its_index():
+    bad = {"type": "object", "properties": {"x": {"not": {}}}}
+    spec, _ = chat_grammar(tools=[tool(bad), WEATHER], tool_choice={"type": "function", "function": {
+        "name": "get_weather"}}, parallel_tool_calls=True, response_format=None, structured_outputs=None,
+        lead=Lead.ANSWER)                              # the other tool's schema is not compiled
+    assert '"get_weather"' in spec.grammar and '"f"' not in spec.grammar
+    with pytest.raises(GrammarError) as e:
+        chat_grammar(tools=[WEATHER, tool(bad)], tool_choice={"type": "function", "function": {"name": "f"}},
+                     parallel_tool_calls=True, response_format=None, structured_outputs=None, lead=Lead.ANSWER)
+    assert e.value.param == "tools[1].function.parameters"
 
 
 def test_schemas_llguidance_refuses_are_refused_by_validate(vocab):

@@ -22,13 +22,13 @@ string's body) always ends exactly where the model emits the next marker.
 ARGS follow the tool's `parameters` JSON Schema, written as the chat template writes a call
 (`format_argument` in templates/google-gemma-4-31B-it.jinja) and as `gem4.parser` reads it back:
 `{key:value,...}` with bare keys in the template's `dictsort` order (case-insensitive alphabetical; a key
-that is not one bare word is written between `<|"|>` quotes, which the parser also reads), strings as
-`<|"|>raw text<|"|>` (no escapes: `"` and `\\` are plain text inside), numbers and `true`/`false`/`null`
-as JSON writes them (null also as the template's `None`), `[a,b]` lists, no spaces. `_ArgsCompiler` turns
-a schema into Lark rules:
-`type` (one or a list), `enum`, `const`, `properties` / `required` (optional members may be skipped, the
-commas stay right), `additionalProperties` (false / true / a schema: extra bare keys after the declared
-ones; absent, an object with `properties` has only those), `items`, `minItems` / `maxItems`, `minLength` /
+the parser would read back differently if bare is written between `<|"|>` quotes, which it also reads),
+strings as `<|"|>raw text<|"|>` (no escapes: `"` and `\\` are plain text inside), numbers and
+`true`/`false`/`null` as JSON writes them (null also as the template's `None`), `[a,b]` lists, no spaces.
+`_ArgsCompiler` turns a schema into Lark rules: `type` (one or a list), `enum`, `const`, `properties` /
+`required` (optional members may be skipped, the commas stay right), `additionalProperties` (false / true /
+a schema: extra bare keys anywhere among the declared ones, as the template sorts them in; absent, an
+object with `properties` has only those), `items`, `minItems` / `maxItems`, `minLength` /
 `maxLength`, `pattern`, a few `format`s, `anyOf` / `oneOf`, a one-member `allOf`, local `$ref`s
 (`#`, `#/$defs/...`, `#/definitions/...`, recursive ones included), `nullable`, and the numeric bounds
 (`minimum`, `maximum`, `exclusiveMinimum`, `exclusiveMaximum`, `multipleOf`, through llguidance's own
@@ -184,11 +184,10 @@ def chat_plan(*, tools: Sequence[Mapping] | None, tool_choice: Any, parallel_too
         raise GrammarError("structured_outputs", "give either response_format or structured_outputs, not both")
     if isinstance(choice, Mapping):
         name = choice["function"]["name"]
-        named = [t for t in tools if t["function"]["name"] == name]
-        if not named:
+        if not any(t["function"]["name"] == name for t in tools):
             raise GrammarError("tool_choice", f"tool_choice names the function {name!r}, which is not among the "
                                               "tools")
-        return Plan("call", _calls(named, strict_only=False), "tools_named", "tools")
+        return Plan("call", _calls(tools, strict_only=False, only=name), "tools_named", "tools")
     if choice == "required":
         if not tools:
             raise GrammarError("tool_choice", "tool_choice 'required' needs at least one tool")
@@ -211,17 +210,6 @@ def completion_plan(structured_outputs: Mapping | None) -> Plan | None:
     """The grammar plan of a /v1/completions request (`structured_outputs` over the whole generated text;
     use it with `Lead.ANSWER`)."""
     return _document(None, structured_outputs)
-
-
-def chat_grammar(*, lead: Lead, **request: Any) -> tuple[GrammarSpec, str] | None:
-    """`chat_plan(**request)` with its lead: (the grammar, its parameter), or None."""
-    plan = chat_plan(**request)
-    return None if plan is None else (plan.spec(lead), plan.param)
-
-
-def completion_grammar(structured_outputs: Mapping | None) -> tuple[GrammarSpec, str] | None:
-    plan = completion_plan(structured_outputs)
-    return None if plan is None else (plan.spec(Lead.ANSWER), plan.param)
 
 
 def _document(response_format: Mapping | None, so: Mapping | None) -> Plan | None:
@@ -307,13 +295,15 @@ def _check_nesting(value: Any, param: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _calls(tools: Sequence[Mapping], *, strict_only: bool) -> tuple[str, ...]:
-    """The `call` rule over `tools`: each tool's name, then its arguments by its schema (by a generic
-    argument object when `strict_only` and the tool is not strict)."""
+def _calls(tools: Sequence[Mapping], *, strict_only: bool, only: str | None = None) -> tuple[str, ...]:
+    """The `call` rule over `tools` (the one named `only`, if given): each tool's name, then its arguments by
+    its schema (by a generic argument object when `strict_only` and the tool is not strict)."""
     rules: list[str] = []
     names = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
+        if only is not None and fn["name"] != only:
+            continue
         param = f"tools[{i}].function.parameters"
         params = fn.get("parameters")
         if strict_only and not fn.get("strict"):
