@@ -8,8 +8,9 @@ The runner (runner.py) owns a `Matchers` and calls it at three points of a step:
 2. `masks` (after the forward, the cores are free): the bitmasks of every constrained sampling row, one per
    plain row and K + 1 per verified row (the grammar's state after d_1 .. d_j, llguidance advancing through
    the drafts and rolling back), filled by ONE batched llguidance call per kind (`LLExecutor`, the engine's
-   thread count) into a buffer [rows, ceil(V / 32)] int32 kept across steps. Unconstrained rows stay all
-   ones (-1), which the sampler's apply skips. The mask is step 0 of the sampler (sampling.py).
+   thread count; llguidance's draft call takes only non-empty draft lists, hence two calls when a step holds
+   both kinds) into a buffer [rows, ceil(V / 32)] int32 kept across steps. The runner hands the sampler the
+   constrained rows' masks only; the mask is step 0 of the sampler (sampling.py).
 3. `consume` (after sampling): each matcher is fed the tokens its sequence emitted (the accepted drafts and
    the final token): never a rejected draft, so no rollback is ever needed.
 
