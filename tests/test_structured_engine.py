@@ -156,20 +156,20 @@ def test_apply_grammar_mask_against_the_bits_one_by_one():
     gen = torch.Generator().manual_seed(0)
     for vocab in (32, 77, 512):
         allowed = torch.rand(4, vocab, generator=gen) < 0.3
-        allowed[1] = True                                                 # an unconstrained row
         allowed[2, :] = False
         allowed[2, vocab - 1] = True                                      # the last id alone
         logits = torch.randn(4, vocab, generator=gen)
-        got = apply_grammar_mask(logits.clone(), pack(allowed))
+        masks = pack(allowed)
+        got = apply_grammar_mask(logits.clone(), torch.arange(4), masks)
         for b in range(4):
             for t in range(vocab):
                 assert got[b, t] == (logits[b, t] if allowed[b, t] else float("-inf"))
-        rows = pack(allowed)
-        assert torch.equal(apply_grammar_mask(logits[1:2].clone(), rows[1:2]), logits[1:2])
-        # only some rows constrained (index_add path) equals all rows constrained
-        assert torch.equal(apply_grammar_mask(logits[:2].clone(), rows[:2])[0], got[0])
+        # some rows constrained: the others untouched
+        some = apply_grammar_mask(logits.clone(), torch.tensor([3, 0]), masks[[3, 0]])
+        assert torch.equal(some[[0, 3]], got[[0, 3]]) and torch.equal(some[[1, 2]], logits[[1, 2]])
+        assert torch.equal(apply_grammar_mask(logits.clone(), torch.tensor([], dtype=torch.long), masks[:0]), logits)
     with pytest.raises(ValueError, match="does not cover"):
-        apply_grammar_mask(torch.zeros(1, 65), torch.zeros(1, 2, dtype=torch.int32))
+        apply_grammar_mask(torch.zeros(1, 65), torch.tensor([0]), torch.zeros(1, 2, dtype=torch.int32))
 
 
 def test_no_bias_or_penalty_revives_a_masked_token_and_logprobs_are_constrained():
@@ -180,7 +180,7 @@ def test_no_bias_or_penalty_revives_a_masked_token_and_logprobs_are_constrained(
     mask = pack(allowed)
     params = SamplingParams(temperature=0, logit_bias={39: 100, 38: 100}, repetition_penalty=0.01,
                             presence_penalty=-2, logprobs=True, top_logprobs=5)
-    out = Sampler().sample(logits, [params, params], [[39, 38], []], [[39], [38]], grammar=mask)
+    out = Sampler().sample(logits, [params, params], [[39, 38], []], [[39], [38]], grammar=(torch.arange(2), mask))
     assert out.token_ids == [11, 11]                                      # the best allowed token, not 39/38
     for top in out.top_logprobs:                                          # three allowed tokens: three entries
         assert [t for t, _ in top] == [11, 7, 3]
@@ -188,12 +188,11 @@ def test_no_bias_or_penalty_revives_a_masked_token_and_logprobs_are_constrained(
     # seeded sampling only ever draws allowed tokens
     seeded = SamplingParams(temperature=5.0, logit_bias={39: 100})
     gen = torch.Generator().manual_seed(1)
-    draws = {Sampler().sample(logits[:1], [seeded], [[]], generators=[gen], grammar=mask[:1]).token_ids[0]
-             for _ in range(60)}
+    draws = {Sampler().sample(logits[:1], [seeded], [[]], generators=[gen], grammar=(torch.tensor([0]), mask[:1]))
+             .token_ids[0] for _ in range(60)}
     assert draws == {3, 7, 11}
     # an unconstrained batch mate is untouched
-    mixed = torch.cat([mask[:1], torch.full_like(mask[:1], -1)])
-    out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 2, [[], []], grammar=mixed)
+    out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 2, [[], []], grammar=(torch.tensor([0]), mask[:1]))
     assert out.token_ids == [11, 39]
 
 
@@ -320,6 +319,30 @@ def test_abort_frees_the_matcher_and_a_failing_grammar_fails_its_request_alone(m
     for e in (Engine(model, prefill_chunk=8), Engine(model, tok, prefill_chunk=8, structured=False)):
         with pytest.raises(InvalidParameter, match="structured"):
             e.submit([2, 3], SamplingParams(structured=WORDS))
+
+
+def test_a_sampler_failure_replays_the_constrained_rows_alone_with_their_masks(model, tok):
+    """A batched sampler call that raises is replayed row by row (runner.py): each constrained row with its own
+    mask, so the constrained batch mates get exactly the tokens they get alone."""
+    prompts = {"a": tok.encode("first one"), "b": tok.encode("second"), "c": tok.encode("third request")}
+    params = {"a": SamplingParams(temperature=1.0, seed=1, max_tokens=40, structured=TOOL_CALL),
+              "b": SamplingParams(temperature=1.0, seed=2, max_tokens=12),
+              "c": SamplingParams(temperature=0.7, seed=3, max_tokens=40, structured=WORDS)}
+    want = {n: ids_of(Engine(model, tok, prefill_chunk=8).generate(prompts[n], params[n])) for n in ("a", "c")}
+    engine = Engine(model, tok, prefill_chunk=8, max_num_seqs=3)
+    real = engine._runner.sampler.sample
+
+    def sample(logits, batch_params, *args, **kw):
+        out = real(logits, batch_params, *args, **kw)
+        if params["b"] in batch_params and len(args[0][batch_params.index(params["b"])]) == 3:
+            raise RuntimeError("injected sampler failure")
+        return out
+
+    engine._runner.sampler.sample = sample
+    streams = {n: engine.submit(prompts[n], params[n], request_id=n) for n in prompts}
+    assert {n: ids_of(streams[n]) for n in ("a", "c")} == want
+    with pytest.raises(EngineError, match="injected"):
+        list(streams["b"])
 
 
 # ---------------------------------------------------------------------------------------------

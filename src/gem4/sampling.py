@@ -18,8 +18,8 @@ penalty can revive a token the grammar forbids, and the logprobs describe the co
 (masked tokens have logprob -inf and never appear in a top_logprobs list). Steps 1-3 are elementwise and
 keep -inf at -inf, so the code applies the mask after them, where the +-LOGIT_LIMIT clamp cannot turn a
 masked -inf into a finite -1e30; the result is the one "mask first" defines. The mask is the engine's
-(engine/runner.py, one llguidance bitmask row per constrained row, bit t % 32 of int32 word t // 32: set =
-allowed); rows whose bitmask allows everything cost nothing.
+(engine/runner.py: one llguidance bitmask per constrained row, bit t % 32 of int32 word t // 32: set =
+allowed); unconstrained rows cost nothing.
 
 Bias comes first among the rest so that the penalties see the biased logit (vLLM v1 does the same); the
 filters 4-6 each renormalise what the previous one kept, and all of them run at T = 1, so
@@ -335,22 +335,22 @@ def apply_penalties(
 _GRAMMAR_LUT = torch.tensor([[0.0 if byte >> bit & 1 else _NEG_INF for bit in range(8)] for byte in range(256)])
 
 
-def apply_grammar_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """In place: logits[b, t] = -inf where bit t of bitmask[b] is clear (the grammar does not allow t).
-    logits: [B, V] float32; bitmask: [B, W] int32 with 32 * W >= V (llguidance's layout, above). Rows that
-    allow every token (all words -1: unconstrained rows) are skipped. Returns logits."""
+def apply_grammar_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """In place: logits[rows[i], t] = -inf where bit t of bitmask[i] is clear (row rows[i]'s grammar does not
+    allow t). logits: [B, V] float32; rows: [R] int64, the constrained rows (the others are not touched, and
+    cost nothing); bitmask: [R, W] int32 with 32 * W >= V (llguidance's layout, above). Returns logits."""
     batch, vocab = logits.shape
-    if bitmask.shape[0] != batch or 32 * bitmask.shape[1] < vocab:
-        raise ValueError(f"grammar bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}")
-    rows = (bitmask != -1).any(dim=1).nonzero().squeeze(1)  # [R] constrained rows
+    if bitmask.dim() != 2 or rows.shape != (bitmask.shape[0],) or 32 * bitmask.shape[1] < vocab:
+        raise ValueError(f"grammar bitmask {tuple(bitmask.shape)} for rows {tuple(rows.shape)} does not cover "
+                         f"logits {tuple(logits.shape)}")
     if rows.numel() == 0:
         return logits
     lut = _GRAMMAR_LUT.to(logits.device)
-    as_bytes = bitmask.index_select(0, rows).contiguous().view(torch.uint8).reshape(-1).int()  # [R * 4W]
+    as_bytes = bitmask.contiguous().view(torch.uint8).reshape(-1).int()  # [R * 4W]
     add = lut.index_select(0, as_bytes).view(rows.numel(), -1)[:, :vocab]  # [R, V] 0 or -inf
-    if rows.numel() == batch:
+    if rows.numel() == batch and bool((rows == torch.arange(batch, device=rows.device)).all()):
         return logits.add_(add)
-    return logits.index_add_(0, rows, add)
+    return logits.index_add_(0, rows.to(logits.device), add)
 
 
 def _scatter_sorted(mask_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -512,7 +512,7 @@ class SamplingTensors:
     frequency: torch.Tensor | None = None  # [B] float32
     counts: torch.Tensor | None = None  # [B, V] float32, generated
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # rows, ids, values [N]
-    grammar: torch.Tensor | None = None  # [B, W] int32 llguidance bitmask (all -1: unconstrained row)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None  # constrained rows [R], their bitmasks [R, W] int32
     grammar_seconds: float = 0.0  # time spent applying `grammar` (adjust_logits adds to it; for metrics)
 
 
@@ -528,7 +528,7 @@ def adjust_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     logits = logits.clamp(-LOGIT_LIMIT, LOGIT_LIMIT)
     if t.grammar is not None:
         start = time.perf_counter()
-        apply_grammar_mask(logits, t.grammar)
+        apply_grammar_mask(logits, *t.grammar)
         t.grammar_seconds += time.perf_counter() - start
     return logits
 
@@ -568,9 +568,10 @@ class Sampler:
         prompts: Sequence[Sequence[int]] | None,
         vocab_size: int,
         device=None,
-        grammar: torch.Tensor | None = None,
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SamplingTensors:
-        """The batch's parameters as tensors; `grammar`: the rows' grammar bitmasks [B, W] (None: none)."""
+        """The batch's parameters as tensors; `grammar`: the constrained rows [R] and their grammar bitmasks
+        [R, W] (None: no row is constrained)."""
 
         def column(values, dtype=torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)  # [B]
@@ -609,13 +610,13 @@ class Sampler:
         generated: Sequence[Sequence[int]],
         prompts: Sequence[Sequence[int]] | None = None,
         generators: Sequence[Generator] | None = None,
-        grammar: torch.Tensor | None = None,
+        grammar: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> SampleOutput:
         """logits: [B, V] for the next token of each row; generated / prompts: each row's token
         ids so far. generators: the engine's per-sequence generators; None builds fresh ones
-        from the seeds, which only suits a single step. grammar: [B, W] int32 bitmasks of the rows'
-        grammars (step 0; all -1 for an unconstrained row), None when no row is constrained; every
-        constrained row must allow at least one token (the engine checks)."""
+        from the seeds, which only suits a single step. grammar: (rows [R] int64, bitmasks [R, W] int32):
+        the constrained rows and their grammars' masks (step 0), None when no row is constrained; every
+        mask must allow at least one token (the engine checks)."""
         batch, vocab = logits.shape
         for name, rows in (("params", params), ("generated", generated), ("prompts", prompts),
                            ("generators", generators)):

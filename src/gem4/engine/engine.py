@@ -36,7 +36,9 @@ Errors:
   step is isolated): their streams raise `EngineError` with the cause chained, the error is logged once
   on the "gem4.engine" logger (request id and step; never the prompt or the tokens), and the other
   requests of the step continue as if it had not happened. Non-finite logits are such a failure
-  (`NonFiniteLogits`): the request ends at that step and no token is drawn from them. This is the
+  (`NonFiniteLogits`): the request ends at that step and no token is drawn from them; so is a constrained
+  request's grammar failing (`gem4.structured.MatcherError`: it does not compile, it reaches a parser limit,
+  it allows no token; engine/grammar.py). This is the
   engine's error finish; vLLM calls it finish_reason "error" (FinishReason.ERROR), which its OpenAI
   server turns into a 500 or a streamed error object, exactly what our server does with `EngineError`,
   so "error" never appears as a finish_reason on the wire. The unit of failure is the request: when one

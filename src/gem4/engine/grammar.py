@@ -8,8 +8,9 @@ The runner (runner.py) owns a `Matchers` and calls it at three points of a step:
 2. `masks` (after the forward, the cores are free): the bitmasks of every constrained sampling row, one per
    plain row and K + 1 per verified row (the grammar's state after d_1 .. d_j, llguidance advancing through
    the drafts and rolling back), filled by ONE batched llguidance call per kind (`LLExecutor`, the engine's
-   thread count) into a buffer [rows, ceil(V / 32)] int32 kept across steps. Unconstrained rows stay all
-   ones (-1), which the sampler's apply skips. The mask is step 0 of the sampler (sampling.py).
+   thread count; llguidance's draft call takes only non-empty draft lists, hence two calls when a step holds
+   both kinds) into a buffer [rows, ceil(V / 32)] int32 kept across steps. The runner hands the sampler the
+   constrained rows' masks only; the mask is step 0 of the sampler (sampling.py).
 3. `consume` (after sampling): each matcher is fed the tokens its sequence emitted (the accepted drafts and
    the final token): never a rejected draft, so no rollback is ever needed.
 
@@ -113,7 +114,8 @@ class Matchers:
         if drafted:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, pointer, row_bytes, total)
         self.stats.mask.observe(time.perf_counter() - start)
-        allows = (buffer != 0).any(dim=1).tolist()        # a row with no allowed token cannot be sampled
+        allows = buffer.numpy().any(axis=1).tolist()      # a row with no allowed token cannot be sampled
+        # (numpy: torch's reduction over [8, 8192] ints hands work to its threads, ~10x the cost here)
         for e, first, n in spans:
             seq = rows[e][0]
             matcher = self._matchers[seq.seq_id]
@@ -126,25 +128,17 @@ class Matchers:
         return buffer, errors
 
     def consume(self, seqs: Seq[Sequence], tokens: Seq[Seq[int]]) -> list[MatcherError | None]:
-        """Feed each constrained sequence the tokens it emitted this step (one call for the single-token
-        rows); -> per sequence the MatcherError of a token its grammar rejected, or None."""
+        """Feed each constrained sequence the tokens it emitted this step; -> per sequence the MatcherError of a
+        token its grammar rejected, or None. One call per sequence in this thread: a consume is ~1 us of work,
+        and llguidance's parallel `consume_token_par` costs more than that in hand-offs to its threads."""
         errors: list[MatcherError | None] = [None] * len(seqs)
-        single, which = [], []
         for b, (seq, emitted) in enumerate(zip(seqs, tokens)):
             matcher = self._matchers.get(seq.seq_id) if seq.params.structured is not None else None
-            if matcher is None:
-                continue
-            if len(emitted) == 1:
-                single.append((matcher, emitted[0]))
-                which.append(b)
-            elif not matcher.consume_tokens(list(emitted)):
-                errors[b] = MatcherError(f"the grammar rejected a token of {list(emitted)}: {matcher.get_error()}")
-        if single:
-            if self._executor is None:
-                import llguidance
-
-                self._executor = llguidance.LLExecutor(self.threads)
-            for b, ok, (matcher, token) in zip(which, self._executor.consume_token_par(single), single):
-                if not ok:
-                    errors[b] = MatcherError(f"the grammar rejected token {token}: {matcher.get_error()}")
+            # one token: consume_token (llguidance 1.9.1's consume_tokens refuses a lone end id on a matcher
+            # whose grammar is complete, which consume_token takes)
+            ok = matcher is None or (matcher.consume_token(emitted[0]) if len(emitted) == 1
+                                     else matcher.consume_tokens(list(emitted)))
+            if not ok:
+                errors[b] = MatcherError(f"the grammar rejected a token of {list(emitted)} after "
+                                         f"{len(seq.output_ids)} generated tokens: {matcher.get_error()}")
         return errors

@@ -177,8 +177,9 @@ class ModelRunner:
         chosen = [i for i in chosen if out[i] is None]
         sampling = [i for i in chosen if i not in drafts]
         if sampling:
-            grammar = None if all(masks.get(i) is None for i in sampling) else \
-                torch.cat([masks.get(i, self._all_allowed) for i in sampling])
+            constrained = [b for b, i in enumerate(sampling) if i in masks]          # rows with a grammar
+            grammar = None if not constrained else \
+                (torch.tensor(constrained, dtype=torch.long), torch.cat([masks[sampling[b]] for b in constrained]))
             for i, sample in zip(sampling, self._sample([chunks[i].seq for i in sampling],
                                                         torch.cat([rows[i] for i in sampling]), grammar)):
                 out[i] = sample
@@ -191,11 +192,6 @@ class ModelRunner:
                 if isinstance(sample, Sample) and h is not None:
                     self.drafter.remember(chunk.seq.seq_id, h[len(sample.token_ids) - 1])
         return out
-
-    @property
-    def _all_allowed(self) -> torch.Tensor:
-        """The bitmask row of an unconstrained row in a batch that has constrained ones: every bit set."""
-        return torch.full((1, self.matchers.words), -1, dtype=torch.int32)
 
     def _masks(self, chunks, chosen: list[int], drafts: dict[int, list[int]], out: list) -> dict[int, torch.Tensor]:
         """The grammar bitmasks of the constrained chunks among `chosen` (chunk index -> [1 + drafts, W]), all in
@@ -296,9 +292,9 @@ class ModelRunner:
                       None if v.top_logprobs is None else tuple(v.top_logprobs), drafts=len(drafts),
                       grammar_seconds=v.grammar_seconds)
 
-    def _sample(self, seqs, logits: torch.Tensor, grammar: torch.Tensor | None = None) -> list[Sample | Failed]:
+    def _sample(self, seqs, logits: torch.Tensor, grammar=None) -> list[Sample | Failed]:
         """All sampling rows together; if that raises, each row alone from the generator state it had.
-        grammar: the rows' bitmasks [B, W] (None: no row is constrained)."""
+        grammar: (constrained rows [R], their bitmasks [R, W]), None when no row is constrained."""
         generators = [self._generator(s.seq_id, s.params) for s in seqs]
         states = [None if g is None else g.get_state() for g in generators]
         try:
@@ -310,19 +306,19 @@ class ModelRunner:
             if g is not None:
                 g.set_state(state)
             try:
-                out += self._sample_rows([seq], logits[b:b + 1], [g], None if grammar is None else grammar[b:b + 1])
+                out += self._sample_rows([seq], logits[b:b + 1], [g], _row_grammar(grammar, b))
             except Exception as e:                              # noqa: BLE001 - this request's failure only
                 out.append(Failed(e))
         return out
 
-    def _sample_rows(self, seqs, logits: torch.Tensor, generators, grammar: torch.Tensor | None) -> list[Sample]:
+    def _sample_rows(self, seqs, logits: torch.Tensor, generators, grammar) -> list[Sample]:
         result = self.sampler.sample(
             logits,                                                          # [B, V]
             [s.params for s in seqs],
             [s.output_ids for s in seqs],
             [s.prompt_ids for s in seqs],
             generators,
-            grammar,                                                         # [B, W] or None
+            grammar,                                                         # ([R], [R, W]) or None
         )
         share = result.grammar_seconds / len(seqs)                          # the apply's time, per row
         return [Sample((result.token_ids[b],),
@@ -343,6 +339,14 @@ class ModelRunner:
         if seq_id not in self._generators:
             self._generators[seq_id] = Sampler.make_generator(params)
         return self._generators[seq_id]
+
+
+def _row_grammar(grammar, b: int):
+    """Row b's part of a batch's (rows, bitmasks), as a batch of its own (None: row b is not constrained)."""
+    if grammar is None:
+        return None
+    hits = (grammar[0] == b).nonzero().flatten().tolist()
+    return (torch.zeros(1, dtype=torch.long), grammar[1][hits[0]:hits[0] + 1]) if hits else None
 
 
 def _finite(logits: torch.Tensor) -> bool:

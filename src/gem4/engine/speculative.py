@@ -66,6 +66,7 @@ from gem4.sampling import (
 )
 
 DEFAULT_PROMPT_LOOKUP = 5          # vLLM's prompt_lookup_min / max when neither is given
+_ROW0 = torch.zeros(1, dtype=torch.long)   # a verification row is sampled alone: its grammar mask is row 0's
 
 
 # ---- prompt lookup ----
@@ -168,7 +169,7 @@ def verify(
     for j in range(k + 1):
         t = Sampler.tensors([params], [list(generated) + drafts[:j]], None if prompt is None else [prompt], vocab,
                             logits.device,                          # row j's history: generated + d_1 .. d_j
-                            None if grammar is None else grammar[j:j + 1])
+                            None if grammar is None else (_ROW0, grammar[j:j + 1]))
         adjusted = adjust_logits(logits[j:j + 1], t)                 # [1, V] steps 0-3
         grammar_seconds += t.grammar_seconds
         filtered = filter_logits(adjusted, t)                        # [1, V] steps 4-6
