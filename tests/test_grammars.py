@@ -29,7 +29,7 @@ from gem4.structured.grammars import (
     MAX_SPEC_BYTES,
     GrammarError,
     Lead,
-    chat_plan,
+    chat_grammar,
     completion_plan,
     lead_of,
     validate,
@@ -104,12 +104,6 @@ def accepts(ll, tok, grammar: str, text: str) -> bool:
     m = matcher(ll, grammar)
     ids = ids_of(tok, text)
     return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
-
-
-def chat_grammar(*, lead: Lead, **request):
-    """(the grammar, its parameter) of a chat request with `lead`, or None."""
-    plan = chat_plan(**request)
-    return None if plan is None else (plan.spec(lead), plan.param)
 
 
 def completion_grammar(structured_outputs):

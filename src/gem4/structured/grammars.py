@@ -212,6 +212,13 @@ def completion_plan(structured_outputs: Mapping | None) -> Plan | None:
     return _document(None, structured_outputs)
 
 
+def chat_grammar(*, lead: Lead, **request: Any) -> tuple[GrammarSpec, str] | None:
+    """`chat_plan(**request)` with its lead, in one call (benchmarks, tests): (the grammar, its parameter),
+    or None."""
+    plan = chat_plan(**request)
+    return None if plan is None else (plan.spec(lead), plan.param)
+
+
 def _document(response_format: Mapping | None, so: Mapping | None) -> Plan | None:
     """The plan of a document answer (response_format, or structured_outputs), or None."""
     if response_format is not None and response_format.get("type", "text") != "text":
