@@ -293,8 +293,8 @@ BAD_INPUTS = [
         "name": "f", "parameters": {"type": "string"}}}]}, None, 400, "tools[0].function.parameters", None),
     ("bad tool name", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function", "function": {
         "name": "my tool"}}]}, None, 400, "tools[0].function.name", None),
-    ("tool_choice required", "/v1/chat/completions", {**OK_CHAT, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, None, 400, "tool_choice", None),
+    ("tool_choice required without tools", "/v1/chat/completions", {**OK_CHAT, "tool_choice": "required"}, None,
+     400, "tool_choice", None),
     ("n above max_num_seqs", "/v1/chat/completions", {**OK_CHAT, "n": 5}, None, 400, "n", None),
     ("n = 0", "/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, None, 400, "n", None),
     ("top_p = 0", "/v1/chat/completions", {**OK_CHAT, "top_p": 0}, None, 400, "top_p", None),

@@ -36,7 +36,9 @@ Errors:
   step is isolated): their streams raise `EngineError` with the cause chained, the error is logged once
   on the "gem4.engine" logger (request id and step; never the prompt or the tokens), and the other
   requests of the step continue as if it had not happened. Non-finite logits are such a failure
-  (`NonFiniteLogits`): the request ends at that step and no token is drawn from them. This is the
+  (`NonFiniteLogits`): the request ends at that step and no token is drawn from them; so is a constrained
+  request's grammar failing (`gem4.structured.MatcherError`: it does not compile, it reaches a parser limit,
+  it allows no token; engine/grammar.py). This is the
   engine's error finish; vLLM calls it finish_reason "error" (FinishReason.ERROR), which its OpenAI
   server turns into a 500 or a streamed error object, exactly what our server does with `EngineError`,
   so "error" never appears as a finish_reason on the wire. The unit of failure is the request: when one
@@ -62,6 +64,7 @@ from gem4.engine.pool import kv_pool_size
 from gem4.engine.speculative import SpeculativeConfig
 from gem4.kv_cache import BLOCK_SIZE, BlockManager, KVPool
 from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
+from gem4.structured import GrammarStats, grammar_vocab
 from gem4.weights.assistant import load_assistant
 
 log = logging.getLogger("gem4.engine")
@@ -194,6 +197,10 @@ class Engine:
     (engine/mtp.py, loaded with gem4.load_assistant and checked against this model) -- verified in the same
     forward by exact rejection sampling (speculative.verify), so a request's tokens are the ones plain
     decoding gives (greedy: the same tokens; seeded: the same draws).
+    structured: accept constrained requests (`SamplingParams.structured`, docs/structured.md). With a
+    tokenizer and end ids, the grammar vocabulary (`gem4.structured.GrammarVocab`, 1-3.5 s for a full
+    Gemma 4 vocabulary) starts building in a background thread at once; a constrained request that comes
+    before it is ready waits for it. False: no vocabulary, constrained requests are refused at `submit`.
     """
 
     def __init__(
@@ -210,6 +217,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         block_size: int = BLOCK_SIZE,
         speculative_config=None,
+        structured: bool = True,
     ):
         context = model.config.max_position_embeddings
         if max_model_len is not None and not 1 <= max_model_len <= context:
@@ -246,7 +254,10 @@ class Engine:
             drafter = MtpDrafter(assistant, model, pool, blocks, k) if mtp else self.speculative_config.ngram()
         self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens,
                                     num_speculative_tokens=k)
-        self._runner = ModelRunner(model, pool, blocks, drafter)
+        self.grammar_stats = GrammarStats()             # compile and mask times, structured requests by kind
+        self.grammar_vocab = grammar_vocab(tokenizer, self.vocab_size, self.end_token_ids) \
+            if structured and tokenizer is not None and self.end_token_ids else None
+        self._runner = ModelRunner(model, pool, blocks, drafter, self.grammar_vocab, self.grammar_stats)
         # shared with caller threads, guarded by _lock
         self._lock = threading.Lock()
         self._inbox: list[Sequence] = []
@@ -298,6 +309,8 @@ class Engine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             self._streams[request_id] = stream
             self._open[request_id] = n
+            if params.structured is not None:
+                self.grammar_stats.requests[params.structured.kind] += 1
             self._inbox.append(seq)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gem4-engine", daemon=True)
@@ -396,6 +409,9 @@ class Engine:
         if params.top_k > self.vocab_size:
             raise InvalidParameter("top_k", f"must be at most the vocabulary size {self.vocab_size} "
                                             f"(0 or -1 = off), got {params.top_k}")
+        if params.structured is not None and self.grammar_vocab is None:
+            raise InvalidParameter("structured", "constrained decoding needs an engine with a tokenizer and "
+                                                 "end-of-generation ids, built with structured=True")
         for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:

@@ -3,7 +3,7 @@
 The runner owns the KV pool's tensors (kv_cache.KVPool; where each sequence's K/V live is the block
 manager's, read here) and, per running request, its sampling generator (one `SeedStream` per seeded
 request, kept for the request's lifetime, preemptions included, so the same seed gives the same tokens
-whatever else runs; see sampling.py). It reads sequences and never changes them: the scheduler's
+whatever else runs; see sampling.py) and its grammar matcher (constrained requests, below). It reads sequences and never changes them: the scheduler's
 `postprocess` does that with the ids `run` returns.
 
 A step runs the batch's chunks through the model with their tokens laid out one sequence after another:
@@ -20,6 +20,14 @@ hidden state of each sampling row, so the forward then returns them too); its K+
 run in the same pass as any decode chunk (K+1 <= 8 <= the model's decode_rows, the same kernels as plain decoding) with
 logits for every row, and `speculative.verify` accepts drafts by exact rejection sampling with the
 sequence's own generator: a `Sample` then carries the accepted drafts and one more token.
+
+Constrained decoding (engine/grammar.py, docs/structured.md): a sequence whose params carry a grammar has one
+llguidance matcher, the runner's like its generator. Its drafts are cut before the forward at the first token
+the grammar rejects; after the forward, the bitmasks of every constrained row (one per sampled chunk, K + 1
+per verified one) are filled in one batched call and go to the sampler as its step 0 (sampling.py), so a
+request's tokens are always a prefix of a sentence of its grammar; then each matcher consumes the tokens its
+sequence emitted. A grammar that fails (it does not compile, a parser limit, a row with no allowed token)
+fails its chunk (`Failed`), like non-finite logits.
 
 Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
 forward: the copy-on-write block copies (the copy must hold the shared rows before a sequence writes over
@@ -52,11 +60,13 @@ from dataclasses import dataclass
 
 import torch
 
+from gem4.engine.grammar import Matchers
 from gem4.engine.mtp import MtpDrafter
 from gem4.engine.scheduler import Batch, Chunk
 from gem4.engine.speculative import verify
 from gem4.kv_cache import BlockManager, KVPool, SeqStep
 from gem4.sampling import Sampler, SeedStream
+from gem4.structured import GrammarStats, GrammarVocab
 
 
 class NonFiniteLogits(RuntimeError):
@@ -72,6 +82,7 @@ class Sample:
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[list[tuple[int, float]], ...] | None = None
     drafts: int = 0
+    grammar_seconds: float = 0.0            # its share of the step's grammar-mask apply (metrics)
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,8 @@ class Failed:
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, blocks: BlockManager, drafter=None):
+    def __init__(self, model, pool: KVPool, blocks: BlockManager, drafter=None, grammar_vocab: GrammarVocab | None = None,
+                 grammar_stats: GrammarStats | None = None):
         self.model = model
         self.pool = pool
         self.blocks = blocks                     # read only: the scheduler decides, the runner lays out
@@ -115,6 +127,8 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
         self._generators: dict[int, SeedStream | None] = {}   # seq_id ->
+        self.grammar_stats = grammar_stats if grammar_stats is not None else GrammarStats()
+        self.matchers = Matchers(grammar_vocab, self.grammar_stats, model.config.vocab_size, torch.get_num_threads())
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> list[Sample | Failed | None]:
@@ -124,6 +138,12 @@ class ModelRunner:
         self.pool.copy_blocks(batch.block_copies)
         self.pool.copy_sliding_blocks(batch.sliding_copies)
         proposed = self._drafts([c for c in chunks if c.draft_slots])     # id(chunk) -> drafts, or Failed
+        for c in chunks:                                        # constrained: cut at the first draft the grammar rejects
+            if c.seq.params.structured is not None and isinstance(proposed.get(id(c)), list):
+                try:
+                    proposed[id(c)] = self.matchers.cut(c.seq, proposed[id(c)])
+                except Exception as e:                          # noqa: BLE001 - this request's failure only
+                    proposed[id(c)] = Failed(e)
         computed = [i for i, c in enumerate(chunks) if c.num_tokens and not isinstance(proposed.get(id(c)), Failed)]
         work = tuple(_Rows(c, c.start, c.seq.token_ids[c.start:c.start + c.num_tokens] + proposed.get(id(c), []),
                            proposed.get(id(c), [])) for c in (chunks[i] for i in computed))
@@ -142,7 +162,7 @@ class ModelRunner:
             elif isinstance(proposed.get(id(c)), Failed):       # its drafting failed: it did not run
                 rows[i] = proposed[id(c)]
         out: list[Sample | Failed | None] = [None] * len(chunks)
-        sampling, logits = [], []                               # chunk index, [1, V] per sampling chunk
+        chosen = []                                             # chunks that choose tokens: sampled or verified
         for i, (chunk, row) in enumerate(zip(chunks, rows)):
             if row is None or isinstance(row, Failed):
                 out[i] = row
@@ -151,19 +171,58 @@ class ModelRunner:
                 out[i] = Failed(NonFiniteLogits(
                     f"the model produced non-finite logits (NaN or inf) at position {position}, "
                     f"choosing completion token {len(chunk.seq.output_ids) + 1}"))
-            elif i in drafts:                                   # speculation: verify this sequence's drafts
-                out[i] = self._verify(chunk.seq, row, drafts[i])
             else:
-                sampling.append(i)
-                logits.append(row)
+                chosen.append(i)
+        masks = self._masks(chunks, chosen, drafts, out)        # grammar bitmask rows per chunk (None: none)
+        chosen = [i for i in chosen if out[i] is None]
+        sampling = [i for i in chosen if i not in drafts]
         if sampling:
-            for i, sample in zip(sampling, self._sample([chunks[i].seq for i in sampling], torch.cat(logits))):
+            constrained = [b for b, i in enumerate(sampling) if i in masks]          # rows with a grammar
+            grammar = None if not constrained else \
+                (torch.tensor(constrained, dtype=torch.long), torch.cat([masks[sampling[b]] for b in constrained]))
+            for i, sample in zip(sampling, self._sample([chunks[i].seq for i in sampling],
+                                                        torch.cat([rows[i] for i in sampling]), grammar)):
                 out[i] = sample
+        for i in chosen:
+            if i in drafts:                                     # speculation: verify this sequence's drafts
+                out[i] = self._verify(chunks[i].seq, rows[i], drafts[i], masks.get(i))
+        self._consume(chunks, [i for i in chosen if i in masks], out)
         if self.mtp:                                            # the state each sequence drafts from next
             for chunk, sample, h in zip(chunks, out, hidden):
                 if isinstance(sample, Sample) and h is not None:
                     self.drafter.remember(chunk.seq.seq_id, h[len(sample.token_ids) - 1])
         return out
+
+    def _masks(self, chunks, chosen: list[int], drafts: dict[int, list[int]], out: list) -> dict[int, torch.Tensor]:
+        """The grammar bitmasks of the constrained chunks among `chosen` (chunk index -> [1 + drafts, W]), all in
+        one batched fill (grammar.py); a chunk whose grammar fails gets its `Failed` in `out`."""
+        constrained = [i for i in chosen if chunks[i].seq.params.structured is not None]
+        if not constrained:
+            return {}
+        entries = [(chunks[i].seq, None if chunks[i].source is None else chunks[chunks[i].source].seq,
+                    drafts.get(i, [])) for i in constrained]
+        try:
+            buffer, errors = self.matchers.masks(entries)
+        except Exception as e:                                  # noqa: BLE001 - llguidance refused the whole call:
+            buffer, errors = None, [e] * len(entries)           # the constrained chunks fail, the others go on
+        masks, first = {}, 0
+        for i, (_, _, d), error in zip(constrained, entries, errors):
+            if error is not None:
+                out[i] = Failed(error)
+            else:
+                masks[i] = buffer[first:first + 1 + len(d)]
+            first += 1 + len(d)
+        return masks
+
+    def _consume(self, chunks, constrained: list[int], out: list) -> None:
+        """Feed each constrained chunk's matcher the tokens it emitted; a token its grammar rejects fails it."""
+        done = [i for i in constrained if isinstance(out[i], Sample)]
+        errors = self.matchers.consume([chunks[i].seq for i in done], [out[i].token_ids for i in done])
+        for i, error in zip(done, errors):
+            if error is not None:
+                out[i] = Failed(error)
+        if done:
+            self.grammar_stats.apply.observe(sum(o.grammar_seconds for o in out if isinstance(o, Sample)))
 
     def _drafts(self, chunks: list[Chunk]) -> dict[int, list[int] | Failed]:
         """id(chunk) -> the drafter's drafts for each chunk with draft slots (as many as it proposes, up to
@@ -221,23 +280,25 @@ class ModelRunner:
         except Exception as e:                                  # noqa: BLE001 - this request's failure only
             return Failed(e)
 
-    def _verify(self, seq, logits: torch.Tensor, drafts: list[int]) -> Sample | Failed:
+    def _verify(self, seq, logits: torch.Tensor, drafts: list[int], grammar: torch.Tensor | None) -> Sample | Failed:
         """The accepted drafts and one more token, by exact rejection sampling (speculative.verify) with the
-        sequence's own generator."""
+        sequence's own generator; `grammar`: a constrained sequence's K + 1 bitmask rows."""
         try:
             v = verify(logits, drafts, seq.params, seq.output_ids, seq.prompt_ids,
-                       self._generator(seq.seq_id, seq.params))
+                       self._generator(seq.seq_id, seq.params), grammar=grammar)
         except Exception as e:                                  # noqa: BLE001 - this request's failure only
             return Failed(e)
         return Sample(tuple(v.tokens), None if v.logprobs is None else tuple(v.logprobs),
-                      None if v.top_logprobs is None else tuple(v.top_logprobs), drafts=len(drafts))
+                      None if v.top_logprobs is None else tuple(v.top_logprobs), drafts=len(drafts),
+                      grammar_seconds=v.grammar_seconds)
 
-    def _sample(self, seqs, logits: torch.Tensor) -> list[Sample | Failed]:
-        """All sampling rows together; if that raises, each row alone from the generator state it had."""
+    def _sample(self, seqs, logits: torch.Tensor, grammar=None) -> list[Sample | Failed]:
+        """All sampling rows together; if that raises, each row alone from the generator state it had.
+        grammar: (constrained rows [R], their bitmasks [R, W]), None when no row is constrained."""
         generators = [self._generator(s.seq_id, s.params) for s in seqs]
         states = [None if g is None else g.get_state() for g in generators]
         try:
-            return self._sample_rows(seqs, logits, generators)
+            return self._sample_rows(seqs, logits, generators, grammar)
         except Exception:                                       # noqa: BLE001 - find the rows at fault
             pass
         out: list[Sample | Failed] = []
@@ -245,28 +306,32 @@ class ModelRunner:
             if g is not None:
                 g.set_state(state)
             try:
-                out += self._sample_rows([seq], logits[b:b + 1], [g])
+                out += self._sample_rows([seq], logits[b:b + 1], [g], _row_grammar(grammar, b))
             except Exception as e:                              # noqa: BLE001 - this request's failure only
                 out.append(Failed(e))
         return out
 
-    def _sample_rows(self, seqs, logits: torch.Tensor, generators) -> list[Sample]:
+    def _sample_rows(self, seqs, logits: torch.Tensor, generators, grammar) -> list[Sample]:
         result = self.sampler.sample(
             logits,                                                          # [B, V]
             [s.params for s in seqs],
             [s.output_ids for s in seqs],
             [s.prompt_ids for s in seqs],
             generators,
+            grammar,                                                         # ([R], [R, W]) or None
         )
+        share = result.grammar_seconds / len(seqs)                          # the apply's time, per row
         return [Sample((result.token_ids[b],),
                        None if result.logprobs is None else (result.logprobs[b],),
-                       None if result.top_logprobs is None else (result.top_logprobs[b],))
+                       None if result.top_logprobs is None else (result.top_logprobs[b],),
+                       grammar_seconds=share)
                 for b in range(len(seqs))]
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished or aborted sequence's generator and drafting state (its KV is the block
-        manager's to free)."""
+        """Forget a finished or aborted sequence's generator, grammar matcher and drafting state (its KV is
+        the block manager's to free)."""
         self._generators.pop(seq_id, None)
+        self.matchers.release(seq_id)
         if self.mtp:
             self.drafter.forget(seq_id)
 
@@ -274,6 +339,14 @@ class ModelRunner:
         if seq_id not in self._generators:
             self._generators[seq_id] = Sampler.make_generator(params)
         return self._generators[seq_id]
+
+
+def _row_grammar(grammar, b: int):
+    """Row b's part of a batch's (rows, bitmasks), as a batch of its own (None: row b is not constrained)."""
+    if grammar is None:
+        return None
+    hits = (grammar[0] == b).nonzero().flatten().tolist()
+    return (torch.zeros(1, dtype=torch.long), grammar[1][hits[0]:hits[0] + 1]) if hits else None
 
 
 def _finite(logits: torch.Tensor) -> bool:

@@ -38,6 +38,12 @@ is shared with plain decoding and consumed in order:
 - sampling drafter: one uniform per checked draft plus one for the final token (residual or bonus):
   reproducible for a seed, the same distribution, not the same text as plain decoding.
 
+Grammars (constrained decoding): the runner cuts a constrained sequence's drafts at the first one its
+grammar rejects before the forward, and hands `verify` one bitmask per row, row j's being the grammar's
+state after d_1 .. d_j; each row's sampling applies it as step 0, exactly as plain constrained decoding
+would at that position, so the acceptance above stays exact and the emitted tokens (accepted drafts, which
+the grammar allows, and a final token drawn from a masked row) always continue the grammar.
+
 Logprobs are those plain sampling reports: the log-softmax of each emitted row's adjusted logits (bias
 and penalties, before filters and temperature), with the row's own history.
 
@@ -56,10 +62,11 @@ import torch
 
 from gem4.sampling import (
     Generator, Sampler, SamplingParams, adjust_logits, draw_from, draw_uniform, filter_logits, gather_logprobs,
-    probabilities, sample,
+    probabilities, sample, top_list,
 )
 
 DEFAULT_PROMPT_LOOKUP = 5          # vLLM's prompt_lookup_min / max when neither is given
+_ROW0 = torch.zeros(1, dtype=torch.long)   # a verification row is sampled alone: its grammar mask is row 0's
 
 
 # ---- prompt lookup ----
@@ -122,6 +129,7 @@ class Verdict:
     num_accepted: int
     logprobs: list[float] | None = None             # per emitted token, when the request asked for logprobs
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    grammar_seconds: float = 0.0                    # time the grammar masks took to apply (0 without one)
 
 
 def verify(
@@ -132,13 +140,16 @@ def verify(
     prompt: Sequence[int] | None = None,
     generator: Generator = None,
     draft_probs: torch.Tensor | None = None,
+    grammar: torch.Tensor | None = None,
 ) -> Verdict:
     """Exact acceptance for one sequence (module docstring).
 
     logits [K + 1, V] float32: the target's rows for [last token, d_1 .. d_K]; drafts: the K draft ids;
     params / generated / prompt / generator: as `Sampler.sample` takes them for this sequence (generated:
     its tokens before this step); draft_probs [K, V]: the distributions a sampling drafter drew d_j from,
-    None for a deterministic drafter (prompt lookup, the greedy assistant).
+    None for a deterministic drafter (prompt lookup, the greedy assistant); grammar [K + 1, W]: a constrained
+    sequence's bitmask for each row (row j: the grammar's state after d_1 .. d_j), which is step 0 of row
+    j's sampling exactly as in plain constrained decoding, so acceptance stays exact.
     """
     k = len(drafts)
     if logits.dim() != 2 or logits.shape[0] != k + 1:
@@ -152,12 +163,15 @@ def verify(
     reject_with_q = draft_probs is not None and not params.greedy
     tokens: list[int] = []
     adjusted_rows = []
+    grammar_seconds = 0.0
     # Row by row, only as far as acceptance goes: each row costs what one plain sampling step costs (the
     # filters sort the whole vocabulary), and rows after the first rejection are never looked at.
     for j in range(k + 1):
         t = Sampler.tensors([params], [list(generated) + drafts[:j]], None if prompt is None else [prompt], vocab,
-                            logits.device)                          # row j's history: generated + d_1 .. d_j
-        adjusted = adjust_logits(logits[j:j + 1], t)                 # [1, V] steps 1-3
+                            logits.device,                          # row j's history: generated + d_1 .. d_j
+                            None if grammar is None else (_ROW0, grammar[j:j + 1]))
+        adjusted = adjust_logits(logits[j:j + 1], t)                 # [1, V] steps 0-3
+        grammar_seconds += t.grammar_seconds
         filtered = filter_logits(adjusted, t)                        # [1, V] steps 4-6
         adjusted_rows.append(adjusted)
         if j == k or not reject_with_q:
@@ -175,13 +189,13 @@ def verify(
             residual = p
         tokens.append(draw_from(residual, draw_uniform(generator)))
         break
-    out = Verdict(tokens, len(tokens) - 1)
+    out = Verdict(tokens, len(tokens) - 1, grammar_seconds=grammar_seconds)
     if not params.logprobs:
         return out
     chosen, top_ids, top_values = gather_logprobs(torch.cat(adjusted_rows).log_softmax(dim=-1),
                                                   torch.tensor(tokens, device=logits.device), params.top_logprobs)
-    top = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
-    return Verdict(tokens, out.num_accepted, chosen.tolist(), top)
+    top = [top_list(ids, values, params.top_logprobs) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+    return Verdict(tokens, out.num_accepted, chosen.tolist(), top, grammar_seconds)
 
 
 # ---- configuration ----

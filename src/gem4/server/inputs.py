@@ -56,7 +56,9 @@ from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudg
 from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
 from gem4.server.protocol import APIError, bad_request
-from gem4.server.state import DEFAULT_RENDER_SECONDS, EngineLike, ServerState
+from gem4.server.state import EngineLike, ServerState
+from gem4.structured.grammars import GrammarError, Lead, Plan, chat_plan, completion_plan, lead_of, validate
+from gem4.structured.spec import GrammarSpec
 
 # names encode_prompt / the renderers take themselves: never template variables from a request
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokenizer", "add_generation_prompt",
@@ -216,8 +218,8 @@ def check_turns(messages, template: str | None, max_model_len: int, room: int = 
 
 
 async def chat_prompt(engine: EngineLike, messages, tools: list[dict] | None, *, add_generation_prompt: bool,
-                      enable_thinking: bool, kwargs: dict, room: int = 1, request: Request | None = None,
-                      max_render_s: float | None = DEFAULT_RENDER_SECONDS) -> list[int]:
+                      enable_thinking: bool, kwargs: dict, request: Request | None, max_render_s: float | None,
+                      room: int = 1) -> list[int]:
     """A chat's prompt ids: the validated `messages` held to the turns bound (`check_turns`), rendered with the
     template within `max_render_s` seconds (None: no limit) and tokenized in the render pool, the rendered text
     held to the early character bound (`check_chars`, leaving `room`) first. The render stops, with a 400, when
@@ -336,13 +338,9 @@ def render_chat(tokenizer, messages, tools, *, add_generation_prompt: bool, enab
 
 
 def tools_for(req: P.ChatCompletionRequest) -> tuple[list[dict] | None, frozenset[str]]:
-    """The tools the template declares and the parser accepts, from tools + tool_choice."""
+    """The tools the template declares and the parser accepts, from tools + tool_choice ("required" and a
+    named choice are grammars: `chat_structured`)."""
     choice = req.tool_choice
-    if isinstance(choice, P.NamedToolChoice) or choice == "required":
-        what = f"a named tool_choice ({choice.function.name!r})" if isinstance(choice, P.NamedToolChoice) \
-            else "tool_choice 'required'"
-        raise bad_request(f"{what} is not supported yet: forcing a tool call needs constrained decoding. "
-                          "Use 'auto' or 'none'.", "tool_choice")
     if not req.tools or choice == "none":
         return None, frozenset()
     names = [t.function.name for t in req.tools]
@@ -350,6 +348,65 @@ def tools_for(req: P.ChatCompletionRequest) -> tuple[list[dict] | None, frozense
         raise bad_request("tool function names must be unique", "tools")
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
     return tools, frozenset(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Constrained decoding: the request's grammar (gem4.structured.grammars), compiled before admission
+# ---------------------------------------------------------------------------------------------
+
+
+async def chat_plan_of(req: P.ChatCompletionRequest, tools: list[dict] | None) -> Plan | None:
+    """The grammar a chat request asks for (tool_choice required / named, strict tools, response_format,
+    structured_outputs) but its lead, or None; 400 naming the parameter the compiler cannot honour. Before
+    the template renders anything: a schema is checked (and bounded) before the prompt it is part of."""
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, P.NamedToolChoice) else req.tool_choice
+    if (choice == "required" or isinstance(choice, dict)) and not tools:
+        raise bad_request("tool_choice 'required' or a named tool needs 'tools'", "tool_choice")
+    if (choice in (None, "auto", "none") and req.structured_outputs is None
+            and (req.response_format is None or req.response_format.type == "text")
+            and not any(t["function"].get("strict") for t in tools or [])):
+        return None                     # nothing to constrain (the common case): no trip to the thread pool
+    return await _off_loop(lambda: chat_plan(
+        tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
+        response_format=req.response_format.wire() if req.response_format else None,
+        structured_outputs=req.structured_outputs.wire() if req.structured_outputs else None))
+
+
+async def chat_structured(engine: EngineLike, plan: Plan | None, prompt_ids: list[int],
+                          thinking: bool) -> GrammarSpec | None:
+    """The plan's grammar with the lead the rendered prompt allows, compiled (`compiled`)."""
+    if plan is None:
+        return None
+    return await compiled(engine, plan.spec(lead_of(engine.tokenizer, prompt_ids, thinking)), plan)
+
+
+async def completion_structured(engine: EngineLike, req: P.CompletionRequest) -> GrammarSpec | None:
+    """The grammar of a completion request's structured_outputs, compiled, or None; 400 as for chat."""
+    if req.structured_outputs is None:
+        return None
+    plan = await _off_loop(lambda: completion_plan(req.structured_outputs.wire()))
+    return await compiled(engine, plan.spec(Lead.ANSWER), plan)
+
+
+async def compiled(engine: EngineLike, spec: GrammarSpec, plan: Plan) -> GrammarSpec:
+    """`spec`, compiled against the engine's grammar vocabulary in the thread pool (the engine reuses that
+    compile); 400 naming the plan's parameter when it does not compile."""
+    vocab = getattr(engine, "grammar_vocab", None)
+    stats = getattr(engine, "grammar_stats", None)
+    if vocab is None:
+        asked_by = "tool_choice" if plan.kind in ("tools_required", "tools_named") else plan.param.split(".")[0]
+        raise bad_request("This server's engine does not support constrained decoding (it has no grammar "
+                          "vocabulary).", asked_by)
+    await _off_loop(lambda: validate(spec, plan.param, vocab, stats.compile if stats is not None else None))
+    return spec
+
+
+async def _off_loop(work: Callable[[], Any]) -> Any:
+    """`work()` in the thread pool, its GrammarError as a 400."""
+    try:
+        return await asyncio.to_thread(work)
+    except GrammarError as e:
+        raise bad_request(e.message, e.param) from None
 
 
 # ---------------------------------------------------------------------------------------------

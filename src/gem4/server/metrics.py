@@ -22,6 +22,10 @@ Every family has the label `model_name`. Families:
     gem4:time_to_first_token_seconds     histogram  request accepted -> first generated token
     gem4:inter_token_latency_seconds     histogram  between consecutive generated tokens of a request
     gem4:e2e_request_latency_seconds     histogram  request accepted -> finished
+    gem4:grammar_compile_seconds         histogram  a structured request's grammar compile (2, 5)
+    gem4:grammar_mask_seconds            histogram  an engine step's grammar masks, all its constrained rows (2, 5)
+    gem4:grammar_apply_seconds           histogram  an engine step's mask apply to the logits (2, 5)
+    gem4:structured_requests_total       counter    structured requests, by `kind` of grammar (2, 5)
 
 (1) From the engine's scheduler (`Engine.request_counts()`: what it runs, and its waiting queue with the
     requests not yet taken in). An engine without that accessor (a test's stand-in) gets an estimate
@@ -37,6 +41,10 @@ Every family has the label `model_name`. Families:
     engine compute again and smaller by each request's last token (sampled, never run).
 (4) Not a vLLM family (vLLM has none for sequences per step); named after iteration_tokens_total.
     Buckets are powers of two.
+(5) Not vLLM families. From the engine's `grammar_stats` (gem4.structured.GrammarStats); `kind` is
+    tools_required, tools_named, tools_auto, json_schema, json_object, regex, choice or grammar
+    (docs/structured.md). A compile is counted where it happens: the server compiles each request's
+    grammar before admission (a grammar seen recently is a copy, ~1 us), the engine then copies it.
 
 Request-side values change on the event loop only (see request.py's thread model). The registry is this
 object's own, never prometheus_client's process-wide default, so several apps in one process do not
@@ -185,6 +193,17 @@ class _LiveCollector:
                                             labels=("model_name",)),
             "seqs": HistogramMetricFamily("gem4:iteration_seqs_total", "Histogram of sequences per engine step.",
                                           labels=("model_name",)),
+            "grammar_compile": HistogramMetricFamily("gem4:grammar_compile_seconds",
+                                                     "Histogram of grammar compile times of structured requests.",
+                                                     labels=("model_name",)),
+            "grammar_mask": HistogramMetricFamily("gem4:grammar_mask_seconds",
+                                                  "Histogram of grammar mask times per engine step.",
+                                                  labels=("model_name",)),
+            "grammar_apply": HistogramMetricFamily("gem4:grammar_apply_seconds",
+                                                   "Histogram of grammar mask apply times per engine step.",
+                                                   labels=("model_name",)),
+            "structured": CounterMetricFamily("gem4:structured_requests", "Structured requests by grammar kind.",
+                                              labels=("model_name", "kind")),
             "expert_hits": CounterMetricFamily("gem4:expert_cache_hits", "Streamed experts found in their layer's "
                                                "slots (per layer and step).", labels=("model_name",)),
             "expert_misses": CounterMetricFamily("gem4:expert_cache_misses", "Streamed experts read from the file.",
@@ -224,6 +243,14 @@ class _LiveCollector:
                 fam["expert_hits"].add_metric(label, stats.hits)
                 fam["expert_misses"].add_metric(label, stats.misses)
                 fam["expert_bytes"].add_metric(label, stats.bytes_read)
+            grammar = getattr(engine, "grammar_stats", None)
+            if grammar is not None:
+                for key, timing in (("grammar_compile", grammar.compile), ("grammar_mask", grammar.mask),
+                                    ("grammar_apply", grammar.apply)):
+                    cumulative, total = timing.histogram()
+                    fam[key].add_metric(label, [(floatToGoString(b), n) for b, n in cumulative], total)
+                for kind, n in sorted(dict(grammar.requests).items()):
+                    fam["structured"].add_metric([*label, kind], n)
             for key, attr, bounds in (("tokens", "step_tokens", _STEP_TOKEN_BUCKETS),
                                       ("seqs", "batch_sizes", _STEP_SEQ_BUCKETS)):
                 counts = getattr(engine, attr, None)

@@ -17,8 +17,9 @@ the templates format schemas and arguments recursively). `response_format` other
 refused before anything reads its schema (no constrained decoding yet), so it needs no bound here.
 
 Extensions beyond OpenAI's parameters follow vLLM's names: `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`, and the
-`/tokenize` / `/detokenize` bodies.
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`, `structured_outputs`
+(`json`, `regex`, `choice`, `grammar`, `json_object`: docs/structured.md), and the `/tokenize` /
+`/detokenize` bodies.
 """
 from __future__ import annotations
 
@@ -350,8 +351,39 @@ class StreamOptions(_In):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_In):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_In):
     type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs 'json_schema': {name, schema}")
+        return self
+
+    def wire(self) -> dict:
+        """As the grammar builders take it (gem4.structured.grammars)."""
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class StructuredOutputs(_In):
+    """vLLM's `structured_outputs` extension: exactly one of these constrains the output."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def wire(self) -> dict:
+        return self.model_dump(by_alias=True, exclude_none=True)
 
 
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
@@ -379,6 +411,7 @@ class SamplingRequest(_In):
     repetition_penalty: float | None = Field(None, gt=0.0)
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod

@@ -1,6 +1,11 @@
-"""POST /v1/chat/completions: messages (and tools) -> the chat template -> the engine -> `ChatOutput`."""
+"""POST /v1/chat/completions: messages (and tools) -> the chat template -> the engine -> `ChatOutput`.
+
+A forced tool call, a strict tool, a response_format document or structured_outputs becomes a grammar over
+the generated tokens (`chat_structured`, docs/structured.md); the output parser reads the constrained ids
+as it reads any others."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -11,7 +16,9 @@ from gem4.engine import EngineError
 from gem4.server import protocol as P
 from gem4.server.inputs import (
     chat_chars,
+    chat_plan_of,
     chat_prompt,
+    chat_structured,
     check_chars,
     check_length,
     parse,
@@ -33,12 +40,10 @@ async def chat_completions(request: Request):
     state: ServerState = request.app.state.gem4
     config = state.config
     req, engine = await parse(request, P.ChatCompletionRequest, state)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise bad_request(f"response_format {req.response_format.type!r} is not supported yet "
-                          "(it needs constrained decoding)", "response_format")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
     tools, tool_names = tools_for(req)
+    plan = await chat_plan_of(req, tools)
     thinking, kwargs = template_kwargs(config.default_chat_template_kwargs, req.chat_template_kwargs)
     max_tokens = req.token_limit
     params = sampling_params(req, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
@@ -50,6 +55,9 @@ async def chat_completions(request: Request):
                                    max_render_s=config.max_render_s)
     check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages",
                  "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    structured = await chat_structured(engine, plan, prompt_ids, thinking)
+    if structured is not None:
+        params = dataclasses.replace(params, structured=structured)
     outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
                        parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
                        top_logprobs=req.top_logprobs or 0) for _ in range(req.n)]
@@ -94,9 +102,9 @@ async def _chat_stream(gen: ServerRequest, outs: list[ChatOutput], request_id: s
             for delta in out.feed(ev):
                 yield sse(chunk(ev.index, delta, logprobs=out.take_logprobs()))
             if out.done:
-                yield sse(chunk(ev.index, P.ChatDelta(), out.finish_reason, out.take_logprobs()))
-                if not ev.finished:
+                if not ev.finished:               # ended here: the engine stops it now, logged with our reason
                     gen.end_choice(ev.index, out.finish_reason)
+                yield sse(chunk(ev.index, P.ChatDelta(), out.finish_reason, out.take_logprobs()))
         gen.close(outs[0].finish_reason)
         if include_usage:
             final = P.ChatCompletionChunk(id=request_id, created=created, model=name, choices=[],

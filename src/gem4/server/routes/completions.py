@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -10,7 +11,15 @@ from fastapi import APIRouter, Request
 
 from gem4.engine import EngineError
 from gem4.server import protocol as P
-from gem4.server.inputs import check_chars, check_length, parse, sampling_params, text_prompt, vocab_size
+from gem4.server.inputs import (
+    check_chars,
+    check_length,
+    completion_structured,
+    parse,
+    sampling_params,
+    text_prompt,
+    vocab_size,
+)
 from gem4.server.outputs import CompletionOutput, usage_of
 from gem4.server.protocol import bad_request
 from gem4.server.request import DONE, PING, EventStream, ServerRequest, sse, sse_error, whole_reply
@@ -41,6 +50,9 @@ async def completions(request: Request):
     params = sampling_params(req, vocab_size(engine), max_tokens=req.max_tokens, stop=req.stop_list(),
                              logprobs=req.logprobs is not None, top_logprobs=n_top)
     check_length(len(prompt_ids), req.max_tokens, engine.max_model_len, "prompt")
+    structured = await completion_structured(engine, req)
+    if structured is not None:
+        params = dataclasses.replace(params, structured=structured)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     gen = ServerRequest(state, request_id, prompt_ids, params, req.n)
     created = int(time.time())

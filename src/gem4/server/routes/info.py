@@ -77,7 +77,8 @@ async def tokenize(request: Request):
         thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
-                                enable_thinking=thinking, kwargs=kwargs, room=0)
+                                enable_thinking=thinking, kwargs=kwargs, request=request,
+                                max_render_s=state.config.max_render_s, room=0)
 
     def reply() -> dict[str, Any]:
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}

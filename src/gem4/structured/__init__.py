@@ -1,0 +1,15 @@
+"""Constrained decoding (structured outputs) with llguidance: what a request asks for and how it is compiled.
+
+- `spec.py`: `GrammarSpec`, the frozen grammar a request carries in `SamplingParams.structured`.
+- `vocab.py`: `GrammarVocab`, the llguidance view of a gem4 tokenizer (built once, in the background) and
+  the grammars compiled against it (`LLMatcher`s, one per sequence; the engine's runner owns them).
+- `stats.py`: `Timing` / `GrammarStats`, compile and mask times for the metrics.
+
+The engine applies the masks (engine/runner.py; the mask is step 0 of the sampler, sampling.py).
+docs/structured.md describes the whole path.
+"""
+from gem4.structured.spec import GrammarSpec
+from gem4.structured.stats import GrammarStats, Timing
+from gem4.structured.vocab import GrammarVocab, MatcherError, grammar_vocab
+
+__all__ = ["GrammarSpec", "GrammarStats", "GrammarVocab", "MatcherError", "Timing", "grammar_vocab"]
