@@ -13,8 +13,9 @@ Tools are bounded before anything renders them (`check_tools`, `FunctionDef`): a
 (128, OpenAI's own limit), each at most `MAX_TOOL_BYTES` (64 KiB as compact JSON; coding agents send
 20-60 tools of a few KiB), JSON nested at most `MAX_JSON_DEPTH` (64) deep in a parameters schema or
 in tool-call arguments (OpenAI's structured outputs allow 10 schema levels, about 22 JSON levels;
-the templates format schemas and arguments recursively). `response_format` other than `text` is
-refused before anything reads its schema (no constrained decoding yet), so it needs no bound here.
+the templates format schemas and arguments recursively). The numbers are the grammar compiler's own
+bounds on one schema (`gem4.structured.grammars`), which also bounds `response_format` and
+`structured_outputs` schemas when it builds their grammar.
 
 Extensions beyond OpenAI's parameters follow vLLM's names: `top_k`, `min_p`,
 `repetition_penalty`, `stop_token_ids`, `ignore_eos`, `chat_template_kwargs`, `structured_outputs`
@@ -41,6 +42,7 @@ from pydantic import (
 
 from gem4.sampling import LOGIT_BIAS_RANGE, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from gem4.stops import check_stops
+from gem4.structured.grammars import MAX_NESTING, MAX_SPEC_BYTES
 
 # ---------------------------------------------------------------------------------------------
 # Errors
@@ -202,8 +204,8 @@ def content_text(content: Any) -> str:
 
 
 MAX_TOOLS = 128                 # OpenAI's limit on functions per request
-MAX_TOOL_BYTES = 64 * 1024      # one tool as compact JSON
-MAX_JSON_DEPTH = 64             # objects and arrays nested in a parameters schema or in tool-call arguments
+MAX_TOOL_BYTES = MAX_SPEC_BYTES  # one tool as compact JSON: what the grammar compiler takes of one schema
+MAX_JSON_DEPTH = MAX_NESTING     # objects and arrays nested in a parameters schema or in tool-call arguments
 
 
 def json_depth(value: Any) -> int:
