@@ -16,9 +16,10 @@ with a nested object and an array; thinking off):
 
 `serve`: `gem4 serve FILE --max-num-seqs N --max-model-len C --threads T` (one server per N; `--spec` adds a
 second one per N with ngram speculation, K = 4), warmed with one constrained and one plain request. Each round
-runs every mode in turn (interleaved: round r runs required, its twin, named, its twin, ...), N concurrent
-streaming chat requests (distinct random-token user messages of --prompt tokens; thinking off; temperature 0;
-max_tokens --output). A mode and its unconstrained twin are the same request without the constraint:
+runs N concurrent streaming chat requests (distinct user messages of --prompt random words; thinking off;
+temperature 0; max_tokens --output) of every mode, interleaved with their unconstrained twins: the twin with
+tools (once), required, named, auto_strict, then the twin without tools (once), json_schema. A mode and its
+twin are the same request without the constraint:
 
     required     tool_choice "required", two tools           twin: tool_choice "auto" (same tools, same prompt)
     named        tool_choice {function: get_weather}          twin: tool_choice "auto"
@@ -304,16 +305,23 @@ def serve(a) -> None:
                     httpx.post(url + "/v1/chat/completions", timeout=600,
                                json={**chat_body(fields, "warm up", 8, twin), "stream": False}).raise_for_status()
                 rounds = {m: [] for m in MODES}
+                twins = {json.dumps(plain, sort_keys=True): plain for _, plain in MODES.values()}
                 for r in range(a.repeats):
-                    for mode, (constrained, plain) in MODES.items():
-                        prompts = [" ".join(rng.choice(words) for _ in range(a.prompt)) for _ in range(n)]
-                        got = batch_tpot(url, [chat_body(constrained, p, a.output, False) for p in prompts])
-                        base = batch_tpot(url, [chat_body(plain, p, a.output, True) for p in prompts])
-                        rounds[mode].append((got, base))
-                        print(f"spec={spec} N={n} round {r} {mode}: {1e3 * got['tpot']:.1f} ms (grammar "
-                              f"{1e3 * got['grammar']:.2f} ms/step, {got['tokens']} tokens, {got['finish']}) vs "
-                              f"{1e3 * base['tpot']:.1f} ms ({base['tokens']} tokens); load {os.getloadavg()[0]:.1f}",
-                              flush=True)
+                    prompts = [" ".join(rng.choice(words) for _ in range(a.prompt)) for _ in range(n)]
+                    base = {}
+                    for key, plain in twins.items():       # each distinct twin once, then the modes it serves
+                        base[key] = batch_tpot(url, [chat_body(plain, p, a.output, True) for p in prompts])
+                        print(f"spec={spec} N={n} round {r} twin {sorted(plain) or 'plain'}: "
+                              f"{1e3 * base[key]['tpot']:.1f} ms ({base[key]['tokens']} tokens); "
+                              f"load {os.getloadavg()[0]:.1f}", flush=True)
+                        for mode, (constrained, twin) in MODES.items():
+                            if json.dumps(twin, sort_keys=True) != key:
+                                continue
+                            got = batch_tpot(url, [chat_body(constrained, p, a.output, False) for p in prompts])
+                            rounds[mode].append((got, base[key]))
+                            print(f"spec={spec} N={n} round {r} {mode}: {1e3 * got['tpot']:.1f} ms (grammar "
+                                  f"{1e3 * got['grammar']:.2f} ms/step, {got['tokens']} tokens, {got['finish']}); "
+                                  f"load {os.getloadavg()[0]:.1f}", flush=True)
                 counters = histograms(url)
             finally:
                 proc.send_signal(signal.SIGINT)

@@ -414,3 +414,25 @@ def test_the_vocabulary_builds_in_the_background(model, tok):
     assert engine.grammar_vocab is grammar_vocab(tok, model.config.vocab_size, tok.special.end_of_generation)
     events = list(engine.generate(tok.encode("x"), SamplingParams(temperature=0, max_tokens=8, structured=WORDS)))
     assert engine.grammar_vocab.ready and events[-1].finish_reason in ("stop", "length")
+
+
+def test_greedy_rows_check_the_argmax_first_and_choose_what_the_mask_chooses():
+    """A greedy row without logprobs is masked only when its argmax is refused (sampling.greedy_within_grammar):
+    the token is the masked argmax's in every case, ties to the lowest id included; the same with logprobs
+    (masked first) and for the unconstrained rows (not masked)."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 300
+    plain = SamplingParams(temperature=0, top_k=5, logit_bias={7: 3.0})
+    with_logprobs = SamplingParams(temperature=0, logit_bias={7: 3.0}, logprobs=True)
+    params = [plain, plain, plain, with_logprobs, plain, plain]
+    rows = torch.tensor([0, 2, 3, 5])                                     # 1 and 4 unconstrained
+    for trial in range(40):
+        logits = torch.randn(6, vocab, generator=gen).round(decimals=1)      # many ties
+        allowed = torch.rand(6, vocab, generator=gen) < (0.02 if trial % 2 else 0.7)
+        allowed[:, 5] = True
+        out = Sampler().sample(logits, params, [[]] * 6, grammar=(rows, pack(allowed)[rows]))
+        biased = logits.clone()
+        biased[:, 7] += 3.0
+        masked = biased.masked_fill(~allowed, float("-inf"))
+        want = [int((masked if b in rows.tolist() else biased)[b].argmax()) for b in range(6)]
+        assert out.token_ids == want

@@ -17,7 +17,10 @@ The grammar mask comes first (vLLM applies its grammar bitmask before its sample
 penalty can revive a token the grammar forbids, and the logprobs describe the constrained distribution
 (masked tokens have logprob -inf and never appear in a top_logprobs list). Steps 1-3 are elementwise and
 keep -inf at -inf, so the code applies the mask after them, where the +-LOGIT_LIMIT clamp cannot turn a
-masked -inf into a finite -1e30; the result is the one "mask first" defines. The mask is the engine's
+masked -inf into a finite -1e30; the result is the one "mask first" defines. A greedy row that reports no
+logprobs checks its argmax against the grammar first and is masked only when the grammar refuses it
+(`greedy_within_grammar`, llama.cpp's order): the same token, without the mask's pass over the row when the
+model already follows the grammar. The mask is the engine's
 (engine/runner.py: one llguidance bitmask per constrained row, bit t % 32 of int32 word t // 32: set =
 allowed); unconstrained rows cost nothing.
 
@@ -353,6 +356,26 @@ def apply_grammar_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.
     return logits.index_add_(0, rows.to(logits.device), add)
 
 
+def greedy_within_grammar(adjusted: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor,
+                          bitmask: torch.Tensor) -> torch.Tensor:
+    """The greedy choice of constrained rows whose mask was not applied (llama.cpp's check-then-mask): a row whose
+    argmax `token_ids[r]` its grammar allows keeps it -- it is the lowest-id maximum of all tokens, so of the
+    allowed ones too; the others are masked (in `adjusted`) and take the argmax again. Exact for greedy rows
+    (the filters 4-6 keep the top token) that report no logprobs, and the mask costs nothing when the model
+    already follows the grammar. adjusted: [B, V] steps 1-3; token_ids: [B]; rows [R] and bitmask [R, W] as
+    `apply_grammar_mask`. Returns the token ids [B]."""
+    chosen = token_ids[rows]  # [R]
+    word = bitmask.gather(1, (chosen // 32)[:, None]).squeeze(1)  # [R] int32
+    refused = ((word >> (chosen % 32).int()) & 1) == 0  # [R]
+    if not bool(refused.any()):
+        return token_ids
+    bad = rows[refused]
+    apply_grammar_mask(adjusted, bad, bitmask[refused])
+    token_ids = token_ids.clone()
+    token_ids[bad] = greedy(adjusted[bad])
+    return token_ids
+
+
 def _scatter_sorted(mask_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     # mask_sorted[b, r] belongs to token order[b, r]; returns the mask in vocabulary order.
     return torch.empty_like(mask_sorted).scatter_(-1, order, mask_sorted)
@@ -625,9 +648,19 @@ class Sampler:
         if generators is None:
             generators = [self.make_generator(p) for p in params]
 
+        # greedy rows that report no logprobs check their argmax against the grammar instead of masking first
+        deferred = None
+        if grammar is not None:
+            lazy = torch.tensor([params[r].greedy and not params[r].logprobs for r in grammar[0].tolist()])
+            if bool(lazy.any()):
+                deferred, grammar = (grammar[0][lazy], grammar[1][lazy]), (grammar[0][~lazy], grammar[1][~lazy])
         t = self.tensors(params, generated, prompts, vocab, logits.device, grammar)
         adjusted = adjust_logits(logits, t)  # [B, V]
         token_ids = sample(filter_logits(adjusted, t), t.temperature, generators)  # [B]
+        if deferred is not None:
+            start = time.perf_counter()
+            token_ids = greedy_within_grammar(adjusted, token_ids, *deferred)
+            t.grammar_seconds += time.perf_counter() - start
 
         if not any(p.logprobs for p in params):
             return SampleOutput(token_ids.tolist(), grammar_seconds=t.grammar_seconds)
