@@ -421,15 +421,16 @@ def test_greedy_rows_check_the_argmax_first_and_choose_what_the_mask_chooses():
     the token is the masked argmax's in every case, ties to the lowest id included; the same with logprobs
     (masked first) and for the unconstrained rows (not masked)."""
     gen = torch.Generator().manual_seed(3)
-    vocab = 300
     plain = SamplingParams(temperature=0, top_k=5, logit_bias={7: 3.0})
     with_logprobs = SamplingParams(temperature=0, logit_bias={7: 3.0}, logprobs=True)
     params = [plain, plain, plain, with_logprobs, plain, plain]
     rows = torch.tensor([0, 2, 3, 5])                                     # 1 and 4 unconstrained
-    for trial in range(40):
+    # the argmax allowed (kept), refused with few allowed ids (argmax over them), refused with many (masked)
+    for trial, (vocab, density) in enumerate([(300, 0.7), (300, 0.02), (4099, 0.001), (4099, 0.3)] * 10):
         logits = torch.randn(6, vocab, generator=gen).round(decimals=1)      # many ties
-        allowed = torch.rand(6, vocab, generator=gen) < (0.02 if trial % 2 else 0.7)
+        allowed = torch.rand(6, vocab, generator=gen) < density
         allowed[:, 5] = True
+        allowed[:, vocab - 1] = trial % 3 == 0                               # the last id, in the last word
         out = Sampler().sample(logits, params, [[]] * 6, grammar=(rows, pack(allowed)[rows]))
         biased = logits.clone()
         biased[:, 7] += 3.0

@@ -356,23 +356,45 @@ def apply_grammar_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.
     return logits.index_add_(0, rows.to(logits.device), add)
 
 
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+SPARSE_WORDS = 1 / 16    # a refused row whose mask has at most this share of nonzero words: argmax over its ids
+
+
 def greedy_within_grammar(adjusted: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor,
                           bitmask: torch.Tensor) -> torch.Tensor:
     """The greedy choice of constrained rows whose mask was not applied (llama.cpp's check-then-mask): a row whose
     argmax `token_ids[r]` its grammar allows keeps it -- it is the lowest-id maximum of all tokens, so of the
-    allowed ones too; the others are masked (in `adjusted`) and take the argmax again. Exact for greedy rows
-    (the filters 4-6 keep the top token) that report no logprobs, and the mask costs nothing when the model
-    already follows the grammar. adjusted: [B, V] steps 1-3; token_ids: [B]; rows [R] and bitmask [R, W] as
-    `apply_grammar_mask`. Returns the token ids [B]."""
+    allowed ones too. A refused row takes the argmax over its allowed ids: gathered from its few nonzero mask
+    words when the grammar allows few tokens (a structural position: a name, a key, a bracket), so the row is
+    never rewritten; otherwise the row is masked (in `adjusted`) and its argmax taken again. Exact for greedy
+    rows (the filters 4-6 keep the top token) that report no logprobs. adjusted: [B, V] steps 1-3; token_ids:
+    [B]; rows [R] and bitmask [R, W] as `apply_grammar_mask`. Returns the token ids [B]."""
     chosen = token_ids[rows]  # [R]
     word = bitmask.gather(1, (chosen // 32)[:, None]).squeeze(1)  # [R] int32
     refused = ((word >> (chosen % 32).int()) & 1) == 0  # [R]
     if not bool(refused.any()):
         return token_ids
-    bad = rows[refused]
-    apply_grammar_mask(adjusted, bad, bitmask[refused])
     token_ids = token_ids.clone()
-    token_ids[bad] = greedy(adjusted[bad])
+    bad, words = rows[refused], bitmask[refused]  # [R'], [R', W]
+    vocab = adjusted.shape[1]
+    nonzero = words != 0  # [R', W]
+    sparse = nonzero.sum(1) <= SPARSE_WORDS * words.shape[1]  # [R']
+    if bool(sparse.any()):
+        r, w = nonzero[sparse].nonzero(as_tuple=True)  # [M] the nonzero words
+        m, j = ((words[sparse][r, w].unsqueeze(1) >> _SHIFTS) & 1).nonzero(as_tuple=True)  # set bits
+        row, ids = r[m], w[m] * 32 + j  # allowed (row, id), ids ascending within a row
+        inside = ids < vocab
+        row, ids = row[inside], ids[inside]
+        target = bad[sparse]  # [S] the rows of `adjusted`
+        values = adjusted[target[row], ids]  # [A]
+        best = torch.full((len(target),), _NEG_INF).scatter_reduce(0, row, values, "amax")
+        first = torch.full((len(target),), vocab).scatter_reduce(0, row, torch.where(values == best[row], ids, vocab),
+                                                                 "amin")  # the lowest id with the best value
+        token_ids[target] = first
+    if not bool(sparse.all()):
+        dense = bad[~sparse]
+        apply_grammar_mask(adjusted, dense, words[~sparse])
+        token_ids[dense] = greedy(adjusted[dense])
     return token_ids
 
 
