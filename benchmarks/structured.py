@@ -2,6 +2,7 @@
 
     python benchmarks/structured.py micro                                   # the real 262,144-token vocabulary
     python benchmarks/structured.py serve benchmarks/out/e2b-q4_0.gguf --n 1 8 --repeats 3 [--spec]
+    python benchmarks/structured.py startup benchmarks/out/e2b-q4_0.gguf
 
 `micro` (no model): the grammar vocabulary of the real Gemma 4 tokenizer (tests/assets/gemma4-vocab), its build
 time, then for four request grammars built by gem4.structured.grammars exactly as the server builds them
@@ -13,6 +14,10 @@ with a nested object and an array; thinking off):
   a JSON document, tokenized by gem4; row b starts b / B of the way in, and starts again at the end): the mask
   fill (`Matchers.masks`, the engine's batched llguidance call), the apply (`sampling.apply_grammar_mask` on
   [B, 262144] float32 logits) and the consume (`Matchers.consume`). Reported per row: mean, p50, p99 (us).
+
+`startup`: the E2B file loaded once; then, interleaved, `Engine(model, tokenizer)` with the grammar vocabulary
+building in the background (structured=True, the default) and with structured=False, each followed at once by
+a plain request (--prompt tokens, 4 output): its time to first token counted from the Engine() call.
 
 `serve`: `gem4 serve FILE --max-num-seqs N --max-model-len C --threads T` (one server per N; `--spec` adds a
 second one per N with ngram speculation, K = 4), warmed with one constrained and one plain request. Each round
@@ -40,6 +45,7 @@ counters' means over the whole run (compile, mask, apply) are printed at the end
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -355,6 +361,39 @@ def serve(a) -> None:
     Path(a.save).write_text(json.dumps(results, indent=1))
 
 
+def startup(a) -> None:
+    """The first request right after `Engine(...)`: its time to first token with the grammar vocabulary building
+    in the background (structured=True, the default) and without it, interleaved."""
+    import gem4  # noqa: F401  first: sets the OpenMP environment before torch loads
+    import torch
+
+    from gem4 import Engine, SamplingParams
+    from gem4.tokenizer import Tokenizer
+
+    torch.set_num_threads(a.threads)
+    model = gem4.load(a.model)
+    prompt = [2] + random.Random(0).sample(range(1000, 200000), a.prompt - 1)
+    ttft = {True: [], False: []}
+    for r in range(a.repeats):
+        for structured in (True, False):
+            tok = Tokenizer.from_file(a.model)                 # a fresh tokenizer: a fresh vocabulary build
+            start = time.perf_counter()
+            engine = Engine(model, tok, max_model_len=a.prompt + 64, structured=structured)
+            stream = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=4))
+            first = stream.get()
+            ttft[structured].append(time.perf_counter() - start)
+            list(stream) if not first.finished else None
+            if structured:
+                engine.grammar_vocab.lltokenizer()             # let the build end before the next run
+            engine.shutdown()
+            del engine, stream, tok                            # freed here, not inside the next timed Engine()
+            gc.collect()
+            print(f"round {r} structured={structured}: first token after {ttft[structured][-1]:.3f} s", flush=True)
+    for structured, values in ttft.items():
+        print(f"structured={structured}: TTFT median {statistics.median(values):.3f} s (min {min(values):.3f}, "
+              f"max {max(values):.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -374,8 +413,13 @@ def main() -> None:
     s.add_argument("--ready-timeout", type=float, default=600)
     s.add_argument("--log", default="benchmarks/out/structured-servers.log")
     s.add_argument("--save", default="benchmarks/out/structured-runs.json")
+    u = sub.add_parser("startup")
+    u.add_argument("model")
+    u.add_argument("--prompt", type=int, default=64)
+    u.add_argument("--repeats", type=int, default=3)
+    u.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    micro(a) if a.what == "micro" else serve(a)
+    {"micro": micro, "serve": serve, "startup": startup}[a.what](a)
 
 
 if __name__ == "__main__":
