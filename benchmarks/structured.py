@@ -1,7 +1,7 @@
 """Constrained decoding (issue 28): what a grammar costs per output token, and its parts. Not part of CI.
 
     python benchmarks/structured.py micro                                   # the real 262,144-token vocabulary
-    python benchmarks/structured.py serve benchmarks/out/e2b-q4_0.gguf --n 1 8 --repeats 3 [--spec]
+    python benchmarks/structured.py serve benchmarks/out/e2b-q4_0.gguf --n 1 8 --repeats 3 [--spec both]
     python benchmarks/structured.py startup benchmarks/out/e2b-q4_0.gguf
 
 `micro` (no model): the grammar vocabulary of the real Gemma 4 tokenizer (tests/assets/gemma4-vocab), its build
@@ -19,8 +19,8 @@ with a nested object and an array; thinking off):
 building in the background (structured=True, the default) and with structured=False, each followed at once by
 a plain request (--prompt tokens, 4 output): its time to first token counted from the Engine() call.
 
-`serve`: `gem4 serve FILE --max-num-seqs N --max-model-len C --threads T` (one server per N; `--spec` adds a
-second one per N with ngram speculation, K = 4), warmed with one constrained and one plain request. Each round
+`serve`: `gem4 serve FILE --max-num-seqs N --max-model-len C --threads T` (one server per N; `--spec ngram` runs it with
+ngram speculation, K = 4, `--spec both` a server each), warmed with one constrained and one plain request. Each round
 runs N concurrent streaming chat requests (distinct user messages of --prompt random words; thinking off;
 temperature 0; max_tokens --output) of every mode, interleaved with their unconstrained twins: the twin with
 tools (once), required, named, auto_strict, then the twin without tools (once), json_schema. A mode and its
@@ -294,7 +294,7 @@ def serve(a) -> None:
     rng = random.Random(0)
     words = "alpha beta gamma delta river stone cloud paper green quick lamp north seven table".split()
     results = []
-    for spec in ([False, True] if a.spec else [False]):
+    for spec in {"off": [False], "ngram": [True], "both": [False, True]}[a.spec]:
         for n in a.n:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -409,7 +409,8 @@ def main() -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--ctx", type=int, default=1024)
-    s.add_argument("--spec", action="store_true", help="also with ngram speculation (K = 4)")
+    s.add_argument("--spec", choices=("off", "ngram", "both"), default="off",
+                   help="ngram speculation (K = 4): off, on, or a server each")
     s.add_argument("--ready-timeout", type=float, default=600)
     s.add_argument("--log", default="benchmarks/out/structured-servers.log")
     s.add_argument("--save", default="benchmarks/out/structured-runs.json")

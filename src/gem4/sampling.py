@@ -20,9 +20,8 @@ keep -inf at -inf, so the code applies the mask after them, where the +-LOGIT_LI
 masked -inf into a finite -1e30; the result is the one "mask first" defines. A greedy row that reports no
 logprobs checks its argmax against the grammar first and is masked only when the grammar refuses it
 (`greedy_within_grammar`, llama.cpp's order): the same token, without the mask's pass over the row when the
-model already follows the grammar. The mask is the engine's
-(engine/runner.py: one llguidance bitmask per constrained row, bit t % 32 of int32 word t // 32: set =
-allowed); unconstrained rows cost nothing.
+model already follows the grammar. The masks are the engine's (engine/runner.py: one llguidance bitmask per
+constrained row, bit t % 32 of int32 word t // 32: set = allowed); unconstrained rows cost nothing.
 
 Bias comes first among the rest so that the penalties see the biased logit (vLLM v1 does the same); the
 filters 4-6 each renormalise what the previous one kept, and all of them run at T = 1, so
@@ -61,7 +60,8 @@ Greedy: temperatures below 1e-5 count as 0 (vLLM's _SAMPLING_EPS): dividing logi
 smaller temperature overflows float32 to inf and the softmax to NaN.
 
 Finite by construction: for valid parameters and finite model logits every number this module
-returns is finite (a top_logprobs list leaves out the tokens a grammar masks rather than list them at -inf). The adjusted logits (steps 1-3) are clamped to +-1e30 (``LOGIT_LIMIT``),
+returns is finite (a top_logprobs list leaves out the tokens a grammar masks rather than list them
+at -inf). The adjusted logits (steps 1-3) are clamped to +-1e30 (``LOGIT_LIMIT``),
 so an extreme but valid penalty (repetition_penalty 1e-300 divides a positive logit by what
 float32 rounds to 0) saturates instead of producing inf and then NaN in the log-softmax; a
 logprob can still be very negative (the server writes anything below -9999 as -9999, as vLLM
@@ -381,15 +381,15 @@ def greedy_within_grammar(adjusted: torch.Tensor, token_ids: torch.Tensor, rows:
     sparse = nonzero.sum(1) <= SPARSE_WORDS * words.shape[1]  # [R']
     if bool(sparse.any()):
         r, w = nonzero[sparse].nonzero(as_tuple=True)  # [M] the nonzero words
-        m, j = ((words[sparse][r, w].unsqueeze(1) >> _SHIFTS) & 1).nonzero(as_tuple=True)  # set bits
+        m, j = ((words[sparse][r, w].unsqueeze(1) >> _SHIFTS.to(words.device)) & 1).nonzero(as_tuple=True)
         row, ids = r[m], w[m] * 32 + j  # allowed (row, id), ids ascending within a row
         inside = ids < vocab
         row, ids = row[inside], ids[inside]
         target = bad[sparse]  # [S] the rows of `adjusted`
         values = adjusted[target[row], ids]  # [A]
-        best = torch.full((len(target),), _NEG_INF).scatter_reduce(0, row, values, "amax")
-        first = torch.full((len(target),), vocab).scatter_reduce(0, row, torch.where(values == best[row], ids, vocab),
-                                                                 "amin")  # the lowest id with the best value
+        best = torch.full((len(target),), _NEG_INF, device=values.device).scatter_reduce(0, row, values, "amax")
+        first = torch.full((len(target),), vocab, device=ids.device).scatter_reduce(
+            0, row, torch.where(values == best[row], ids, vocab), "amin")  # the lowest id with the best value
         token_ids[target] = first
     if not bool(sparse.all()):
         dense = bad[~sparse]
