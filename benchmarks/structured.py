@@ -1,7 +1,8 @@
 """Constrained decoding (issue 28): what a grammar costs per output token, and its parts. Not part of CI.
 
     python benchmarks/structured.py micro                                   # the real 262,144-token vocabulary
-    python benchmarks/structured.py serve benchmarks/out/e2b-q4_0.gguf --n 1 8 --repeats 3 [--spec]
+    python benchmarks/structured.py serve benchmarks/out/e2b-q4_0.gguf --n 1 8 --repeats 3 [--spec both]
+    python benchmarks/structured.py startup benchmarks/out/e2b-q4_0.gguf
 
 `micro` (no model): the grammar vocabulary of the real Gemma 4 tokenizer (tests/assets/gemma4-vocab), its build
 time, then for four request grammars built by gem4.structured.grammars exactly as the server builds them
@@ -14,11 +15,16 @@ with a nested object and an array; thinking off):
   fill (`Matchers.masks`, the engine's batched llguidance call), the apply (`sampling.apply_grammar_mask` on
   [B, 262144] float32 logits) and the consume (`Matchers.consume`). Reported per row: mean, p50, p99 (us).
 
-`serve`: `gem4 serve FILE --max-num-seqs N --max-model-len C --threads T` (one server per N; `--spec` adds a
-second one per N with ngram speculation, K = 4), warmed with one constrained and one plain request. Each round
-runs every mode in turn (interleaved: round r runs required, its twin, named, its twin, ...), N concurrent
-streaming chat requests (distinct random-token user messages of --prompt tokens; thinking off; temperature 0;
-max_tokens --output). A mode and its unconstrained twin are the same request without the constraint:
+`startup`: the E2B file loaded once; then, interleaved, `Engine(model, tokenizer)` with the grammar vocabulary
+building in the background (structured=True, the default) and with structured=False, each followed at once by
+a plain request (--prompt tokens, 4 output): its time to first token counted from the Engine() call.
+
+`serve`: `gem4 serve FILE --max-num-seqs N --max-model-len C --threads T` (one server per N; `--spec ngram` runs it with
+ngram speculation, K = 4, `--spec both` a server each), warmed with one constrained and one plain request. Each round
+runs N concurrent streaming chat requests (distinct user messages of --prompt random words; thinking off;
+temperature 0; max_tokens --output) of every mode, interleaved with their unconstrained twins: the twin with
+tools (once), required, named, auto_strict, then the twin without tools (once), json_schema. A mode and its
+twin are the same request without the constraint:
 
     required     tool_choice "required", two tools           twin: tool_choice "auto" (same tools, same prompt)
     named        tool_choice {function: get_weather}          twin: tool_choice "auto"
@@ -39,6 +45,7 @@ counters' means over the whole run (compile, mask, apply) are printed at the end
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -287,7 +294,7 @@ def serve(a) -> None:
     rng = random.Random(0)
     words = "alpha beta gamma delta river stone cloud paper green quick lamp north seven table".split()
     results = []
-    for spec in ([False, True] if a.spec else [False]):
+    for spec in {"off": [False], "ngram": [True], "both": [False, True]}[a.spec]:
         for n in a.n:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
@@ -304,16 +311,23 @@ def serve(a) -> None:
                     httpx.post(url + "/v1/chat/completions", timeout=600,
                                json={**chat_body(fields, "warm up", 8, twin), "stream": False}).raise_for_status()
                 rounds = {m: [] for m in MODES}
+                twins = {json.dumps(plain, sort_keys=True): plain for _, plain in MODES.values()}
                 for r in range(a.repeats):
-                    for mode, (constrained, plain) in MODES.items():
-                        prompts = [" ".join(rng.choice(words) for _ in range(a.prompt)) for _ in range(n)]
-                        got = batch_tpot(url, [chat_body(constrained, p, a.output, False) for p in prompts])
-                        base = batch_tpot(url, [chat_body(plain, p, a.output, True) for p in prompts])
-                        rounds[mode].append((got, base))
-                        print(f"spec={spec} N={n} round {r} {mode}: {1e3 * got['tpot']:.1f} ms (grammar "
-                              f"{1e3 * got['grammar']:.2f} ms/step, {got['tokens']} tokens, {got['finish']}) vs "
-                              f"{1e3 * base['tpot']:.1f} ms ({base['tokens']} tokens); load {os.getloadavg()[0]:.1f}",
-                              flush=True)
+                    prompts = [" ".join(rng.choice(words) for _ in range(a.prompt)) for _ in range(n)]
+                    base = {}
+                    for key, plain in twins.items():       # each distinct twin once, then the modes it serves
+                        base[key] = batch_tpot(url, [chat_body(plain, p, a.output, True) for p in prompts])
+                        print(f"spec={spec} N={n} round {r} twin {sorted(plain) or 'plain'}: "
+                              f"{1e3 * base[key]['tpot']:.1f} ms ({base[key]['tokens']} tokens); "
+                              f"load {os.getloadavg()[0]:.1f}", flush=True)
+                        for mode, (constrained, twin) in MODES.items():
+                            if json.dumps(twin, sort_keys=True) != key:
+                                continue
+                            got = batch_tpot(url, [chat_body(constrained, p, a.output, False) for p in prompts])
+                            rounds[mode].append((got, base[key]))
+                            print(f"spec={spec} N={n} round {r} {mode}: {1e3 * got['tpot']:.1f} ms (grammar "
+                                  f"{1e3 * got['grammar']:.2f} ms/step, {got['tokens']} tokens, {got['finish']}); "
+                                  f"load {os.getloadavg()[0]:.1f}", flush=True)
                 counters = histograms(url)
             finally:
                 proc.send_signal(signal.SIGINT)
@@ -347,6 +361,39 @@ def serve(a) -> None:
     Path(a.save).write_text(json.dumps(results, indent=1))
 
 
+def startup(a) -> None:
+    """The first request right after `Engine(...)`: its time to first token with the grammar vocabulary building
+    in the background (structured=True, the default) and without it, interleaved."""
+    import gem4  # noqa: F401  first: sets the OpenMP environment before torch loads
+    import torch
+
+    from gem4 import Engine, SamplingParams
+    from gem4.tokenizer import Tokenizer
+
+    torch.set_num_threads(a.threads)
+    model = gem4.load(a.model)
+    prompt = [2] + random.Random(0).sample(range(1000, 200000), a.prompt - 1)
+    ttft = {True: [], False: []}
+    for r in range(a.repeats):
+        for structured in (True, False):
+            tok = Tokenizer.from_file(a.model)                 # a fresh tokenizer: a fresh vocabulary build
+            start = time.perf_counter()
+            engine = Engine(model, tok, max_model_len=a.prompt + 64, structured=structured)
+            stream = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=4))
+            first = stream.get()
+            ttft[structured].append(time.perf_counter() - start)
+            list(stream) if not first.finished else None
+            if structured:
+                engine.grammar_vocab.lltokenizer()             # let the build end before the next run
+            engine.shutdown()
+            del engine, stream, tok                            # freed here, not inside the next timed Engine()
+            gc.collect()
+            print(f"round {r} structured={structured}: first token after {ttft[structured][-1]:.3f} s", flush=True)
+    for structured, values in ttft.items():
+        print(f"structured={structured}: TTFT median {statistics.median(values):.3f} s (min {min(values):.3f}, "
+              f"max {max(values):.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -362,12 +409,18 @@ def main() -> None:
     s.add_argument("--repeats", type=int, default=3)
     s.add_argument("--threads", type=int, default=2)
     s.add_argument("--ctx", type=int, default=1024)
-    s.add_argument("--spec", action="store_true", help="also with ngram speculation (K = 4)")
+    s.add_argument("--spec", choices=("off", "ngram", "both"), default="off",
+                   help="ngram speculation (K = 4): off, on, or a server each")
     s.add_argument("--ready-timeout", type=float, default=600)
     s.add_argument("--log", default="benchmarks/out/structured-servers.log")
     s.add_argument("--save", default="benchmarks/out/structured-runs.json")
+    u = sub.add_parser("startup")
+    u.add_argument("model")
+    u.add_argument("--prompt", type=int, default=64)
+    u.add_argument("--repeats", type=int, default=3)
+    u.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
-    micro(a) if a.what == "micro" else serve(a)
+    {"micro": micro, "serve": serve, "startup": startup}[a.what](a)
 
 
 if __name__ == "__main__":

@@ -406,11 +406,56 @@ def test_prompt_lookup_with_a_grammar_equals_plain_decoding(model, tok):
     assert len(engine._runner.matchers) == 0
 
 
-def test_the_vocabulary_builds_in_the_background(model, tok):
-    """The engine starts the build at construction and returns at once; a constrained request waits for it."""
-    start = time.perf_counter()
-    engine = Engine(model, tok, prefill_chunk=8)
-    assert time.perf_counter() - start < 5
-    assert engine.grammar_vocab is grammar_vocab(tok, model.config.vocab_size, tok.special.end_of_generation)
-    events = list(engine.generate(tok.encode("x"), SamplingParams(temperature=0, max_tokens=8, structured=WORDS)))
+def test_the_vocabulary_builds_while_the_engine_is_idle(model, tok, monkeypatch):
+    """The build holds the GIL for most of its time, so the engine starts it only while idle: VOCAB_AFTER_S after
+    construction or after its last request, or at once for a constrained request (which waits for it)."""
+    from gem4.engine import engine as engine_module
+    from gem4.tokenizer import Tokenizer
+    from text_fixtures import tiny_tokenizer_dir
+
+    monkeypatch.setattr(engine_module, "VOCAB_AFTER_S", 0.3)
+    fresh = Tokenizer.from_file(tiny_tokenizer_dir())                 # a tokenizer whose view is not built yet
+    engine = Engine(model, fresh, prefill_chunk=8)
+    assert engine.grammar_vocab is grammar_vocab(fresh, model.config.vocab_size, fresh.special.end_of_generation)
+    assert not engine.grammar_vocab.started
+    stream = engine.submit(fresh.encode("x"), SamplingParams(temperature=0, max_tokens=40))
+    stream.get(timeout=30)
+    time.sleep(0.5)                                                  # the timer fired while a request ran
+    busy = not engine.idle()
+    assert not busy or not engine.grammar_vocab.started
+    list(stream)
+    wait_idle(engine)
+    deadline = time.monotonic() + 10
+    while not engine.grammar_vocab.ready:                            # idle now: it starts, then completes
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # a constrained request starts it at once
+    other = Tokenizer.from_file(tiny_tokenizer_dir())
+    engine = Engine(model, other, prefill_chunk=8)
+    events = list(engine.generate(other.encode("x"), SamplingParams(temperature=0, max_tokens=8, structured=WORDS)))
     assert engine.grammar_vocab.ready and events[-1].finish_reason in ("stop", "length")
+    assert engine.shutdown(timeout=10)
+
+
+
+def test_greedy_rows_check_the_argmax_first_and_choose_what_the_mask_chooses():
+    """A greedy row without logprobs is masked only when its argmax is refused (sampling.greedy_within_grammar):
+    the token is the masked argmax's in every case, ties to the lowest id included; the same with logprobs
+    (masked first) and for the unconstrained rows (not masked)."""
+    gen = torch.Generator().manual_seed(3)
+    plain = SamplingParams(temperature=0, top_k=5, logit_bias={7: 3.0})
+    with_logprobs = SamplingParams(temperature=0, logit_bias={7: 3.0}, logprobs=True)
+    params = [plain, plain, plain, with_logprobs, plain, plain]
+    rows = torch.tensor([0, 2, 3, 5])                                     # 1 and 4 unconstrained
+    # the argmax allowed (kept), refused with few allowed ids (argmax over them), refused with many (masked)
+    for trial, (vocab, density) in enumerate([(300, 0.7), (300, 0.02), (4099, 0.001), (4099, 0.3)] * 10):
+        logits = torch.randn(6, vocab, generator=gen).round(decimals=1)      # many ties
+        allowed = torch.rand(6, vocab, generator=gen) < density
+        allowed[:, 5] = True
+        allowed[:, vocab - 1] = trial % 3 == 0                               # the last id, in the last word
+        out = Sampler().sample(logits, params, [[]] * 6, grammar=(rows, pack(allowed)[rows]))
+        biased = logits.clone()
+        biased[:, 7] += 3.0
+        masked = biased.masked_fill(~allowed, float("-inf"))
+        want = [int((masked if b in rows.tolist() else biased)[b].argmax()) for b in range(6)]
+        assert out.token_ids == want

@@ -17,9 +17,11 @@ The grammar mask comes first (vLLM applies its grammar bitmask before its sample
 penalty can revive a token the grammar forbids, and the logprobs describe the constrained distribution
 (masked tokens have logprob -inf and never appear in a top_logprobs list). Steps 1-3 are elementwise and
 keep -inf at -inf, so the code applies the mask after them, where the +-LOGIT_LIMIT clamp cannot turn a
-masked -inf into a finite -1e30; the result is the one "mask first" defines. The mask is the engine's
-(engine/runner.py: one llguidance bitmask per constrained row, bit t % 32 of int32 word t // 32: set =
-allowed); unconstrained rows cost nothing.
+masked -inf into a finite -1e30; the result is the one "mask first" defines. A greedy row that reports no
+logprobs checks its argmax against the grammar first and is masked only when the grammar refuses it
+(`greedy_within_grammar`, llama.cpp's order): the same token, without the mask's pass over the row when the
+model already follows the grammar. The masks are the engine's (engine/runner.py: one llguidance bitmask per
+constrained row, bit t % 32 of int32 word t // 32: set = allowed); unconstrained rows cost nothing.
 
 Bias comes first among the rest so that the penalties see the biased logit (vLLM v1 does the same); the
 filters 4-6 each renormalise what the previous one kept, and all of them run at T = 1, so
@@ -58,7 +60,8 @@ Greedy: temperatures below 1e-5 count as 0 (vLLM's _SAMPLING_EPS): dividing logi
 smaller temperature overflows float32 to inf and the softmax to NaN.
 
 Finite by construction: for valid parameters and finite model logits every number this module
-returns is finite (a top_logprobs list leaves out the tokens a grammar masks rather than list them at -inf). The adjusted logits (steps 1-3) are clamped to +-1e30 (``LOGIT_LIMIT``),
+returns is finite (a top_logprobs list leaves out the tokens a grammar masks rather than list them
+at -inf). The adjusted logits (steps 1-3) are clamped to +-1e30 (``LOGIT_LIMIT``),
 so an extreme but valid penalty (repetition_penalty 1e-300 divides a positive logit by what
 float32 rounds to 0) saturates instead of producing inf and then NaN in the log-softmax; a
 logprob can still be very negative (the server writes anything below -9999 as -9999, as vLLM
@@ -362,6 +365,48 @@ def apply_grammar_mask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.
     return logits.index_add_(0, rows.to(logits.device), add)
 
 
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+SPARSE_WORDS = 1 / 16    # a refused row whose mask has at most this share of nonzero words: argmax over its ids
+
+
+def greedy_within_grammar(adjusted: torch.Tensor, token_ids: torch.Tensor, rows: torch.Tensor,
+                          bitmask: torch.Tensor) -> torch.Tensor:
+    """The greedy choice of constrained rows whose mask was not applied (llama.cpp's check-then-mask): a row whose
+    argmax `token_ids[r]` its grammar allows keeps it -- it is the lowest-id maximum of all tokens, so of the
+    allowed ones too. A refused row takes the argmax over its allowed ids: gathered from its few nonzero mask
+    words when the grammar allows few tokens (a structural position: a name, a key, a bracket), so the row is
+    never rewritten; otherwise the row is masked (in `adjusted`) and its argmax taken again. Exact for greedy
+    rows (the filters 4-6 keep the top token) that report no logprobs. adjusted: [B, V] steps 1-3; token_ids:
+    [B]; rows [R] and bitmask [R, W] as `apply_grammar_mask`. Returns the token ids [B]."""
+    chosen = token_ids[rows]  # [R]
+    word = bitmask.gather(1, (chosen // 32)[:, None]).squeeze(1)  # [R] int32
+    refused = ((word >> (chosen % 32).int()) & 1) == 0  # [R]
+    if not bool(refused.any()):
+        return token_ids
+    token_ids = token_ids.clone()
+    bad, words = rows[refused], bitmask[refused]  # [R'], [R', W]
+    vocab = adjusted.shape[1]
+    nonzero = words != 0  # [R', W]
+    sparse = nonzero.sum(1) <= SPARSE_WORDS * words.shape[1]  # [R']
+    if bool(sparse.any()):
+        r, w = nonzero[sparse].nonzero(as_tuple=True)  # [M] the nonzero words
+        m, j = ((words[sparse][r, w].unsqueeze(1) >> _SHIFTS.to(words.device)) & 1).nonzero(as_tuple=True)
+        row, ids = r[m], w[m] * 32 + j  # allowed (row, id), ids ascending within a row
+        inside = ids < vocab
+        row, ids = row[inside], ids[inside]
+        target = bad[sparse]  # [S] the rows of `adjusted`
+        values = adjusted[target[row], ids]  # [A]
+        best = torch.full((len(target),), _NEG_INF, device=values.device).scatter_reduce(0, row, values, "amax")
+        first = torch.full((len(target),), vocab, device=ids.device).scatter_reduce(
+            0, row, torch.where(values == best[row], ids, vocab), "amin")  # the lowest id with the best value
+        token_ids[target] = first
+    if not bool(sparse.all()):
+        dense = bad[~sparse]
+        apply_grammar_mask(adjusted, dense, words[~sparse])
+        token_ids[dense] = greedy(adjusted[dense])
+    return token_ids
+
+
 def _scatter_sorted(mask_sorted: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     # mask_sorted[b, r] belongs to token order[b, r]; returns the mask in vocabulary order.
     return torch.empty_like(mask_sorted).scatter_(-1, order, mask_sorted)
@@ -634,9 +679,19 @@ class Sampler:
         if generators is None:
             generators = [self.make_generator(p) for p in params]
 
+        # greedy rows that report no logprobs check their argmax against the grammar instead of masking first
+        deferred = None
+        if grammar is not None:
+            lazy = torch.tensor([params[r].greedy and not params[r].logprobs for r in grammar[0].tolist()])
+            if bool(lazy.any()):
+                deferred, grammar = (grammar[0][lazy], grammar[1][lazy]), (grammar[0][~lazy], grammar[1][~lazy])
         t = self.tensors(params, generated, prompts, vocab, logits.device, grammar)
         adjusted = adjust_logits(logits, t)  # [B, V]
         token_ids = sample(filter_logits(adjusted, t), t.temperature, generators)  # [B]
+        if deferred is not None:
+            start = time.perf_counter()
+            token_ids = greedy_within_grammar(adjusted, token_ids, *deferred)
+            t.grammar_seconds += time.perf_counter() - start
 
         if not any(p.logprobs for p in params):
             return SampleOutput(token_ids.tolist(), grammar_seconds=t.grammar_seconds)

@@ -68,6 +68,7 @@ from gem4.structured import GrammarStats, grammar_vocab
 from gem4.weights.assistant import load_assistant
 
 log = logging.getLogger("gem4.engine")
+VOCAB_AFTER_S = 1.0      # an idle engine starts building its grammar vocabulary this long after construction
 
 
 class EngineError(RuntimeError):
@@ -199,8 +200,10 @@ class Engine:
     decoding gives (greedy: the same tokens; seeded: the same draws).
     structured: accept constrained requests (`SamplingParams.structured`, docs/structured.md). With a
     tokenizer and end ids, the grammar vocabulary (`gem4.structured.GrammarVocab`, 1-3.5 s for a full
-    Gemma 4 vocabulary) starts building in a background thread at once; a constrained request that comes
-    before it is ready waits for it. False: no vocabulary, constrained requests are refused at `submit`.
+    Gemma 4 vocabulary, most of it in llguidance holding the GIL) is built in a background thread that
+    starts while the engine is idle -- VOCAB_AFTER_S after construction, or after the engine last ran out of
+    work -- so it delays no unconstrained request; a constrained request starts it at once if it has not
+    started, and waits for it. False: no vocabulary, constrained requests are refused at `submit`.
     """
 
     def __init__(
@@ -255,7 +258,7 @@ class Engine:
         self._scheduler = Scheduler(blocks, prefill_chunk, max_num_seqs, max_num_batched_tokens,
                                     num_speculative_tokens=k)
         self.grammar_stats = GrammarStats()             # compile and mask times, structured requests by kind
-        self.grammar_vocab = grammar_vocab(tokenizer, self.vocab_size, self.end_token_ids) \
+        self.grammar_vocab = grammar_vocab(tokenizer, self.vocab_size, self.end_token_ids, start=False) \
             if structured and tokenizer is not None and self.end_token_ids else None
         self._runner = ModelRunner(model, pool, blocks, drafter, self.grammar_vocab, self.grammar_stats)
         # shared with caller threads, guarded by _lock
@@ -273,6 +276,7 @@ class Engine:
         self.spec_accepted_per_position: Counter[int] = Counter()   # draft position (0-based) -> accepted
         self.batch_sizes: Counter[int] = Counter()      # steps by the number of sequences they ran
         self.step_tokens: Counter[int] = Counter()      # steps by the number of tokens they ran
+        self._schedule_vocab()
 
     # ---- caller threads ----
 
@@ -311,6 +315,7 @@ class Engine:
             self._open[request_id] = n
             if params.structured is not None:
                 self.grammar_stats.requests[params.structured.kind] += 1
+                self.grammar_vocab.start()                # needed now (a thread start: returns at once)
             self._inbox.append(seq)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gem4-engine", daemon=True)
@@ -321,15 +326,17 @@ class Engine:
         """Abort every request in flight (each stream gets its final "abort" event, as with `abort`), refuse
         new ones, and wait up to `timeout` seconds (None: no limit) for the engine thread to end: within one
         step. True when no engine thread is left. Call it before the process exits while requests may run:
-        a daemon thread still inside a compiled op when the interpreter finalizes aborts the process."""
+        a daemon thread still inside a compiled op when the interpreter finalizes aborts the process (a grammar
+        vocabulary build in progress is waited for too, up to `timeout`)."""
         with self._lock:
             self._closed = True
             self._aborts.update((request_id, None) for request_id in self._streams)
             thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return thread is None
-        thread.join(timeout)
-        return not thread.is_alive()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if self.grammar_vocab is not None:            # a vocabulary build in progress: let it leave llguidance
+            self.grammar_vocab.join(timeout)
+        return thread is None or (thread is not threading.current_thread() and not thread.is_alive())
 
     def __enter__(self) -> "Engine":
         return self
@@ -381,6 +388,20 @@ class Engine:
         scheduler's waiting queue, preempted ones included, and the inbox). Any thread; for metrics."""
         with self._lock:                                  # the inbox's hand-over to the scheduler is atomic
             return len(self._scheduler.running), len(self._scheduler.waiting) + len(self._inbox)
+
+    def _schedule_vocab(self) -> None:
+        """Start the grammar vocabulary's build VOCAB_AFTER_S from now if the engine is idle then (construction,
+        and each time the engine runs out of work, until it has started): its GIL hold then delays no request,
+        and a process that ends at once (`gem4 run`) never starts it."""
+        if self.grammar_vocab is not None and not self.grammar_vocab.started:
+            timer = threading.Timer(VOCAB_AFTER_S, self._build_vocab_if_idle)
+            timer.daemon = True
+            timer.start()
+
+    def _build_vocab_if_idle(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._closed:
+                self.grammar_vocab.start()
 
     def idle(self) -> bool:
         with self._lock:
@@ -450,6 +471,7 @@ class Engine:
                 aborts, self._aborts = self._aborts, set()
                 if not aborts and not self._scheduler.has_work():
                     self._thread = None
+                    self._schedule_vocab()
                     return
             for request_id, index in aborts:
                 self._abort(request_id, index)

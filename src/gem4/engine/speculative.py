@@ -54,6 +54,7 @@ the target's hidden state of row `num_accepted` (the row that predicted the fina
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ import torch
 
 from gem4.sampling import (
     Generator, Sampler, SamplingParams, adjust_logits, draw_from, draw_uniform, filter_logits, gather_logprobs,
-    probabilities, sample, top_list,
+    greedy_within_grammar, probabilities, sample, top_list,
 )
 
 DEFAULT_PROMPT_LOOKUP = 5          # vLLM's prompt_lookup_min / max when neither is given
@@ -166,17 +167,24 @@ def verify(
     grammar_seconds = 0.0
     # Row by row, only as far as acceptance goes: each row costs what one plain sampling step costs (the
     # filters sort the whole vocabulary), and rows after the first rejection are never looked at.
+    # a greedy row without logprobs checks its argmax against the grammar first, as Sampler.sample does
+    check_first = grammar is not None and params.greedy and not params.logprobs
     for j in range(k + 1):
         t = Sampler.tensors([params], [list(generated) + drafts[:j]], None if prompt is None else [prompt], vocab,
                             logits.device,                          # row j's history: generated + d_1 .. d_j
-                            None if grammar is None else (_ROW0, grammar[j:j + 1]))
+                            None if grammar is None or check_first else (_ROW0, grammar[j:j + 1]))
         adjusted = adjust_logits(logits[j:j + 1], t)                 # [1, V] steps 0-3
         grammar_seconds += t.grammar_seconds
         filtered = filter_logits(adjusted, t)                        # [1, V] steps 4-6
         adjusted_rows.append(adjusted)
         if j == k or not reject_with_q:
             # the bonus row, or q one-hot: draw as plain decoding draws (one uniform, none when greedy)
-            tokens.append(int(sample(filtered, t.temperature, [generator])[0]))
+            token = sample(filtered, t.temperature, [generator])
+            if check_first:
+                start = time.perf_counter()
+                token = greedy_within_grammar(adjusted, token, _ROW0, grammar[j:j + 1])
+                grammar_seconds += time.perf_counter() - start
+            tokens.append(int(token[0]))
             if j == k or tokens[-1] != drafts[j]:
                 break
             continue

@@ -11,8 +11,9 @@ allows them only where it may end.
 
 Building the view for the 262,144-token Gemma 4 vocabulary takes 1-3.5 s (the Python side ~0.1 s, then
 llguidance's token trie and mask slices, which hold the GIL for their ~1-3 s). `GrammarVocab` builds it in
-a thread of its own from the moment it is made, so the engine makes it at startup: no request waits for it
-unless a constrained one arrives in the first seconds (`lltokenizer()` then blocks until it is ready).
+a thread of its own (`start()`; made with start=True, at once). Because that thread holds the GIL, every
+other Python thread pauses while it runs: the engine starts it only while it is idle (engine.py), and
+`lltokenizer()`, which a constrained request needs, starts it if it has not started and waits for it.
 Slices: llguidance's general ones plus "any text" (`(?s:.+)`), which makes the masks of free text (a thought,
 a Gemma string, prose in `auto`) cheap.
 
@@ -84,16 +85,37 @@ class GrammarVocab:
     """A tokenizer's llguidance view (built in a background thread from construction) and the grammars
     compiled against it. Thread-safe: the engine thread and request handlers share one."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, eos_ids: Collection[int] | None = None):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None, eos_ids: Collection[int] | None = None,
+                 start: bool = True):
         self.vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
         self.eos_ids = tuple(sorted(tokenizer.special.end_of_generation if eos_ids is None else eos_ids))
+        self._tokenizer = tokenizer
         self._ready = threading.Event()
         self._result = None                           # the LLTokenizer, or the exception the build raised
         self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
         self._compiled: OrderedDict[str, object] = OrderedDict()     # grammar -> pristine LLMatcher (LRU)
         self._limits = None
         self.build_seconds: float | None = None
-        threading.Thread(target=self._build, args=(tokenizer,), name="gem4-grammar-vocab", daemon=True).start()
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the build in its own thread (once; later calls do nothing)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._build, args=(self._tokenizer,), name="gem4-grammar-vocab",
+                                                daemon=True)
+                self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to `timeout` s for a build in progress (none: return at once)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _build(self, tokenizer: Tokenizer) -> None:
         start = time.perf_counter()
@@ -121,7 +143,9 @@ class GrammarVocab:
 
     def lltokenizer(self, timeout: float | None = None):
         """The `llguidance.LLTokenizer`, waiting for the build (up to `timeout` s: TimeoutError after).
-        A build that failed raises its error (MatcherError when the tokenizer cannot be constrained)."""
+        A build that failed raises its error (MatcherError when the tokenizer cannot be constrained). Starts the
+        build if it has not started."""
+        self.start()
         if not self._ready.wait(timeout):
             raise TimeoutError(f"the grammar vocabulary is still being built after {timeout} s")
         if isinstance(self._result, BaseException):
@@ -159,13 +183,14 @@ _vocabs_lock = threading.Lock()
 
 
 def grammar_vocab(tokenizer: Tokenizer, vocab_size: int | None = None,
-                  eos_ids: Collection[int] | None = None) -> GrammarVocab:
-    """The GrammarVocab of (tokenizer, vocab_size, eos_ids), made (and its build started) at the first call:
-    engines sharing a tokenizer share its view and its compiled grammars."""
+                  eos_ids: Collection[int] | None = None, start: bool = True) -> GrammarVocab:
+    """The GrammarVocab of (tokenizer, vocab_size, eos_ids), made at the first call (its build started then
+    with `start`, else at its `start()` or first use): engines sharing a tokenizer share its view and its
+    compiled grammars."""
     vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
     eos = tuple(sorted(tokenizer.special.end_of_generation if eos_ids is None else eos_ids))
     with _vocabs_lock:
         views = _vocabs.setdefault(tokenizer, {})
         if (vocab_size, eos) not in views:
-            views[vocab_size, eos] = GrammarVocab(tokenizer, vocab_size, eos)
+            views[vocab_size, eos] = GrammarVocab(tokenizer, vocab_size, eos, start=start)
         return views[vocab_size, eos]
