@@ -42,7 +42,7 @@ def served(tmp_path_factory):
     engine = gem4.Engine(model, tok, max_model_len=CONTEXT, max_num_seqs=4)
     app = create_app(ServerConfig(served_model_name=MODEL, max_num_seqs=4), engine)
     with InProcessServer(app) as base:
-        yield base, client_for(base)
+        yield base, client_for(base), engine
     engine.shutdown()
 
 
@@ -78,7 +78,7 @@ def check_usage(r) -> None:
 
 
 def test_text_streamed_and_whole(served):
-    _, client = served
+    _, client, _ = served
     whole, final, events = both(client, input="Say hello", max_output_tokens=12, temperature=1.0,
                                 extra_body={"seed": 3})
     assert whole.id.startswith("resp_") and whole.object == "response"
@@ -94,7 +94,7 @@ def test_text_streamed_and_whole(served):
 
 
 def test_tool_call_with_thinking_required(served):
-    _, client = served
+    _, client, _ = served
     thought = 0
     for seed in range(6):
         kwargs = dict(input=f"Weather in Paris? {seed}", tools=[WEATHER], tool_choice="required",
@@ -119,7 +119,7 @@ def test_tool_call_with_thinking_required(served):
 
 
 def test_reasoning_effort_none_turns_thinking_off(served):
-    _, client = served
+    _, client, _ = served
     for seed in range(3):
         r = client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice="required",
                                     reasoning={"effort": "none"}, max_output_tokens=200, temperature=1.0,
@@ -129,7 +129,7 @@ def test_reasoning_effort_none_turns_thinking_off(served):
 
 
 def test_named_choice_and_custom_tool(served):
-    _, client = served
+    _, client, _ = served
     patch = {"type": "custom", "name": "apply_patch", "description": "Apply a patch"}
     hosted = {"type": "web_search"}
     r = client.responses.create(model=MODEL, input="Fix it", tools=[WEATHER, patch, hosted],
@@ -141,7 +141,7 @@ def test_named_choice_and_custom_tool(served):
 
 
 def test_json_schema_text_format(served):
-    _, client = served
+    _, client, _ = served
     fmt = {"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}}
     done = 0
     for seed in range(3):
@@ -173,7 +173,7 @@ def raw_events(base: str, body: dict) -> tuple[list[str], list[dict]]:
 
 
 def test_raw_sse_text(served):
-    base, _ = served
+    base, _, _ = served
     names, data = raw_events(base, {"model": MODEL, "input": "hi", "stream": True, "max_output_tokens": 5,
                                     "seed": 2, "temperature": 1.0})
     deltas = names.count("response.output_text.delta")
@@ -187,7 +187,7 @@ def test_raw_sse_text(served):
 
 
 def test_raw_sse_tool_call_with_thinking(served):
-    base, _ = served
+    base, _, _ = served
     for seed in range(6):
         names, data = raw_events(base, {
             "model": MODEL, "input": f"Weather? {seed}", "stream": True, "tools": [WEATHER],
@@ -258,21 +258,38 @@ def test_input_items_become_the_chat_messages():
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
 
 
-def test_history_renders_the_chat_prompt(served):
-    base, client = served
+def test_history_renders_the_chat_prompt(served, monkeypatch):
+    """The engine gets the same prompt ids from the Responses history as from the equivalent chat messages."""
+    base, client, engine = served
+    prompts = []
+    submit = engine.submit
+
+    def recording(prompt_ids, *args, **kwargs):
+        prompts.append(list(prompt_ids))
+        return submit(prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", recording)
     chat_tools = [{"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}]
-    ids = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": CHAT_HISTORY, "tools": chat_tools},
-                     timeout=60).json()["tokens"]
     r = client.responses.create(model=MODEL, instructions="Be brief.", input=HISTORY, tools=[WEATHER],
                                 max_output_tokens=1, extra_body={"seed": 0})
-    assert r.usage.input_tokens == len(ids)
-    # the same messages through the chat API: the same prompt
     chat = client.chat.completions.create(model=MODEL, messages=CHAT_HISTORY, tools=chat_tools, max_tokens=1)
-    assert chat.usage.prompt_tokens == len(ids)
+    ids = httpx.post(base + "/tokenize", json={"model": MODEL, "messages": CHAT_HISTORY, "tools": chat_tools},
+                     timeout=60).json()["tokens"]
+    assert prompts == [ids, ids]
+    assert r.usage.input_tokens == chat.usage.prompt_tokens == len(ids)
+
+
+def test_logprobs(served):
+    _, client, _ = served
+    r = client.responses.create(model=MODEL, input="hi", max_output_tokens=4, top_logprobs=2,
+                                include=["message.output_text.logprobs"], extra_body={"seed": 0})
+    (part,) = r.output[0].content
+    assert len(part.logprobs) == 4 and "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
 
 
 def test_codex_replay_reads_earlier_turns_from_the_prefix_cache(served):
-    _, client = served
+    _, client, _ = served
     history = [{"type": "message", "role": "user", "content": "Weather in Oslo? " * 20}]
     first = client.responses.create(model=MODEL, instructions="You are a coding agent.", input=history,
                                     tools=[WEATHER], tool_choice="required", max_output_tokens=100,
@@ -288,7 +305,7 @@ def test_codex_replay_reads_earlier_turns_from_the_prefix_cache(served):
 
 
 def test_max_output_tokens_is_clamped_and_a_long_input_fails(served):
-    base, client = served
+    base, client, _ = served
     r = client.responses.create(model=MODEL, input="hi", max_output_tokens=10 * CONTEXT, temperature=1.0,
                                 extra_body={"seed": 4, "ignore_eos": True})
     assert r.status == "incomplete" and r.usage.input_tokens + r.usage.output_tokens == CONTEXT
@@ -313,6 +330,6 @@ def test_max_output_tokens_is_clamped_and_a_long_input_fails(served):
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
 ])
 def test_unsupported_fields_are_400s_naming_them(served, extra, param):
-    base, _ = served
+    base, _, _ = served
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 1} | extra
     assert_openai_error(httpx.post(base + "/v1/responses", json=body, timeout=60), 400, param=param)

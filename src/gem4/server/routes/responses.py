@@ -131,7 +131,7 @@ class ResponseOutput:
         self._open: dict | None = None        # the item being generated
         self._text = ""                       # its text (reasoning or message) or arguments so far
         self._logprobs: list[dict] = []       # its message logprobs
-        self._pending: list[dict] = []        # logprobs of tokens whose text has not come out yet
+        self._pending: list[dict] = []        # logprobs of the tokens since the last text delta
         self._calls: dict[int, dict] = {}     # chat tool call index -> its item
 
     @property
@@ -179,6 +179,7 @@ class ResponseOutput:
         item, where = self._open, {"item_id": self._open["id"], "output_index": len(self.items) - 1}
         self._text += text
         if kind == "reasoning":
+            self._pending = []                    # the thought's tokens: no output_text logprobs
             events.append(("response.reasoning_text.delta", {**where, "content_index": 0, "delta": text}))
         elif kind == "message":
             logprobs, self._pending = self._pending, []
@@ -196,7 +197,7 @@ class ResponseOutput:
         else:
             item, part = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
                           "content": []}, {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self._open, self._text, self._logprobs, self._pending = item, "", [], []
+        self._open, self._text, self._logprobs = item, "", []
         self.items.append(item)
         where = {"item_id": item["id"], "output_index": len(self.items) - 1}
         return [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)}),
@@ -210,7 +211,7 @@ class ResponseOutput:
         else:
             item = {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name, "arguments": "",
                     "status": "in_progress"}
-        self._open, self._text, self._pending = item, "", []
+        self._open, self._text, self._pending = item, "", []     # the call's tokens: no output_text logprobs
         self._calls[index] = item
         self.items.append(item)
         return events + [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)})]
