@@ -132,12 +132,20 @@ def test_named_choice_and_custom_tool(served):
     _, client, _ = served
     patch = {"type": "custom", "name": "apply_patch", "description": "Apply a patch"}
     hosted = {"type": "web_search"}
-    r = client.responses.create(model=MODEL, input="Fix it", tools=[WEATHER, patch, hosted],
+    whole, final, events = both(client, input="Fix it", tools=[WEATHER, patch, hosted],
                                 tool_choice={"type": "custom", "name": "apply_patch"}, parallel_tool_calls=False,
                                 max_output_tokens=300, temperature=1.0, extra_body={"seed": 1})
-    calls = [i for i in r.output if i.type != "reasoning"]
+    assert items(final) == items(whole)
+    calls = [i for i in whole.output if i.type != "reasoning"]
     assert len(calls) == 1 and calls[0].type == "custom_tool_call" and calls[0].name == "apply_patch"
-    assert isinstance(calls[0].input, str)
+    assert isinstance(calls[0].input, str) and calls[0].call_id
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert done.input == calls[0].input
+    # its output goes back as a custom_tool_call_output item, rendered as a tool message
+    history = [{"role": "user", "content": "Fix it"}, calls[0].model_dump(exclude_none=True),
+               {"type": "custom_tool_call_output", "call_id": calls[0].call_id, "output": "Done."}]
+    again = client.responses.create(model=MODEL, input=history, tools=[patch], max_output_tokens=2)
+    assert again.usage.input_tokens > whole.usage.input_tokens
 
 
 def test_json_schema_text_format(served):
@@ -289,19 +297,23 @@ def test_logprobs(served):
 
 
 def test_codex_replay_reads_earlier_turns_from_the_prefix_cache(served):
+    """Codex's way: the whole history (the user turn, the reply's items, the tool outputs) every turn. From the
+    second turn on, the prefix cache supplies every earlier turn's prompt, to within a block (16 tokens)."""
     _, client, _ = served
     history = [{"type": "message", "role": "user", "content": "Weather in Oslo? " * 20}]
-    first = client.responses.create(model=MODEL, instructions="You are a coding agent.", input=history,
+    previous = None
+    for turn in range(3):
+        r = client.responses.create(model=MODEL, instructions="You are a coding agent.", input=history,
                                     tools=[WEATHER], tool_choice="required", max_output_tokens=100,
-                                    temperature=1.0, store=False, extra_body={"seed": 5})
-    history += [i.model_dump(exclude_none=True) for i in first.output]
-    history += [{"type": "function_call_output", "call_id": i.call_id, "output": "Rain."}
-                for i in first.output if i.type == "function_call"]
-    second = client.responses.create(model=MODEL, instructions="You are a coding agent.", input=history,
-                                     tools=[WEATHER], max_output_tokens=10, store=False, extra_body={"seed": 5})
-    turn1 = first.usage.input_tokens
-    assert second.usage.input_tokens > turn1
-    assert second.usage.input_tokens_details.cached_tokens >= turn1 - 16, (turn1, second.usage)   # a block's rounding
+                                    temperature=1.0, store=False, extra_body={"seed": 5 + turn})
+        assert r.status == "completed"
+        if previous is not None:
+            assert r.usage.input_tokens > previous
+            assert r.usage.input_tokens_details.cached_tokens >= previous - 16, (previous, r.usage)
+        previous = r.usage.input_tokens
+        history += [i.model_dump(exclude_none=True) for i in r.output]
+        history += [{"type": "function_call_output", "call_id": i.call_id, "output": f"Rain {turn}."}
+                    for i in r.output if i.type == "function_call"]
 
 
 def test_max_output_tokens_is_clamped_and_a_long_input_fails(served):

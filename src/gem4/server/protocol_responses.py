@@ -236,7 +236,7 @@ def chat_body(req: ResponsesRequest) -> tuple[dict, frozenset[str]]:
     """The chat request equivalent to `req` but its token limit (clamped to the free context once the prompt
     is known), as a JSON object; and the names of the custom tools."""
     tools, custom = chat_tools(req)
-    body = req.model_dump(include=set(P.SamplingRequest.model_fields) - {"max_tokens", "stream", "stream_options"},
+    body = req.model_dump(include=set(P.SamplingRequest.model_fields) - {"max_tokens", "n", "stream", "stream_options"},
                           exclude_unset=True, by_alias=True)
     body.update(messages=chat_messages(req), parallel_tool_calls=req.parallel_tool_calls,
                 logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
