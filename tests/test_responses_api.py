@@ -338,6 +338,9 @@ def test_max_output_tokens_is_clamped_and_a_long_input_fails(served):
      "input[0].content[0].type"),
     ({"input": [{"type": "computer_call_output"}]}, "input[0].type"),
     ({"tools": [{"type": "teleport"}]}, "tools[0].type"),
+    ({"tools": [{"type": "web_search"}, {"type": "function", "name": "a b"}]}, "tools[1].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, "tools[0].parameters"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
 ])

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field, ValidationError
 
 from gem4.server import protocol as P
 from gem4.server.protocol import bad_request
@@ -86,6 +86,20 @@ class ResponsesRequest(P.SamplingRequest):
     @property
     def logprobs(self) -> bool:
         return self.top_logprobs is not None or LOGPROBS_INCLUDE in (self.include or [])
+
+
+def _checked(model: type[BaseModel], value: dict, where: str, inner: str = "") -> None:
+    """`value` validated as chat's `model`; a 400 naming the field under `where` (the Responses path), not
+    under the chat request it becomes."""
+    try:
+        model.model_validate(value)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        sub = P.param_path(tuple(err.get("loc", ())))
+        sub = (sub or "").removeprefix(inner).lstrip(".")
+        param = f"{where}.{sub}" if sub else where
+        raise bad_request(f"Invalid '{param}': {err.get('msg', 'invalid value').removeprefix('Value error, ')}",
+                          param) from None
 
 
 def check_stateless(req: ResponsesRequest) -> None:
@@ -171,6 +185,7 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
                 raise bad_request(f"a {kind} item needs 'name' and 'call_id'", where)
             if kind == "function_call":
                 arguments = item.get("arguments", "{}")
+                _checked(P.FunctionCallIn, {"name": item["name"], "arguments": arguments}, where)
             else:
                 arguments = json.dumps({"input": item.get("input", "")}, ensure_ascii=False)
             assistant().setdefault("tool_calls", []).append(
@@ -198,6 +213,7 @@ def chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, frozenset[str]
         kind = tool.get("type")
         if kind == "function":
             fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+            _checked(P.Tool, {"type": "function", "function": fn}, f"tools[{i}]", "function")
             tools.append({"type": "function", "function": fn})
         elif kind == "custom":
             if tool.get("format", {}).get("type", "text") != "text":
