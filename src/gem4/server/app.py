@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gem4.server.protocol import APIError, bad_request, param_path
-from gem4.server.routes import chat, completions, info, web
+from gem4.server.routes import chat, completions, info, responses, web
 from gem4.server.state import EngineLike, ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
@@ -52,7 +52,7 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
     if config.web_ui:                       # the chat page: public files, its API calls carry the key
         app.include_router(web.router)
     # the key is checked as a dependency of each route, so before its handler reads the body
-    for routes in (info.router, chat.router, completions.router):
+    for routes in (info.router, chat.router, completions.router, responses.router):
         app.include_router(routes, dependencies=[Depends(require_key)])
     return app
 
