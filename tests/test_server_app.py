@@ -579,6 +579,25 @@ def test_client_disconnect_aborts_within_one_step(fake):
         assert r.choices[0].message.content == expected("PLAIN").content
 
 
+def test_shutdown_ends_a_stream_and_stops_its_engine_request_at_once():
+    """What SIGTERM does to an open stream (state.shut_down): an error event and [DONE] for the client, and the
+    engine request aborted then, not only when the engine itself shuts down after the server."""
+    engine = ScriptedEngine()
+    app = create_app(ServerConfig(served_model_name="scripted", api_key=API_KEY, heartbeat_s=0.1), engine)
+    with InProcessServer(app) as base, httpx.Client(timeout=30) as http:
+        with http.stream("POST", base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                         json={"model": "scripted", "messages": user("LONG"), "stream": True}) as r:
+            lines = r.iter_lines()
+            assert any('"content"' in next(lines) for _ in range(6))
+            (rid,) = engine.prompts
+            assert app.state.gem4.shut_down() == 1
+            wait_for(lambda: engine.done.get(rid) == "abort")
+            rest = [line for line in lines if line]
+        assert json.loads(rest[-2].removeprefix("data: "))["error"]["code"] == "server_shutting_down"
+        assert rest[-1] == "data: [DONE]"
+        assert engine.after_abort[rid] <= 1
+
+
 def test_queue_full_is_503_with_retry_after(fake):
     engine, base, app = fake
     metrics = app.state.gem4.metrics

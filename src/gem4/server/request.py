@@ -163,8 +163,9 @@ class ServerRequest:
 
     def shut_down(self) -> None:
         """The server is stopping: end the request here with ServerShuttingDown (the handler's next read
-        raises it), before the engine has."""
+        raises it), before the engine has, and stop its engine request now (not when the engine shuts down)."""
         if not self.finished:
+            self.state.engine.abort(self.request_id)
             self._deliver(ServerShuttingDown("the server is shutting down"))
 
     def end_choice(self, index: int, reason: str) -> None:
