@@ -18,7 +18,8 @@ does. What the translation does with each field:
   `budget_tokens` is accepted and not enforced.
 - `output_config.format` json_schema -> response_format json_schema.
 - `stop_sequences`, `temperature`, `top_p`, `top_k` (and the extensions `seed` and `logit_bias`) pass
-  through; `max_tokens` is clamped to the free context by the handler. `metadata`, `cache_control`, `service_tier` and other fields are ignored.
+  through; `max_tokens` is clamped to the free context by the handler. `metadata`, `cache_control`,
+  `service_tier` and other fields are ignored.
 
 Errors on these routes use Anthropic's envelope (`error_body`): the chat API's 503 is a 529
 `overloaded_error`, which Anthropic's clients retry.
