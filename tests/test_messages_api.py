@@ -153,6 +153,18 @@ def test_tool_result_round_trip_renders_as_the_chat_api(served):
     assert same.usage.prompt_tokens == n_input
 
 
+def test_output_config_format_constrains_the_answer(served):
+    _, client = served
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
+    for seed in range(3):
+        reply = client.messages.create(model=MODEL, max_tokens=200, messages=HI, extra_body={
+            "seed": seed, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
+        assert reply.stop_reason == "end_turn", reply
+        jsonschema.validate(json.loads(reply.content[0].text), schema)
+
+
 def test_count_tokens_equals_the_real_requests_input(served):
     _, client = served
     request = dict(model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Count me"}]}],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -48,6 +49,8 @@ from gem4.server.protocol import APIError
 from gem4.server.request import EventStream, ServerRequest, engine_error, whole_reply
 from gem4.server.state import EngineLike, ServerState
 
+log = logging.getLogger("gem4.server")
+
 
 class MessagesRoute(APIRoute):
     """A route whose errors (the key check, the body, the engine) are Anthropic's envelope."""
@@ -61,6 +64,10 @@ class MessagesRoute(APIRoute):
             except APIError as e:
                 status = M.error_status(e.status)
                 return JSONResponse(M.error_body(status, e.message), status_code=status, headers=e.headers)
+            except Exception as e:      # noqa: BLE001 - a bug: logged, and answered as Anthropic's api_error
+                log.exception("internal error on %s %s", request.method, request.url.path)
+                return JSONResponse(M.error_body(500, f"Internal server error: {type(e).__name__}: {e}"),
+                                    status_code=500)
 
         return anthropic_errors
 
