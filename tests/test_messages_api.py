@@ -350,6 +350,11 @@ def test_errors_use_anthropics_envelope(served):
                                                                        "data": "AAAA"}}]}]
     assert_envelope(httpx.post(base + "/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": image},
                                headers=key), 400, "invalid_request_error")
+    bad_system = {"model": MODEL, "max_tokens": 8, "messages": HI, "system": [{"type": "text", "text": "a"},
+                                                                            {"type": "image"}]}
+    r = httpx.post(base + "/v1/messages", json=bad_system, headers=key)
+    assert_envelope(r, 400, "invalid_request_error")
+    assert "system[1]" in r.json()["error"]["message"]
     assert_envelope(httpx.post(base + "/v1/messages/count_tokens", json={"messages": HI}), 401,
                     "authentication_error")
     assert_envelope(httpx.post(base + "/v1/messages", content=b"{not json", headers=key), 400,

@@ -94,20 +94,22 @@ class MessagesRequest(CountTokensRequest):
     logit_bias: dict[str, float] | None = None
 
 
-def _texts(blocks: str | list, where: str, allowed: tuple[str, ...] = ("text",)) -> str:
-    """A string, or text blocks joined with newlines; 400 naming `where` for anything else."""
+def _text(block: Any, where: str) -> str:
+    """A text block's text; 400 naming `where` for any other block."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    if kind == "text" and isinstance(block.get("text"), str):
+        return block["text"]
+    if kind in ("image", "document"):
+        raise P.bad_request(f"{where}: {kind} input is not supported (this server runs a text-only model)",
+                            f"{where}.type")
+    raise P.bad_request(f"{where} must be a text block", where)
+
+
+def _texts(blocks: str | list, where: str) -> str:
+    """A string, or text blocks joined with newlines."""
     if isinstance(blocks, str):
         return blocks
-    out = []
-    for i, b in enumerate(blocks):
-        kind = b.get("type") if isinstance(b, dict) else None
-        if kind not in allowed or not isinstance(b.get("text"), str):
-            if kind in ("image", "document"):
-                raise P.bad_request(f"{where}[{i}]: {kind} input is not supported (this server runs a text-only "
-                                    f"model)", f"{where}[{i}].type")
-            raise P.bad_request(f"{where}[{i}] must be a text block", f"{where}[{i}]")
-        out.append(b["text"])
-    return "\n".join(out)
+    return "\n".join(_text(b, f"{where}[{i}]") for i, b in enumerate(blocks))
 
 
 def _user(content: str | list, where: str) -> list[dict]:
@@ -116,8 +118,7 @@ def _user(content: str | list, where: str) -> list[dict]:
         return [{"role": "user", "content": content}]
     tools, texts = [], []
     for i, b in enumerate(content):
-        kind = b.get("type")
-        if kind == "tool_result":
+        if b.get("type") == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
                 raise P.bad_request(f"{where}[{i}].tool_use_id must be a string", f"{where}[{i}].tool_use_id")
             text = _texts(b.get("content") or "", f"{where}[{i}].content")
@@ -125,12 +126,13 @@ def _user(content: str | list, where: str) -> list[dict]:
                 text = json.dumps({"error": text})
             tools.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
         else:
-            texts.append(b)
-    user = [{"role": "user", "content": _texts(texts, where)}] if texts else []
+            texts.append(_text(b, f"{where}[{i}]"))
+    user = [{"role": "user", "content": "\n".join(texts)}] if texts else []
     return tools + user
 
 
 def _assistant(content: str | list, where: str) -> dict:
+    """An assistant message's blocks -> one chat assistant message (content, reasoning, tool calls)."""
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
     msg: dict[str, Any] = {"role": "assistant", "content": None}
@@ -169,7 +171,7 @@ def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:
     messages: list[dict] = []
     if req.system is not None:
         system = req.system if isinstance(req.system, str) else "\n\n".join(
-            _texts([b], "system").strip("\n") for b in req.system)
+            _text(b, f"system[{i}]") for i, b in enumerate(req.system))
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         where = f"messages[{i}].content"
