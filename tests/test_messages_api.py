@@ -22,7 +22,7 @@ import pytest
 import gem4
 from gem4.demo import ensure_demo
 from gem4.server import ServerConfig, create_app
-from server_helpers import API_KEY, InProcessServer, client_for
+from server_helpers import API_KEY, InProcessServer, client_for, gem4_serve
 
 MODEL = "demo"
 CHANNEL_START, CHANNEL_END = 100, 101       # <|channel>, <channel|>
@@ -39,11 +39,15 @@ HI = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def demo_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("GEM4_CACHE", str(tmp_path_factory.mktemp("gem4-cache")))
-        directory = ensure_demo()
-    return gem4.load(directory, dtype="float32"), gem4.Tokenizer.from_file(directory)
+        return ensure_demo()
+
+
+@pytest.fixture(scope="module")
+def model(demo_dir):
+    return gem4.load(demo_dir, dtype="float32"), gem4.Tokenizer.from_file(demo_dir)
 
 
 @pytest.fixture(scope="module")
@@ -319,6 +323,18 @@ def test_claude_code_shaped_request_with_any_model_name(model):
                        timeout=60)
         assert r.status_code == 200 and r.json()["input_tokens"] > 0
     engine.shutdown()
+
+
+def test_gem4_serve_accept_any_model_name(demo_dir, tmp_path):
+    """The command line: `gem4 serve DEMO --accept-any-model-name` answers Claude Code's small model's name,
+    with the key in x-api-key; without the option that name is a 404 not_found_error."""
+    body = {"model": "claude-haiku-4-5", "max_tokens": 4, "messages": HI}
+    for accept, status in ((True, 200), (False, 404)):
+        args = [str(demo_dir), "--api-key", API_KEY, "--max-model-len", "256"] + (["--accept-any-model-name"] * accept)
+        with gem4_serve(args, tmp_path / "stderr.txt") as base:
+            r = httpx.post(base + "/v1/messages?beta=true", json=body, headers={"x-api-key": API_KEY}, timeout=60)
+            assert r.status_code == status, r.text
+            assert r.json()["type"] == ("message" if accept else "error")
 
 
 # ---------------------------------------------------------------------------------------------
