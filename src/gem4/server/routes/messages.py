@@ -48,6 +48,7 @@ from gem4.server.outputs import ChatOutput
 from gem4.server.protocol import APIError
 from gem4.server.request import EventStream, ServerRequest, engine_error, whole_reply
 from gem4.server.state import EngineLike, ServerState
+from gem4.structured.grammars import Plan
 
 log = logging.getLogger("gem4.server")
 
@@ -77,11 +78,13 @@ router = APIRouter(route_class=MessagesRoute)
 
 @dataclasses.dataclass
 class _Prompt:
+    """A Messages request rendered: its chat request, prompt ids, thinking, tool names and grammar plan."""
+
     chat: P.ChatCompletionRequest
     ids: list[int]
     thinking: bool
     tool_names: frozenset[str]
-    plan: object
+    plan: Plan | None
 
 
 async def _prompt(request: Request, state: ServerState, engine: EngineLike, req: M.CountTokensRequest) -> _Prompt:
