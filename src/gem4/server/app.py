@@ -3,7 +3,7 @@ and the periodic throughput line.
 
 Who may call what: /health and /version are open; /metrics is open too (as in vLLM: a Prometheus
 scraper carries no key) unless `metrics_api_key` is set, then it takes that key; everything else
-takes `api_key` when there is one."""
+takes `api_key` when there is one (Anthropic's /v1/messages also from `x-api-key`)."""
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gem4.server.protocol import APIError, bad_request, param_path
-from gem4.server.routes import chat, completions, info, responses, web
+from gem4.server.routes import chat, completions, info, messages, responses, web
 from gem4.server.state import EngineLike, ServerConfig, ServerState
 
 __all__ = ["ServerConfig", "ServerState", "create_app"]
@@ -54,12 +54,23 @@ def create_app(config: ServerConfig, engine: EngineLike | None = None) -> FastAP
     # the key is checked as a dependency of each route, so before its handler reads the body
     for routes in (info.router, chat.router, completions.router, responses.router):
         app.include_router(routes, dependencies=[Depends(require_key)])
+    app.include_router(messages.router, dependencies=[Depends(require_anthropic_key)])
     return app
 
 
 async def require_key(request: Request) -> None:
     """`Authorization: Bearer KEY` when the server has an API key; 401 otherwise."""
     _check_bearer(request, request.app.state.gem4.config.api_key)
+
+
+async def require_anthropic_key(request: Request) -> None:
+    """/v1/messages: the key in `x-api-key` (Anthropic's header) or, without one, `Authorization: Bearer`."""
+    key = request.app.state.gem4.config.api_key
+    given = request.headers.get("x-api-key")
+    if key is None or given is None:
+        _check_bearer(request, key)
+    elif not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
 
 async def require_metrics_key(request: Request) -> None:

@@ -58,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model ids clients may use; the first is the one reported (default: MODEL's file "
                         "stem and file name, or its directory name)")
+    p.add_argument("--accept-any-model-name", action="store_true",
+                   help="answer a request whatever model it names (as the served model): for agents that also "
+                        "ask for a second, smaller model, such as Claude Code's haiku-class one")
     p.add_argument("--max-model-len", type=int_at_least(1), default=None,
                    help="context length cap, prompt + output (default: the model's context length)")
     p.add_argument("--chat-template", type=chat_template, default=None, metavar="FILE", help=CHAT_TEMPLATE_HELP)
@@ -260,7 +263,8 @@ def serve(args: argparse.Namespace) -> int:
         _log(NOTICE)
         path = str(ensure_demo(_log))
     names = model_ids(args, path)
-    config = ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]), api_key=args.api_key,
+    config = ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]),
+                          accept_any_model_name=args.accept_any_model_name, api_key=args.api_key,
                           metrics_api_key=args.metrics_api_key,
                           default_chat_template_kwargs=args.default_chat_template_kwargs,
                           max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,

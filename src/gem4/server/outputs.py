@@ -76,6 +76,7 @@ class ChatOutput:
         self.done = False
         self.finish_reason: str | None = None
         self._early: str | None = None            # the server ended the reply: "stop" | "tool_calls"
+        self.stop_sequence: str | None = None     # the stop string that ended it, if one did
         self._logprobs: list[P.TokenLogprob] = []  # every token's, for the final message
         self._pending = 0                          # how many of them no chunk has carried yet
 
@@ -117,6 +118,7 @@ class ChatOutput:
                 out += self._content_delta(text)
                 if matched is not None:
                     self._early = "stop"
+                    self.stop_sequence = matched
                 continue
             out += self._flush_content()          # stop strings do not span structure
             if isinstance(e, ReasoningDelta):

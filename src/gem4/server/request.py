@@ -195,7 +195,7 @@ class ServerRequest:
 # ---------------------------------------------------------------------------------------------
 
 
-def _engine_error(e: EngineError) -> APIError:
+def engine_error(e: EngineError) -> APIError:
     if isinstance(e, ServerShuttingDown):
         return APIError(503, "The server is shutting down; this request was stopped.", type="server_error",
                         code="server_shutting_down")
@@ -207,7 +207,7 @@ def sse(model) -> str:
 
 
 def sse_error(e: EngineError) -> str:
-    return f"data: {json.dumps(_engine_error(e).body())}\n\n"
+    return f"data: {json.dumps(engine_error(e).body())}\n\n"
 
 
 DONE = "data: [DONE]\n\n"
@@ -286,7 +286,7 @@ async def whole_reply(request: Request, gen: ServerRequest, outs: list, build: C
         result = await _unless_disconnected(request, collect())
     except EngineError as e:
         gen.close("error")
-        raise _engine_error(e) from None
+        raise engine_error(e) from None
     if result is None:                       # nobody is listening any more
         gen.close("abort")
         return Response(status_code=499)

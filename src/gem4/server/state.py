@@ -36,6 +36,7 @@ class ServerConfig:
     served_model_name: str                     # the id /v1/models and every response report
     model_path: str | None = None              # also accepted as the request's `model`
     model_aliases: tuple[str, ...] = ()        # more ids a request's `model` may name (vLLM's extra names)
+    accept_any_model_name: bool = False        # any `model` is this one (an agent's second, "small" model name)
     api_key: str | None = None
     metrics_api_key: str | None = None         # /metrics is open without it (as in vLLM), takes it with it
     default_chat_template_kwargs: dict = field(default_factory=dict)
@@ -84,7 +85,7 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         c = self.config
-        if name is None or name in (c.served_model_name, c.model_path, *c.model_aliases):
+        if name is None or c.accept_any_model_name or name in (c.served_model_name, c.model_path, *c.model_aliases):
             return
         raise APIError(404, f"The model `{name}` does not exist. This server serves "
                             f"`{c.served_model_name}`.", param="model", code="model_not_found")

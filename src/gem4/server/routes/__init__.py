@@ -2,6 +2,7 @@
 take the server's state from `request.app.state.gem4` (a `ServerState`).
 
     chat.py          POST /v1/chat/completions
+    messages.py      POST /v1/messages, /v1/messages/count_tokens (Anthropic's Messages API, onto the chat path)
     completions.py   POST /v1/completions
     responses.py     POST /v1/responses (OpenAI's Responses API, translated onto the chat path)
     info.py          GET /health, /version, /metrics, /v1/models[/{id}]; POST /tokenize, /detokenize
