@@ -21,17 +21,14 @@ connection alive. What this protocol does instead:
   a missing key, 413, 404, 503 ...) closes the connection instead of reading and discarding the
   rest: a client without a valid key cannot make the server take a 50 MB upload.
 - **Write timeout** (`write_timeout` s): a connection whose response bytes wait in the transport's
-  buffer (the kernel's socket buffer is full: the client does not read) and less than
-  `MIN_PROGRESS` bytes (64 KiB) of them could be sent for that long is aborted, nginx's `send_timeout`
-  with a floor: a receiver that never reads still lets the kernel trickle a few bytes now and then
-  (its receive queue collapsed into fewer buffers reopens a small window), and such a trickle kept a
-  connection for minutes when any byte counted. Aborted, not closed: asyncio's `close()`
+  buffer (the kernel's socket buffer is full: the client does not read) and none of them could be
+  sent for that long is aborted, nginx's `send_timeout`. Aborted, not closed: asyncio's `close()`
   first waits to flush a buffer that such a client never reads, so the connection (and its slot
   under the cap) would stay. The handler then sees the client disconnect, so a stream's engine
   request is aborted and its KV cache freed; a reply that was complete but unsent is dropped.
   Progress is sampled every quarter of the timeout. A client that reads, however slowly, lets the
   kernel take more each time a third of its send buffer is free (Linux: 4 MiB at most by default):
-  it is cut only if it reads less than 64 KiB in a whole timeout. uvicorn has no such timer: its flow
+  it is cut only if it reads less than that in a whole timeout. uvicorn has no such timer: its flow
   control makes the handler wait for the buffer to drain for ever.
 - **Connection cap** (`max_connections`): a connection beyond that many open ones is answered
   `503` with `Retry-After: 1` (an OpenAI error object) and closed at once, before it can hold a
@@ -81,9 +78,6 @@ class _Connection(h11.Connection):
         except h11.RemoteProtocolError as e:
             self.error = self.error or e
             raise
-
-
-MIN_PROGRESS = 64 * 1024        # bytes a client must take within the write timeout (uvicorn's high-water mark)
 
 
 class _CountingTransport:
@@ -231,7 +225,7 @@ class GuardedH11Protocol(H11Protocol):
         if self._lost or not self.transport.get_write_buffer_size():
             return                                # all handed to the kernel: nothing to watch
         sent, now = self.transport.sent(), self.loop.time()
-        if sent - self._sent_mark >= MIN_PROGRESS:   # the client took a real part of its reply since the mark
+        if sent != self._sent_mark:               # the client took bytes since the last look
             self._sent_mark, self._stalled_since = sent, now
         elif now - self._stalled_since >= self.write_timeout:
             if self.client:

@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=positive_float, default=30.0,
                    help="seconds a request body may go without a byte arriving; then 408 and close")
     p.add_argument("--write-timeout", type=positive_float, default=30.0,
-                   help="seconds a response may wait with less than 64 KiB of it sent (the client does not read); "
+                   help="seconds a response may wait without any of it being sent (the client does not read); "
                         "then the connection is aborted and its request stopped")
     p.add_argument("--shutdown-timeout", type=positive_float, default=2.0,
                    help="on SIGTERM or Ctrl-C, seconds to wait for connections to close after every open "
