@@ -42,6 +42,7 @@ within tens of microseconds.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -257,6 +258,41 @@ async def _disconnected(request: Request) -> None:
 def _discard(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()              # retrieved: not logged as "never retrieved"
+
+
+@dataclasses.dataclass
+class RenderedChat:
+    """A chat request rendered: the prompt ids, thinking on or off, the tools the parser accepts, and the grammar
+    plan (`chat_plan_of`) its constrained decoding starts from."""
+
+    ids: list[int]
+    thinking: bool
+    tool_names: frozenset[str]
+    plan: Plan | None
+
+
+async def render_request(request: Request, state: ServerState, engine: EngineLike, req: P.ChatCompletionRequest,
+                         *, where: str = "messages", max_tokens: int | None = None,
+                         max_tokens_name: str = "max_tokens") -> RenderedChat:
+    """What the chat, Responses and Messages endpoints share before generating: tools and the grammar plan
+    checked, the template variables, the early character bound, the render (`chat_prompt`) and the context
+    check (`where` names the field a too-long prompt came from; `max_tokens` is checked with it when given)."""
+    tools, tool_names = tools_for(req)
+    plan = await chat_plan_of(req, tools)
+    thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
+    check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
+                where)
+    ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
+                            enable_thinking=thinking, kwargs=kwargs, request=request,
+                            max_render_s=state.config.max_render_s)
+    check_length(len(ids), max_tokens, engine.max_model_len, where, max_tokens_name)
+    return RenderedChat(ids, thinking, tool_names, plan)
+
+
+async def with_grammar(engine: EngineLike, params: SamplingParams, chat: RenderedChat) -> SamplingParams:
+    """`params` with the rendered request's grammar (`chat_structured`), if it has one."""
+    structured = await chat_structured(engine, chat.plan, chat.ids, chat.thinking)
+    return params if structured is None else dataclasses.replace(params, structured=structured)
 
 
 class _PromptTokenizer:

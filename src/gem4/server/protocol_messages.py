@@ -195,6 +195,9 @@ def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:
     if req.output_config is not None and req.output_config.format is not None:
         chat["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": req.output_config.format.schema_}}
+    thinking = thinking_of(req)
+    if thinking is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": thinking}
     if isinstance(req, MessagesRequest):
         chat.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, seed=req.seed, logit_bias=req.logit_bias, stop=req.stop_sequences or None)

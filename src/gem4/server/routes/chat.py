@@ -1,11 +1,10 @@
 """POST /v1/chat/completions: messages (and tools) -> the chat template -> the engine -> `ChatOutput`.
 
 A forced tool call, a strict tool, a response_format document or structured_outputs becomes a grammar over
-the generated tokens (`chat_structured`, docs/structured.md); the output parser reads the constrained ids
+the generated tokens (`inputs.with_grammar`, docs/structured.md); the output parser reads the constrained ids
 as it reads any others."""
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,19 +13,7 @@ from fastapi import APIRouter, Request
 
 from gem4.engine import EngineError
 from gem4.server import protocol as P
-from gem4.server.inputs import (
-    chat_chars,
-    chat_plan_of,
-    chat_prompt,
-    chat_structured,
-    check_chars,
-    check_length,
-    parse,
-    sampling_params,
-    template_kwargs,
-    tools_for,
-    vocab_size,
-)
+from gem4.server.inputs import parse, render_request, sampling_params, vocab_size, with_grammar
 from gem4.server.outputs import ChatOutput, usage_of
 from gem4.server.protocol import bad_request
 from gem4.server.request import DONE, PING, EventStream, ServerRequest, sse, sse_error, whole_reply
@@ -42,23 +29,14 @@ async def chat_completions(request: Request):
     req, engine = await parse(request, P.ChatCompletionRequest, state)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
-    tools, tool_names = tools_for(req)
-    plan = await chat_plan_of(req, tools)
-    thinking, kwargs = template_kwargs(config.default_chat_template_kwargs, req.chat_template_kwargs)
     max_tokens = req.token_limit
     params = sampling_params(req, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
                              top_logprobs=req.top_logprobs or 0)
-    check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
-                "messages")
-    prompt_ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
-                                   enable_thinking=thinking, kwargs=kwargs, request=request,
-                                   max_render_s=config.max_render_s)
-    check_length(len(prompt_ids), max_tokens, engine.max_model_len, "messages",
-                 "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    structured = await chat_structured(engine, plan, prompt_ids, thinking)
-    if structured is not None:
-        params = dataclasses.replace(params, structured=structured)
-    outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
+    chat = await render_request(request, state, engine, req, max_tokens=max_tokens, max_tokens_name=(
+        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"))
+    prompt_ids = chat.ids
+    params = await with_grammar(engine, params, chat)
+    outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=chat.tool_names, stop=req.stop_list(),
                        parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
                        top_logprobs=req.top_logprobs or 0) for _ in range(req.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -18,7 +18,6 @@ output (`ChatOutput`) becomes Anthropic's content blocks. What differs from the 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import uuid
@@ -31,24 +30,11 @@ from fastapi.routing import APIRoute
 from gem4.engine import EngineError
 from gem4.server import protocol as P
 from gem4.server import protocol_messages as M
-from gem4.server.inputs import (
-    chat_chars,
-    chat_plan_of,
-    chat_prompt,
-    chat_structured,
-    check_chars,
-    check_length,
-    parse,
-    sampling_params,
-    template_kwargs,
-    tools_for,
-    vocab_size,
-)
+from gem4.server.inputs import RenderedChat, parse, render_request, sampling_params, vocab_size, with_grammar
 from gem4.server.outputs import ChatOutput
 from gem4.server.protocol import APIError
 from gem4.server.request import EventStream, ServerRequest, engine_error, whole_reply
 from gem4.server.state import EngineLike, ServerState
-from gem4.structured.grammars import Plan
 
 log = logging.getLogger("gem4.server")
 
@@ -76,38 +62,18 @@ class MessagesRoute(APIRoute):
 router = APIRouter(route_class=MessagesRoute)
 
 
-@dataclasses.dataclass
-class _Prompt:
-    """A Messages request rendered: its chat request, prompt ids, thinking, tool names and grammar plan."""
-
-    chat: P.ChatCompletionRequest
-    ids: list[int]
-    thinking: bool
-    tool_names: frozenset[str]
-    plan: Plan | None
-
-
-async def _prompt(request: Request, state: ServerState, engine: EngineLike, req: M.CountTokensRequest) -> _Prompt:
+async def _prompt(request: Request, state: ServerState, engine: EngineLike,
+                  req: M.CountTokensRequest) -> tuple[P.ChatCompletionRequest, RenderedChat]:
     """The request as its chat request, rendered: what /v1/messages generates from and count_tokens counts."""
     chat = M.to_chat(req)
-    tools, tool_names = tools_for(chat)
-    plan = await chat_plan_of(chat, tools)
-    asked = M.thinking_of(req)
-    thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs,
-                                       None if asked is None else {"enable_thinking": asked})
-    check_chars(chat_chars(chat.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
-                "messages")
-    ids = await chat_prompt(engine, chat.messages, tools, add_generation_prompt=True, enable_thinking=thinking,
-                            kwargs=kwargs, request=request, max_render_s=state.config.max_render_s)
-    check_length(len(ids), None, engine.max_model_len, "messages")
-    return _Prompt(chat, ids, thinking, tool_names, plan)
+    return chat, await render_request(request, state, engine, chat)
 
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request):
     state: ServerState = request.app.state.gem4
     req, engine = await parse(request, M.CountTokensRequest, state)
-    prompt = await _prompt(request, state, engine, req)
+    _, prompt = await _prompt(request, state, engine, req)
     return {"input_tokens": len(prompt.ids)}
 
 
@@ -116,14 +82,11 @@ async def messages(request: Request):
     state: ServerState = request.app.state.gem4
     config = state.config
     req, engine = await parse(request, M.MessagesRequest, state)
-    prompt = await _prompt(request, state, engine, req)
-    chat = prompt.chat
+    chat, prompt = await _prompt(request, state, engine, req)
     max_tokens = min(req.max_tokens, engine.max_model_len - len(prompt.ids))   # clamped: a max_tokens stop
     params = sampling_params(chat, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=False,
                              top_logprobs=0)
-    structured = await chat_structured(engine, prompt.plan, prompt.ids, prompt.thinking)
-    if structured is not None:
-        params = dataclasses.replace(params, structured=structured)
+    params = await with_grammar(engine, params, prompt)
     out = ChatOutput(engine.tokenizer, prompt.ids, tool_names=prompt.tool_names, stop=chat.stop_list(),
                      parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0)
     message_id = f"msg_{uuid.uuid4().hex}"

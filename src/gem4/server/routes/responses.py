@@ -21,7 +21,6 @@ Differences from chat, for what agents need:
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import secrets
@@ -35,19 +34,7 @@ from gem4.engine import EngineError
 from gem4.parser import Mode
 from gem4.server import protocol as P
 from gem4.server import protocol_responses as R
-from gem4.server.inputs import (
-    chat_chars,
-    chat_plan_of,
-    chat_prompt,
-    chat_structured,
-    check_chars,
-    check_length,
-    parse,
-    sampling_params,
-    template_kwargs,
-    tools_for,
-    vocab_size,
-)
+from gem4.server.inputs import parse, render_request, sampling_params, vocab_size, with_grammar
 from gem4.server.outputs import ChatOutput
 from gem4.server.protocol import APIError
 from gem4.server.request import PING, EventStream, ServerRequest, whole_reply
@@ -70,29 +57,20 @@ async def responses(request: Request):
     R.check_stateless(rreq)
     body, custom = R.chat_body(rreq)
     req = P.parse_request(P.ChatCompletionRequest, json.dumps(body).encode())
-    tools, tool_names = tools_for(req)
-    plan = await chat_plan_of(req, tools)
-    thinking, kwargs = template_kwargs(config.default_chat_template_kwargs, req.chat_template_kwargs)
-    shell = _shell(rreq, _id("resp"), config.served_model_name, thinking)
+    shell = _shell(rreq, _id("resp"), config.served_model_name)
     try:
-        check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None),
-                    engine.max_model_len, "input")
-        prompt_ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=True,
-                                       enable_thinking=thinking, kwargs=kwargs, request=request,
-                                       max_render_s=config.max_render_s)
-        check_length(len(prompt_ids), None, engine.max_model_len, "input")
+        rendered = await render_request(request, state, engine, req, where="input")
     except APIError as e:
         if rreq.stream and e.code == "context_length_exceeded":    # what Codex compacts its history on
             return EventStream(_failed(shell, e.code, e.message), on_close=lambda: None)
         raise
+    prompt_ids = rendered.ids
     free = engine.max_model_len - len(prompt_ids)
     max_tokens = free if rreq.max_output_tokens is None else min(rreq.max_output_tokens, free)
     params = sampling_params(req, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
                              top_logprobs=req.top_logprobs or 0)
-    structured = await chat_structured(engine, plan, prompt_ids, thinking)
-    if structured is not None:
-        params = dataclasses.replace(params, structured=structured)
-    chat = ChatOutput(engine.tokenizer, prompt_ids, tool_names=tool_names, stop=req.stop_list(),
+    params = await with_grammar(engine, params, rendered)
+    chat = ChatOutput(engine.tokenizer, prompt_ids, tool_names=rendered.tool_names, stop=req.stop_list(),
                       parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
                       top_logprobs=req.top_logprobs or 0)
     out = ResponseOutput(chat, custom, encrypted="reasoning.encrypted_content" in (rreq.include or []))
@@ -103,7 +81,7 @@ async def responses(request: Request):
     return await whole_reply(request, gen, [out], lambda: RootModel[dict](out.response(shell, gen)))
 
 
-def _shell(req: R.ResponsesRequest, response_id: str, model: str, thinking: bool) -> dict:
+def _shell(req: R.ResponsesRequest, response_id: str, model: str) -> dict:
     """The response object before any output: the request's settings echoed, as OpenAI echoes them."""
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     text.setdefault("format", {"type": "text"})
