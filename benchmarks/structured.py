@@ -185,7 +185,7 @@ def micro(a) -> None:
             fills, applies, consumes = [], [], []
             for _ in range(a.steps):
                 t0 = time.perf_counter()
-                masks, errors = matchers.masks([(s, None, []) for s in seqs])
+                masks, errors, _ = matchers.masks([(s, None, []) for s in seqs])
                 fills.append((time.perf_counter() - t0) / batch)
                 assert not any(errors), errors
                 logits = torch.randn(batch, tok.vocab_size)

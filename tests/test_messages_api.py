@@ -22,6 +22,7 @@ import pytest
 import gem4
 from gem4.demo import ensure_demo
 from gem4.server import ServerConfig, create_app
+from gem4.server.outputs import ChatOutput
 from server_helpers import API_KEY, InProcessServer, client_for, gem4_serve
 
 MODEL = "demo"
@@ -122,6 +123,43 @@ def test_tool_use_with_thinking(served, stream):
                                    tool_choice={"type": "tool", "name": "search", "disable_parallel_tool_use": True},
                                    extra_body={"seed": 1})
     assert len(check_calls(named, names={"search"})) == 1
+
+
+def test_thinking_budget_closes_the_thought(served, model, monkeypatch):
+    """thinking.budget_tokens is enforced: with a bias that keeps the thought from ending, the thought without a
+    budget runs to max_tokens; with a budget of N it holds N tokens (the generated ids between <|channel> and
+    <channel|>, its name included; more only while tool_choice's grammar is still spelling the name `thought`,
+    which it must finish before the thought may close), closes, and the forced call follows, streamed and not."""
+    _, client = served
+    _, tok = model
+    generated: list[int] = []
+    feed = ChatOutput.feed
+
+    def recording(self, ev):
+        if ev.token_id is not None:
+            generated.append(ev.token_id)
+        return feed(self, ev)
+
+    monkeypatch.setattr(ChatOutput, "feed", recording)
+    long_thought = {str(CHANNEL_START): 30, str(CHANNEL_END): -100}
+    kwargs = dict(model=MODEL, max_tokens=120, messages=HI, tools=[WEATHER], tool_choice={"type": "any"},
+                  extra_body={"seed": 2, "logit_bias": long_thought})
+    endless = client.messages.create(thinking={"type": "enabled", "budget_tokens": 1000}, **kwargs)
+    assert endless.stop_reason == "max_tokens" and [b["type"] for b in blocks(endless)] == ["thinking"]
+    for budget in (4, 12):
+        generated.clear()
+        whole = client.messages.create(thinking={"type": "enabled", "budget_tokens": budget}, **kwargs)
+        n = generated.index(CHANNEL_END) - 1
+        name = tok.decode(generated[1:n])              # the thought but its last token
+        assert generated[0] == CHANNEL_START and CHANNEL_START not in generated[1:]
+        assert n == budget or n > budget and "thought".startswith(name) and name != "thought", (budget, generated)
+        with client.messages.stream(thinking={"type": "enabled", "budget_tokens": budget}, **kwargs) as s:
+            final = s.get_final_message()
+        assert [{k: v for k, v in b.items() if k != "id"} for b in blocks(final)] == \
+            [{k: v for k, v in b.items() if k != "id"} for b in blocks(whole)]
+        check_calls(whole, names={"get_weather"})
+        thought = "".join(b["thinking"] for b in blocks(whole) if b["type"] == "thinking")
+        assert endless.content[0].thinking.startswith(thought) and len(endless.content[0].thinking) > len(thought)
 
 
 def test_tool_result_round_trip_renders_as_the_chat_api(served):

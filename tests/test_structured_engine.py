@@ -8,6 +8,7 @@ reads the output back through a fresh matcher (it must accept all of it, end inc
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 
@@ -20,7 +21,7 @@ from gem4 import Engine, SamplingParams
 from gem4.engine import EngineError, InvalidParameter
 from gem4.engine.pool import kv_pool_size
 from gem4.sampling import Sampler, apply_grammar_mask
-from gem4.structured import GrammarSpec, GrammarVocab, MatcherError, Timing, grammar_vocab
+from gem4.structured import Budget, GrammarSpec, GrammarVocab, MatcherError, ThoughtBudget, Timing, grammar_vocab
 from test_engine import wait_idle
 from test_spec_decode import Oracle, with_drafter
 from text_fixtures import tiny_tokenizer
@@ -459,3 +460,80 @@ def test_greedy_rows_check_the_argmax_first_and_choose_what_the_mask_chooses():
         masked = biased.masked_fill(~allowed, float("-inf"))
         want = [int((masked if b in rows.tolist() else biased)[b].argmax()) for b in range(6)]
         assert out.token_ids == want
+
+
+# ---------------------------------------------------------------------------------------------
+# A thought budget: masks where it binds
+# ---------------------------------------------------------------------------------------------
+
+
+def budget_cut(budget: ThoughtBudget, ids: list[int]) -> int:
+    """The position at which `budget` first forces the thought closed in an unbudgeted output `ids` (len(ids):
+    nowhere)."""
+    state = budget.start()
+    for k, t in enumerate(ids):
+        if budget.rule(state) == Budget.CLOSE:
+            return k
+        state = budget.advance(state, (t,))
+    return len(ids)
+
+
+def test_a_thought_budget_closes_the_thought_and_the_answer_follows(model, tok):
+    """A prompt that ends inside an open thought, a bias that keeps the thought from ending: with a budget of N
+    tokens the output is the unbudgeted one up to N thought tokens, then <channel|>, then an answer in which no
+    thought opens; a budget that never binds changes nothing; n choices, and speculation (exact), keep it."""
+    sp = tok.special
+    prompt = tok.encode("<|turn>user\nthe weather<turn|>\n<|turn>model\n<|channel>thought\n", parse_special=True)
+    bias = {sp.channel_end: -100, sp.channel_start: 3}
+    budget = ThoughtBudget(6, sp.channel_start, sp.channel_end, inside=True)
+    engine = Engine(model, tok, prefill_chunk=8, max_num_seqs=4)
+    for params in (SamplingParams(temperature=0, max_tokens=40, logit_bias=bias),
+                   SamplingParams(temperature=1.0, seed=3, max_tokens=40, logit_bias=bias)):
+        plain = ids_of(engine.generate(prompt, params))
+        assert sp.channel_end not in plain and len(plain) == 40
+        got = ids_of(engine.generate(prompt, dataclasses.replace(params, thought_budget=budget)))
+        k = budget_cut(budget, plain)
+        assert k < 40 and got[:k] == plain[:k] and got[k] == sp.channel_end
+        assert k == 6 and sp.channel_start not in got[k + 1:] and len(got) > k + 1      # the answer follows
+        loose = dataclasses.replace(params, thought_budget=dataclasses.replace(budget, tokens=1000))
+        assert ids_of(engine.generate(prompt, loose)) == plain
+    # a prompt outside a thought: the budget counts from the <|channel> the model writes
+    outside = ThoughtBudget(2, sp.channel_start, sp.channel_end)
+    opened = SamplingParams(temperature=0, max_tokens=12, logit_bias={sp.channel_start: 100, sp.channel_end: -100})
+    got = ids_of(engine.generate(prompt[:-3], dataclasses.replace(opened, thought_budget=outside)))
+    first = got.index(sp.channel_start)
+    assert sp.channel_end in got
+    close = got.index(sp.channel_end)
+    assert close == first + 3 and sp.channel_start not in got[close:]
+    # n choices: each its own budget state, each the single request with seed + i
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=30, logit_bias=bias, thought_budget=budget)
+    choices: dict[int, list[int]] = {}
+    for e in engine.submit(prompt, seeded, n=3):
+        choices.setdefault(e.index, []).append(e.token_id)
+    for i, ids in choices.items():
+        assert ids == ids_of(engine.generate(prompt, dataclasses.replace(seeded, seed=7 + i)))
+        close = ids.index(sp.channel_end)
+        assert close == 6 and sp.channel_start not in ids[close:]
+    wait_idle(engine)
+    assert len(engine._runner.matchers) == 0
+    # speculation: drafts through the forced close, some wrong, give the plain budgeted tokens
+    for params in (SamplingParams(temperature=0, max_tokens=40, logit_bias=bias, thought_budget=budget),
+                   SamplingParams(temperature=0.9, seed=4, max_tokens=40, logit_bias=bias, thought_budget=budget)):
+        want = ids_of(Engine(model, tok, prefill_chunk=8).generate(prompt, params))
+        spec = with_drafter(model, Oracle({tuple(prompt): want}, k=4, wrong=3), tokenizer=tok)
+        assert ids_of(spec.generate(prompt, params)) == want
+        assert spec.spec_accepted_tokens > 0
+        # a drafter that always proposes more thought: the drafts the budget rejects are cut before the forward
+        stubborn = with_drafter(model, Oracle({}, k=4), tokenizer=tok)
+        stubborn._runner.drafter.propose = lambda tokens, max_drafts: [want[0]] * max_drafts
+        assert ids_of(stubborn.generate(prompt, params)) == want
+
+
+def test_a_thought_budget_is_checked_against_the_vocabulary(model, tok):
+    engine = Engine(model, tok, prefill_chunk=8)
+    with pytest.raises(InvalidParameter, match="thought_budget"):
+        engine.submit([2, 3], SamplingParams(thought_budget=ThoughtBudget(4, 100, 10**6)))
+    with pytest.raises(TypeError):
+        ThoughtBudget(-1, 100, 101)
+    with pytest.raises(InvalidParameter, match="thought_budget"):
+        SamplingParams(thought_budget=4)

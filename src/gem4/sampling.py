@@ -3,7 +3,7 @@
 Order (one pass per decode step over float32 logits ``[B, V]``; every row carries its own
 parameters, so one batch may mix greedy, seeded, filtered and constrained requests):
 
-    0. grammar mask         t the request's grammar does not allow next: logit = -inf  (structured outputs)
+    0. grammar mask         t the request's grammar (or thought budget) does not allow next: logit = -inf
     1. logit_bias           logit[t] += bias[t]                                   (OpenAI)
     2. repetition_penalty   seen t: logit/p if logit > 0 else logit*p             (HF, llama.cpp)
     3. presence/frequency   logit[t] -= presence*[count_t > 0] + frequency*count_t (OpenAI)
@@ -87,7 +87,7 @@ import torch
 
 from gem4.numbers import is_finite_number
 from gem4.stops import check_stops
-from gem4.structured.spec import GrammarSpec
+from gem4.structured.spec import GrammarSpec, ThoughtBudget
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300                 # entries per request
@@ -185,6 +185,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # 0..20, needs logprobs=True
     structured: GrammarSpec | None = None  # constrained decoding: the grammar the output must match
+    thought_budget: ThoughtBudget | None = None  # at most so many tokens of thought (masks, like the grammar's)
 
     def __post_init__(self) -> None:
         def fail(name: str, why: str, value=None) -> None:
@@ -218,6 +219,8 @@ class SamplingParams:
             fail("top_logprobs", "needs logprobs=True")
         if self.structured is not None and not isinstance(self.structured, GrammarSpec):
             fail("structured", "must be a gem4.structured.GrammarSpec or None")
+        if self.thought_budget is not None and not isinstance(self.thought_budget, ThoughtBudget):
+            fail("thought_budget", "must be a gem4.structured.spec.ThoughtBudget or None")
 
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         try:
@@ -264,6 +267,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperatures below 1e-5 take the argmax (see the module docstring)."""
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def masked(self) -> bool:
+        """Whether the engine computes bitmasks for this request (a grammar, a thought budget)."""
+        return self.structured is not None or self.thought_budget is not None
 
 
 @dataclass(frozen=True)

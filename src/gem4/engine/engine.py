@@ -433,7 +433,9 @@ class Engine:
         if params.structured is not None and self.grammar_vocab is None:
             raise InvalidParameter("structured", "constrained decoding needs an engine with a tokenizer and "
                                                  "end-of-generation ids, built with structured=True")
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias])):
+        budget = params.thought_budget
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("thought_budget", [] if budget is None else [budget.open_id, budget.close_id])):
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise InvalidParameter(name, f"token ids must be < the vocabulary size {self.vocab_size}, got {bad}")

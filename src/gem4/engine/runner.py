@@ -27,7 +27,8 @@ the grammar rejects; after the forward, the bitmasks of every constrained row (o
 per verified one) are filled in one batched call and go to the sampler as its step 0 (sampling.py), so a
 request's tokens are always a prefix of a sentence of its grammar; then each matcher consumes the tokens its
 sequence emitted. A grammar that fails (it does not compile, a parser limit, a row with no allowed token)
-fails its chunk (`Failed`), like non-finite logits.
+fails its chunk (`Failed`), like non-finite logits. A thought budget (`SamplingParams.thought_budget`) is applied
+by the same masks, where it binds (engine/grammar.py).
 
 Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
 forward: the copy-on-write block copies (the copy must hold the shared rows before a sequence writes over
@@ -138,8 +139,8 @@ class ModelRunner:
         self.pool.copy_blocks(batch.block_copies)
         self.pool.copy_sliding_blocks(batch.sliding_copies)
         proposed = self._drafts([c for c in chunks if c.draft_slots])     # id(chunk) -> drafts, or Failed
-        for c in chunks:                                        # constrained: cut at the first draft the grammar rejects
-            if c.seq.params.structured is not None and isinstance(proposed.get(id(c)), list):
+        for c in chunks:                # constrained: cut at the first draft the grammar (or thought budget) rejects
+            if c.seq.params.masked and isinstance(proposed.get(id(c)), list):
                 try:
                     proposed[id(c)] = self.matchers.cut(c.seq, proposed[id(c)])
                 except Exception as e:                          # noqa: BLE001 - this request's failure only
@@ -194,22 +195,23 @@ class ModelRunner:
         return out
 
     def _masks(self, chunks, chosen: list[int], drafts: dict[int, list[int]], out: list) -> dict[int, torch.Tensor]:
-        """The grammar bitmasks of the constrained chunks among `chosen` (chunk index -> [1 + drafts, W]), all in
-        one batched fill (grammar.py); a chunk whose grammar fails gets its `Failed` in `out`."""
-        constrained = [i for i in chosen if chunks[i].seq.params.structured is not None]
+        """The bitmasks of the masked chunks among `chosen` (chunk index -> [1 + drafts, W]: a grammar's, a thought
+        budget's where it binds), all in one batched fill (grammar.py); a chunk whose grammar fails gets its
+        `Failed` in `out`."""
+        constrained = [i for i in chosen if chunks[i].seq.params.masked]
         if not constrained:
             return {}
         entries = [(chunks[i].seq, None if chunks[i].source is None else chunks[chunks[i].source].seq,
                     drafts.get(i, [])) for i in constrained]
         try:
-            buffer, errors = self.matchers.masks(entries)
+            buffer, errors, masked = self.matchers.masks(entries)
         except Exception as e:                                  # noqa: BLE001 - llguidance refused the whole call:
-            buffer, errors = None, [e] * len(entries)           # the constrained chunks fail, the others go on
+            buffer, errors, masked = None, [e] * len(entries), [False] * len(entries)   # those chunks fail
         masks, first = {}, 0
-        for i, (_, _, d), error in zip(constrained, entries, errors):
+        for i, (_, _, d), error, has_mask in zip(constrained, entries, errors, masked):
             if error is not None:
                 out[i] = Failed(error)
-            else:
+            elif has_mask:
                 masks[i] = buffer[first:first + 1 + len(d)]
             first += 1 + len(d)
         return masks

@@ -59,7 +59,7 @@ from gem4.server import protocol as P
 from gem4.server.protocol import APIError, bad_request
 from gem4.server.state import EngineLike, ServerState
 from gem4.structured.grammars import GrammarError, Lead, Plan, chat_plan, completion_plan, lead_of, validate
-from gem4.structured.spec import GrammarSpec
+from gem4.structured.spec import GrammarSpec, ThoughtBudget
 
 # names encode_prompt / the renderers take themselves: never template variables from a request
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokenizer", "add_generation_prompt",
@@ -293,6 +293,21 @@ async def with_grammar(engine: EngineLike, params: SamplingParams, chat: Rendere
     """`params` with the rendered request's grammar (`chat_structured`), if it has one."""
     structured = await chat_structured(engine, chat.plan, chat.ids, chat.thinking)
     return params if structured is None else dataclasses.replace(params, structured=structured)
+
+
+def with_thought_budget(engine: EngineLike, params: SamplingParams, chat: RenderedChat,
+                        tokens: int | None) -> SamplingParams:
+    """`params` with a budget of `tokens` thought tokens (Anthropic's thinking.budget_tokens), when it has one and
+    the model may think (thinking on, or a prompt that ends inside a thought): the engine closes a thought that
+    reaches it (`gem4.structured.spec.ThoughtBudget`)."""
+    sp = engine.tokenizer.special
+    if tokens is None or sp.channel_start is None or sp.channel_end is None:
+        return params
+    lead = lead_of(engine.tokenizer, chat.ids, chat.thinking)
+    if lead == Lead.ANSWER:
+        return params
+    inside = lead in (Lead.OPEN_THOUGHT, Lead.OPEN_CHANNEL)
+    return dataclasses.replace(params, thought_budget=ThoughtBudget(tokens, sp.channel_start, sp.channel_end, inside))
 
 
 class _PromptTokenizer:

@@ -15,7 +15,8 @@ does. What the translation does with each field:
 - `tool_choice` auto / any / tool / none -> auto / required / named / none (any and tool are grammars);
   `disable_parallel_tool_use` -> parallel_tool_calls false.
 - `thinking` enabled or adaptive -> enable_thinking; disabled -> off; absent -> the server's default.
-  `budget_tokens` is accepted and not enforced.
+  `budget_tokens` is enforced (`budget_of`): the engine closes a thought that reaches it and the answer
+  follows (`gem4.structured.spec.ThoughtBudget`).
 - `output_config.format` json_schema -> response_format json_schema.
 - `stop_sequences`, `temperature`, `top_p`, `top_k` (and the extensions `seed` and `logit_bias`) pass
   through; `max_tokens` is clamped to the free context by the handler. `metadata`, `cache_control`,
@@ -163,6 +164,11 @@ def _assistant(content: str | list, where: str) -> dict:
 def thinking_of(req: CountTokensRequest) -> bool | None:
     """enable_thinking as the request asks: None when it does not say (the server's default)."""
     return None if req.thinking is None else req.thinking.type != "disabled"
+
+
+def budget_of(req: CountTokensRequest) -> int | None:
+    """The most thought tokens the request allows (thinking.budget_tokens), None: no bound."""
+    return None if req.thinking is None or req.thinking.type == "disabled" else req.thinking.budget_tokens
 
 
 def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:

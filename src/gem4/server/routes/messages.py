@@ -30,7 +30,8 @@ from fastapi.routing import APIRoute
 from gem4.engine import EngineError
 from gem4.server import protocol as P
 from gem4.server import protocol_messages as M
-from gem4.server.inputs import RenderedChat, parse, render_request, sampling_params, vocab_size, with_grammar
+from gem4.server.inputs import (RenderedChat, parse, render_request, sampling_params, vocab_size, with_grammar,
+                               with_thought_budget)
 from gem4.server.outputs import ChatOutput
 from gem4.server.protocol import APIError
 from gem4.server.request import EventStream, ServerRequest, engine_error, whole_reply
@@ -87,6 +88,7 @@ async def messages(request: Request):
     params = sampling_params(chat, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=False,
                              top_logprobs=0)
     params = await with_grammar(engine, params, prompt)
+    params = with_thought_budget(engine, params, prompt, M.budget_of(req))
     out = ChatOutput(engine.tokenizer, prompt.ids, tool_names=prompt.tool_names, stop=chat.stop_list(),
                      parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0)
     message_id = f"msg_{uuid.uuid4().hex}"
