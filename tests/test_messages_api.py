@@ -195,6 +195,47 @@ def test_tool_result_round_trip_renders_as_the_chat_api(served):
     assert same.usage.prompt_tokens == n_input
 
 
+def test_a_last_assistant_message_is_a_prefill_the_reply_continues(served, model, monkeypatch):
+    """Anthropic's prefill: the prompt ends inside the assistant's turn, after its text (the closed turn's ids but
+    its `<turn|>` and newline), whole and streamed, thinking on or off; count_tokens agrees; the reply holds only
+    what follows. Trailing whitespace in the prefill is a 400, as Anthropic answers."""
+    base, client = served
+    _, tok = model
+    prompts: list[list[int]] = []
+    init = ChatOutput.__init__
+
+    def recording(self, tokenizer, prompt_ids, **kwargs):
+        prompts.append(list(prompt_ids))
+        init(self, tokenizer, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(ChatOutput, "__init__", recording)
+    turns = HI + [{"role": "assistant", "content": [{"type": "text", "text": "Well, the answer is"}]}]
+    chat = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Well, the answer is"}]
+    for thinking in ({"type": "disabled"}, {"type": "enabled", "budget_tokens": 64}):
+        closed = httpx.post(base + "/tokenize", json={
+            "model": MODEL, "messages": chat, "add_generation_prompt": False,
+            "chat_template_kwargs": {"enable_thinking": thinking["type"] == "enabled"}},
+            headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).json()["tokens"]
+        assert tok.decode(closed[-2:]) == "<turn|>\n"
+        prompts.clear()
+        whole = client.messages.create(model=MODEL, max_tokens=6, messages=turns, thinking=thinking,
+                                       extra_body={"seed": 1})
+        with client.messages.stream(model=MODEL, max_tokens=6, messages=turns, thinking=thinking,
+                                    extra_body={"seed": 1}) as s:
+            streamed = s.get_final_message()
+        assert prompts == [closed[:-2], closed[:-2]]
+        assert tok.decode(prompts[0]).endswith("<|turn>model\nWell, the answer is")
+        assert blocks(streamed) == blocks(whole)
+        assert whole.usage.input_tokens + whole.usage.cache_read_input_tokens == len(closed) - 2
+        assert client.messages.count_tokens(model=MODEL, messages=turns, thinking=thinking).input_tokens == \
+            len(closed) - 2
+        assert "Well, the answer is" not in "".join(b.get("text", "") for b in blocks(whole))
+    r = httpx.post(base + "/v1/messages", headers={"x-api-key": API_KEY}, json={
+        "model": MODEL, "max_tokens": 4, "messages": HI + [{"role": "assistant", "content": "Well "}]}, timeout=60)
+    assert_envelope(r, 400, "invalid_request_error")
+    assert "messages[1].content" in r.json()["error"]["message"]
+
+
 def test_output_config_format_constrains_the_answer(served):
     _, client = served
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},

@@ -246,6 +246,7 @@ def encode_prompt(
     enable_thinking: bool = False,
     template: str | None | bool = True,
     budget: RenderBudget | None = None,
+    continue_final_message: bool = False,
     **kwargs: Any,
 ) -> list[int]:
     """Render with the tokenizer's template and tokenize: the ids to prefill.
@@ -255,22 +256,35 @@ def encode_prompt(
     tokenizer. If a generation prompt was asked for and the rendered text ends with `<turn|>\\n`
     (template C after a model turn that has tool responses and content), `<|turn>model\\n` is
     appended, as llama.cpp does (docs/gemma4.md §7.3). budget: see `render`.
+    continue_final_message: the last message is an assistant turn to continue (a prefill, as vLLM's option
+    and Anthropic's last assistant message mean it): it renders without a generation prompt and without the
+    `<turn|>\\n` that closes it, so the prompt ends inside the model's turn, after its text.
+    `ChatTemplateError` if the last message is not the assistant's or the rendering does not end with its
+    turn's end.
     """
     if template is True:
         template = tokenizer.chat_template
     elif template is False:
         template = None
     specials = {**DEFAULT_SPECIAL_TOKENS, **tokenizer.special_token_strings(), **kwargs}
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise ChatTemplateError("continuing the final message needs an assistant message last")
     text = render(
         messages,
         tools,
-        add_generation_prompt=add_generation_prompt,
+        add_generation_prompt=add_generation_prompt and not continue_final_message,
         enable_thinking=enable_thinking,
         template=template,
         budget=budget,
         **specials,
     )
-    if add_generation_prompt and text.endswith(TURN_END + "\n"):
+    if continue_final_message:
+        closed = next((end for end in (TURN_END + "\n", TURN_END) if text.endswith(end)), None)
+        if closed is None:
+            raise ChatTemplateError(f"the template did not end the final assistant message with {TURN_END}, so it "
+                                    f"cannot be continued")
+        text = text[:-len(closed)]
+    elif add_generation_prompt and text.endswith(TURN_END + "\n"):
         text += TURN_START + "model\n"
     bos = specials.get("bos_token")
     add_bos = tokenizer.add_bos and not (bos and text.startswith(bos))

@@ -63,6 +63,7 @@ from gem4.structured.spec import GrammarSpec, ThoughtBudget
 
 # names encode_prompt / the renderers take themselves: never template variables from a request
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "template", "tokenizer", "add_generation_prompt",
+                                       "continue_final_message",
                                        "documents", "bos_token", "eos_token", "unk_token", "pad_token",
                                        "mask_token"})
 
@@ -220,11 +221,12 @@ def check_turns(messages, template: str | None, max_model_len: int, room: int = 
 
 async def chat_prompt(engine: EngineLike, messages, tools: list[dict] | None, *, add_generation_prompt: bool,
                       enable_thinking: bool, kwargs: dict, request: Request | None, max_render_s: float | None,
-                      room: int = 1) -> list[int]:
+                      room: int = 1, continue_final_message: bool = False) -> list[int]:
     """A chat's prompt ids: the validated `messages` held to the turns bound (`check_turns`), rendered with the
     template within `max_render_s` seconds (None: no limit) and tokenized in the render pool, the rendered text
     held to the early character bound (`check_chars`, leaving `room`) first. The render stops, with a 400, when
-    its budget runs out or when `request`'s client disconnects."""
+    its budget runs out or when `request`'s client disconnects. continue_final_message: the prompt ends inside
+    the last (assistant) message's turn, which the model continues (`gem4.chat.encode_prompt`)."""
     tokenizer = engine.tokenizer
     check_turns(messages, tokenizer.chat_template, engine.max_model_len, room)
     token_chars = getattr(tokenizer, "max_token_chars", None)
@@ -233,7 +235,7 @@ async def chat_prompt(engine: EngineLike, messages, tools: list[dict] | None, *,
     budget = RenderBudget(max_render_s)
     job = functools.partial(render_chat, bounded, [_message_dict(m) for m in messages], tools,
                             add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking,
-                            kwargs=kwargs, budget=budget)
+                            kwargs=kwargs, budget=budget, continue_final_message=continue_final_message)
     rendering = asyncio.get_running_loop().run_in_executor(render_pool(), job)
     watch = None if request is None else asyncio.ensure_future(_disconnected(request))
     try:
@@ -284,7 +286,7 @@ async def render_request(request: Request, state: ServerState, engine: EngineLik
                 where)
     ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                             enable_thinking=thinking, kwargs=kwargs, request=request,
-                            max_render_s=state.config.max_render_s)
+                            max_render_s=state.config.max_render_s, continue_final_message=req.continue_final_message)
     check_length(len(ids), max_tokens, engine.max_model_len, where, max_tokens_name)
     return RenderedChat(ids, thinking, tool_names, plan)
 
@@ -363,14 +365,15 @@ def template_kwargs(defaults: dict, requested: dict | None) -> tuple[bool, dict]
 
 
 def render_chat(tokenizer, messages, tools, *, add_generation_prompt: bool, enable_thinking: bool,
-                kwargs: dict, budget: RenderBudget | None = None) -> list[int]:
+                kwargs: dict, budget: RenderBudget | None = None, continue_final_message: bool = False) -> list[int]:
     """Render + tokenize (runs in the render pool; `budget` counts the render's CPU time); template failures
     are the request's fault."""
     import jinja2
 
     try:
         return encode_prompt(tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
-                             enable_thinking=enable_thinking, budget=budget, **kwargs)
+                             enable_thinking=enable_thinking, budget=budget,
+                             continue_final_message=continue_final_message, **kwargs)
     except RenderAborted as e:
         if e.reason == "cancelled":
             raise

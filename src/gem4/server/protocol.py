@@ -452,6 +452,16 @@ class SamplingRequest(_In):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def check_continue(messages: list[Message], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rules for continue_final_message: not with a generation prompt, and an assistant message last."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+    if messages and messages[-1].role != "assistant":
+        raise ValueError("continue_final_message needs an assistant message last")
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -463,6 +473,12 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False     # vLLM's: continue the last (assistant) message, a prefill
+
+    @model_validator(mode="after")
+    def _continue(self):
+        check_continue(self.messages, self.add_generation_prompt, self.continue_final_message)
+        return self
 
     @property
     def token_limit(self) -> int | None:
@@ -521,6 +537,7 @@ class TokenizeRequest(_In):
     messages: list[Message] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: Tools = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
@@ -529,6 +546,7 @@ class TokenizeRequest(_In):
     def _one(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
+        check_continue(self.messages or [], self.add_generation_prompt, self.continue_final_message)
         return self
 
 

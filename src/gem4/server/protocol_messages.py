@@ -9,7 +9,9 @@ does. What the translation does with each field:
   text of the same message (the order the template expects); `is_error` results are sent to the model as
   `{"error": text}`; image and document blocks -> 400 (a text-only model).
 - assistant `thinking` blocks -> reasoning_content (the signature is accepted and not checked),
-  `redacted_thinking` is dropped, `text` -> content, `tool_use` -> tool_calls.
+  `redacted_thinking` is dropped, `text` -> content, `tool_use` -> tool_calls. A last assistant message is a
+  prefill (continue_final_message): the prompt ends inside that turn, after its text, and the reply continues
+  it (its content holds only what follows); trailing whitespace there is a 400, as Anthropic answers.
 - `tools[{name, description, input_schema, strict}]` -> function tools; server tools (any other `type`,
   such as `web_search_20250305` or `bash_20250124`) are dropped.
 - `tool_choice` auto / any / tool / none -> auto / required / named / none (any and tool are grammars);
@@ -183,6 +185,12 @@ def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:
         where = f"messages[{i}].content"
         messages += _user(m.content, where) if m.role == "user" else [_assistant(m.content, where)]
     chat: dict[str, Any] = {"model": req.model, "messages": messages}
+    if req.messages[-1].role == "assistant":        # a prefill: the reply continues it
+        last = f"messages[{len(req.messages) - 1}].content"
+        text = messages[-1].get("content") or ""
+        if text != text.rstrip():
+            raise P.bad_request(f"{last}: the final assistant content cannot end with trailing whitespace", last)
+        chat.update(add_generation_prompt=False, continue_final_message=True)
     tools = [t for t in req.tools or [] if t.type in (None, "custom")]
     if tools:
         chat["tools"] = [{"type": "function", "function": {

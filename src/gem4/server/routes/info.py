@@ -78,7 +78,8 @@ async def tokenize(request: Request):
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                                 enable_thinking=thinking, kwargs=kwargs, request=request,
-                                max_render_s=state.config.max_render_s, room=0)
+                                max_render_s=state.config.max_render_s, room=0,
+                                continue_final_message=req.continue_final_message)
 
     def reply() -> dict[str, Any]:
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
