@@ -459,6 +459,37 @@ def test_errors_use_anthropics_envelope(served):
     assert r.status_code == 400 and "type" not in r.json()
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "not": {}}}}   # 'not': no grammar
+
+
+@pytest.mark.parametrize(("extra", "field"), [
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}, {"name": "f", "input_schema": BAD_SCHEMA}],
+      "tool_choice": {"type": "any"}}, "tools[1].input_schema.properties.a"),
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}, {"name": "a b"}]}, "'tools[1].name'"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}}, "output_config.format.schema"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice of type 'any' needs 'tools'"),
+    ({"stop_sequences": ["x"] * 100}, "'stop_sequences'"),
+    ({"max_tokens": 0}, "'max_tokens'"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 0}}, "'thinking.budget_tokens'"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c", "content": 5}]}]},
+     "messages[0].content[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "word " * 3000}]}, "the length of the messages"),
+    ({"system": [{"type": "text", "text": "a"}, {"type": "image"}]}, "system[1]"),
+])
+def test_errors_name_the_messages_fields(served, extra, field):
+    """Bad input -> a 400 in Anthropic's envelope whose message names the field the client sent, also where the
+    error comes from the chat path the request is translated onto (never tools[i].function..., response_format,
+    stop)."""
+    base, _ = served
+    body = {"model": MODEL, "max_tokens": 4, "messages": HI} | extra
+    r = httpx.post(base + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60)
+    assert_envelope(r, 400, "invalid_request_error")
+    message = r.json()["error"]["message"]
+    assert field in message, message
+    assert ".function." not in message and "response_format" not in message and "'stop'" not in message
+
+
 def test_queue_full_is_529_overloaded(model):
     m, tok = model
     engine = gem4.Engine(m, tok, max_model_len=256, max_num_seqs=1)

@@ -30,6 +30,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
           "required": ["name", "age"], "additionalProperties": False}
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "not": {}}}}   # 'not': no grammar
 THINK = {"seed": 0, "logit_bias": {str(CHANNEL): 10, str(CHANNEL_END): 10}}
 
 
@@ -343,8 +344,19 @@ def test_max_output_tokens_is_clamped_and_a_long_input_fails(served):
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
     ({"tool_choice": {"type": "allowed_tools", "tools": []}}, "tool_choice"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    # errors of the chat path the request is translated onto name the Responses fields
+    ({"tools": [{"type": "web_search"}, {"type": "function", "name": "f", "parameters": BAD_SCHEMA}],
+      "tool_choice": "required"}, "tools[1].parameters"),
+    ({"tools": [{"type": "file_search"}, {"type": "custom", "name": "a b"}]}, "tools[1].name"),
+    ({"tools": [{"type": "custom"}]}, "tools[0].name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}}, "text.format.schema"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "word " * (2 * CONTEXT)}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": [WEATHER]}, "tool_choice"),
 ])
 def test_unsupported_fields_are_400s_naming_them(served, extra, param):
     base, _, _ = served
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 1} | extra
-    assert_openai_error(httpx.post(base + "/v1/responses", json=body, timeout=60), 400, param=param)
+    err = assert_openai_error(httpx.post(base + "/v1/responses", json=body, timeout=60), 400, param=param)
+    assert ".function." not in err["message"] and "response_format" not in err["message"], err

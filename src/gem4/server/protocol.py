@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -69,6 +70,23 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def renamed(e: APIError, rename: Callable[[str], str]) -> APIError:
+    """`e` naming the field a client of another API sent (the Responses and Messages endpoints translate their
+    requests into chat requests, whose errors name chat fields): its `param` through `rename`, and the message
+    where it quotes the param (a path such as `tools[0].function.parameters` wherever it appears, a bare name
+    such as `stop` only between quotes)."""
+    if e.param is None:
+        return e
+    new = rename(e.param)
+    if new == e.param:
+        return e
+    if re.search(r"[.\[]", e.param):
+        message = re.sub(r"(?<![\w.\]])" + re.escape(e.param) + r"(?!\w)", new, e.message)
+    else:
+        message = e.message.replace(f"'{e.param}'", f"'{new}'")
+    return APIError(e.status, message, type=e.type, param=new, code=e.code, headers=e.headers)
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}

@@ -30,6 +30,7 @@ Errors on these routes use Anthropic's envelope (`error_body`): the chat API's 5
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -112,6 +113,8 @@ def _texts(blocks: str | list, where: str) -> str:
     """A string, or text blocks joined with newlines."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise P.bad_request(f"{where} must be a string or an array of text blocks", where)
     return "\n".join(_text(b, f"{where}[{i}]") for i, b in enumerate(blocks))
 
 
@@ -199,6 +202,8 @@ def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:
             for t in tools]
     choice = req.tool_choice
     if choice is not None:
+        if choice.type in ("any", "tool") and not tools:
+            raise P.bad_request(f"tool_choice of type '{choice.type}' needs 'tools'", "tool_choice")
         if choice.type == "tool":
             if choice.name is None:
                 raise P.bad_request("tool_choice of type 'tool' needs 'name'", "tool_choice.name")
@@ -215,7 +220,38 @@ def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:
     if isinstance(req, MessagesRequest):
         chat.update(max_tokens=req.max_tokens, stream=req.stream, temperature=req.temperature, top_p=req.top_p,
                     top_k=req.top_k, seed=req.seed, logit_bias=req.logit_bias, stop=req.stop_sequences or None)
-    return P.parse_request(P.ChatCompletionRequest, json.dumps(chat).encode())
+    try:
+        return P.parse_request(P.ChatCompletionRequest, json.dumps(chat).encode())
+    except P.APIError as e:
+        raise client_error(req, e) from None
+
+
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function(.*)")
+
+
+def client_param(req: CountTokensRequest, param: str) -> str:
+    """A parameter of the chat request `req` became (`to_chat`) as the Messages field it came from:
+    `tools[j].function.parameters` -> `tools[i].input_schema` (i: the tool's index among all of `req.tools`,
+    server tools included), `tools[j].function.X` -> `tools[i].X`, `response_format.json_schema.schema` ->
+    `output_config.format.schema`, `stop` -> `stop_sequences`, `messages[k]...` -> `messages` (chat messages
+    do not map one to one onto Anthropic's)."""
+    tool = _CHAT_TOOL.fullmatch(param)
+    kept = [i for i, t in enumerate(req.tools or []) if t.type in (None, "custom")]
+    if tool is not None and int(tool[1]) < len(kept):
+        rest = tool[2]
+        if rest.startswith(".parameters"):
+            rest = ".input_schema" + rest.removeprefix(".parameters")
+        return f"tools[{kept[int(tool[1])]}]{rest}"
+    if param.startswith("response_format"):
+        return "output_config.format" + param.removeprefix("response_format").removeprefix(".json_schema")
+    if param.startswith(("messages[", "messages.")):
+        return "messages"
+    return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}.get(param, param)
+
+
+def client_error(req: CountTokensRequest, e: P.APIError) -> P.APIError:
+    """An error of the chat path, naming the Messages field (`client_param`)."""
+    return P.renamed(e, lambda param: client_param(req, param))
 
 
 # ---------------------------------------------------------------------------------------------

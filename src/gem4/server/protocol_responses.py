@@ -22,6 +22,7 @@ are dropped, as nothing here can run them; any other type is a 400 naming `tools
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
@@ -266,3 +267,32 @@ def chat_body(req: ResponsesRequest) -> tuple[dict, frozenset[str]]:
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking}
     return body, custom
+
+
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function(.*)")
+
+
+def client_param(req: ResponsesRequest, param: str) -> str:
+    """A parameter of the chat request `req` became (`chat_body`) as the Responses field it came from:
+    `tools[j].function.X` -> `tools[i].X` (i: the tool's index among all of `req.tools`, hosted ones included;
+    a custom tool's made-up parameters -> the tool), `response_format.json_schema.schema` -> `text.format.schema`,
+    `messages[...]` -> `input`, the token limits -> `max_output_tokens`."""
+    tool = _CHAT_TOOL.fullmatch(param)
+    kept = [i for i, t in enumerate(req.tools or []) if t.get("type") in ("function", "custom")]
+    if tool is not None and int(tool[1]) < len(kept):
+        i, rest = kept[int(tool[1])], tool[2]
+        if req.tools[i].get("type") == "custom" and rest.startswith(".parameters"):
+            rest = ""
+        return f"tools[{i}]{rest}"
+    if param.startswith("response_format"):
+        return "text.format" + param.removeprefix("response_format").removeprefix(".json_schema")
+    if param == "messages" or param.startswith(("messages[", "messages.")):
+        return "input"
+    if param in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    return param
+
+
+def client_error(req: ResponsesRequest, e: P.APIError) -> P.APIError:
+    """An error of the chat path, naming the Responses field (`client_param`)."""
+    return P.renamed(e, lambda param: client_param(req, param))

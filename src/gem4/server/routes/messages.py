@@ -65,9 +65,13 @@ router = APIRouter(route_class=MessagesRoute)
 
 async def _prompt(request: Request, state: ServerState, engine: EngineLike,
                   req: M.CountTokensRequest) -> tuple[P.ChatCompletionRequest, RenderedChat]:
-    """The request as its chat request, rendered: what /v1/messages generates from and count_tokens counts."""
+    """The request as its chat request, rendered: what /v1/messages generates from and count_tokens counts.
+    Errors name the Messages fields (`client_error`)."""
     chat = M.to_chat(req)
-    return chat, await render_request(request, state, engine, chat)
+    try:
+        return chat, await render_request(request, state, engine, chat)
+    except APIError as e:
+        raise M.client_error(req, e) from None
 
 
 @router.post("/v1/messages/count_tokens")
@@ -85,9 +89,12 @@ async def messages(request: Request):
     req, engine = await parse(request, M.MessagesRequest, state)
     chat, prompt = await _prompt(request, state, engine, req)
     max_tokens = min(req.max_tokens, engine.max_model_len - len(prompt.ids))   # clamped: a max_tokens stop
-    params = sampling_params(chat, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=False,
-                             top_logprobs=0)
-    params = await with_grammar(engine, params, prompt)
+    try:
+        params = sampling_params(chat, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=False,
+                                 top_logprobs=0)
+        params = await with_grammar(engine, params, prompt)
+    except APIError as e:
+        raise M.client_error(req, e) from None
     params = with_thought_budget(engine, params, prompt, M.budget_of(req))
     out = ChatOutput(engine.tokenizer, prompt.ids, tool_names=prompt.tool_names, stop=chat.stop_list(),
                      parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0)

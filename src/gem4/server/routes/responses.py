@@ -56,20 +56,21 @@ async def responses(request: Request):
     rreq, engine = await parse(request, R.ResponsesRequest, state)
     R.check_stateless(rreq)
     body, custom = R.chat_body(rreq)
-    req = P.parse_request(P.ChatCompletionRequest, json.dumps(body).encode())
     shell = _shell(rreq, _id("resp"), config.served_model_name)
-    try:
+    try:                                   # the chat path: its errors name the Responses fields
+        req = P.parse_request(P.ChatCompletionRequest, json.dumps(body).encode())
         rendered = await render_request(request, state, engine, req, where="input")
+        prompt_ids = rendered.ids
+        free = engine.max_model_len - len(prompt_ids)
+        max_tokens = free if rreq.max_output_tokens is None else min(rreq.max_output_tokens, free)
+        params = sampling_params(req, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
+                                 top_logprobs=req.top_logprobs or 0)
+        params = await with_grammar(engine, params, rendered)
     except APIError as e:
+        e = R.client_error(rreq, e)
         if rreq.stream and e.code == "context_length_exceeded":    # what Codex compacts its history on
             return EventStream(_failed(shell, e.code, e.message), on_close=lambda: None)
-        raise
-    prompt_ids = rendered.ids
-    free = engine.max_model_len - len(prompt_ids)
-    max_tokens = free if rreq.max_output_tokens is None else min(rreq.max_output_tokens, free)
-    params = sampling_params(req, vocab_size(engine), max_tokens=max_tokens, stop=[], logprobs=req.logprobs,
-                             top_logprobs=req.top_logprobs or 0)
-    params = await with_grammar(engine, params, rendered)
+        raise e from None
     chat = ChatOutput(engine.tokenizer, prompt_ids, tool_names=rendered.tool_names, stop=req.stop_list(),
                       parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
                       top_logprobs=req.top_logprobs or 0)
