@@ -380,6 +380,66 @@ def test_raw_sse_event_sequence(served):
     assert delta["usage"]["output_tokens"] > 0 and delta["usage"]["input_tokens"] == start["input_tokens"]
 
 
+def stream_frames(base: str, body: dict, after: int, then) -> list[tuple[str, dict]]:
+    """A streamed reply's frames: `after` frames are read, `then()` runs, the rest are read to the end."""
+    with httpx.stream("POST", base + "/v1/messages", json=body, headers={"x-api-key": API_KEY}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = (line for line in r.iter_lines() if line)
+        frames = []
+        for event in lines:
+            data = next(lines)
+            assert event.startswith("event: ") and data.startswith("data: "), (event, data)
+            frames.append((event[len("event: "):], json.loads(data[len("data: "):])))
+            if len(frames) == after:
+                then()
+    return frames
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event(model):
+    """The engine failing mid-stream (its sampler raising) and the server shutting down mid-stream: after the
+    frames already sent, an `event: error` frame in Anthropic's envelope (api_error; overloaded_error, which
+    clients retry, for the shutdown) ends the stream, with no message_stop; the SDK raises it."""
+    m, tok = model
+    engine = gem4.Engine(m, tok, max_model_len=1024, max_num_seqs=2)
+    app = create_app(ServerConfig(served_model_name=MODEL, api_key=API_KEY, heartbeat_s=0.1), engine)
+    body = {"model": MODEL, "max_tokens": 800, "stream": True, "messages": HI, "seed": 1,
+            "logit_bias": {"106": -100, "1": -100, "50": -100}}        # no end: it would run to max_tokens
+    sample = engine._runner.sampler.sample
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("the sampler broke")
+
+    def fail() -> None:
+        engine._runner.sampler.sample = failing
+
+    with InProcessServer(app) as base:
+        try:
+            frames = stream_frames(base, body, 4, fail)
+        finally:
+            engine._runner.sampler.sample = sample
+        names = [e for e, _ in frames if e != "ping"]
+        assert names[0] == "message_start" and "content_block_delta" in names
+        assert names[-1] == "error" and "message_stop" not in names, names
+        error = frames[-1][1]
+        assert error["type"] == "error" and error["error"]["type"] == "api_error"
+        assert "the sampler broke" in error["error"]["message"]
+        # the SDK raises the error event
+        client = anthropic.Anthropic(base_url=base, api_key=API_KEY, max_retries=0, timeout=60)
+        engine._runner.sampler.sample = failing
+        try:
+            with pytest.raises(anthropic.APIStatusError, match="the sampler broke"):
+                with client.messages.stream(model=MODEL, max_tokens=8, messages=HI) as s:
+                    s.get_final_message()
+        finally:
+            engine._runner.sampler.sample = sample
+        # the server shutting down
+        frames = stream_frames(base, body, 4, lambda: app.state.gem4.shut_down())
+        assert frames[-1] == ("error", {"type": "error", "error": {
+            "type": "overloaded_error", "message": "The server is shutting down; this request was stopped."}})
+        assert "message_stop" not in [e for e, _ in frames]
+    engine.shutdown()
+
+
 def test_claude_code_shaped_request_with_any_model_name(model):
     """What Claude Code sends (system blocks with cache_control, metadata, tools, a server tool, streaming,
     ?beta=true, max_tokens 32000, its small model's name) against --accept-any-model-name."""
