@@ -142,6 +142,8 @@ def test_named_choice_and_custom_tool(served):
     assert isinstance(calls[0].input, str) and calls[0].call_id
     (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
     assert done.input == calls[0].input
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == calls[0].input and len(deltas) > 1, deltas     # streamed as it is written
     # its output goes back as a custom_tool_call_output item, rendered as a tool message
     history = [{"role": "user", "content": "Fix it"}, calls[0].model_dump(exclude_none=True),
                {"type": "custom_tool_call_output", "call_id": calls[0].call_id, "output": "Done."}]
@@ -161,6 +163,22 @@ def test_json_schema_text_format(served):
             jsonschema.validate(json.loads(whole.output_text), PERSON)
             done += 1
     assert done
+
+
+@pytest.mark.parametrize("text", ['line "one"\nline\\two \U0001F600 \u00e9\u0001 end', "\\ud83d x", ""])
+def test_a_custom_tool_input_streams_whole_characters(text):
+    """The custom tool's input decoded from its JSON arguments however they are cut: escapes and surrogate pairs
+    never split, the text exact; arguments of another form stream nothing."""
+    from gem4.server.routes.responses import _InputStream
+
+    for ascii_only in (True, False):
+        args = json.dumps({"input": text}, separators=(",", ":"), ensure_ascii=ascii_only)
+        for step in (1, 2, 3, 7, len(args)):
+            stream = _InputStream()
+            parts = [stream.feed(args[i:i + step]) for i in range(0, len(args), step)]
+            assert "".join(parts) == text == stream.sent
+    other = _InputStream()
+    assert other.feed('{"path":"a","input":"b"}') == "" and other.sent == ""
 
 
 def raw_events(base: str, body: dict) -> tuple[list[str], list[dict]]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -112,6 +113,7 @@ class ResponseOutput:
         self._logprobs: list[dict] = []       # its message logprobs
         self._pending: list[dict] = []        # logprobs of the tokens since the last text delta
         self._calls: dict[int, dict] = {}     # chat tool call index -> its item
+        self._input = _InputStream()          # the open custom tool call's input, streamed
 
     @property
     def done(self) -> bool:
@@ -165,8 +167,12 @@ class ResponseOutput:
             self._logprobs += logprobs
             events.append(("response.output_text.delta", {**where, "content_index": 0, "delta": text,
                                                            "logprobs": logprobs}))
-        elif item["type"] == "function_call":      # a custom tool's input comes whole, when the call is done
+        elif item["type"] == "function_call":
             events.append(("response.function_call_arguments.delta", {**where, "delta": text}))
+        else:                                      # a custom tool's input, decoded from its JSON arguments
+            delta = self._input.feed(text)
+            if delta:
+                events.append(("response.custom_tool_call_input.delta", {**where, "delta": delta}))
         return events
 
     def _add(self, kind: str) -> list[tuple[str, dict]]:
@@ -191,6 +197,7 @@ class ResponseOutput:
             item = {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name, "arguments": "",
                     "status": "in_progress"}
         self._open, self._text, self._pending = item, "", []     # the call's tokens: no output_text logprobs
+        self._input = _InputStream()
         self._calls[index] = item
         self.items.append(item)
         return events + [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)})]
@@ -227,8 +234,11 @@ class ResponseOutput:
                                                                          "arguments": call.arguments}))
             else:
                 item["input"] = _custom_input(call.arguments)
-                events += [("response.custom_tool_call_input.delta", {**where, "delta": item["input"]}),
-                           ("response.custom_tool_call_input.done", {**where, "input": item["input"]})]
+                streamed = self._input.sent
+                rest = item["input"][len(streamed):] if item["input"].startswith(streamed) else ""
+                if rest:                           # what the stream held back (or all of an input not in form)
+                    events.append(("response.custom_tool_call_input.delta", {**where, "delta": rest}))
+                events.append(("response.custom_tool_call_input.done", {**where, "input": item["input"]}))
         events.append(("response.output_item.done", {"output_index": index, "item": item}))
         return events
 
@@ -253,6 +263,46 @@ def _custom_input(arguments: str) -> str:
     except (ValueError, AttributeError):
         return arguments
     return value if isinstance(value, str) else json.dumps(value)
+
+
+_INPUT_PREFIX = '{"input":"'
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')   # whole characters and escapes
+_HIGH_SURROGATE = re.compile(r'\\u[dD][89abAB][0-9a-fA-F]{2}$')
+
+
+class _InputStream:
+    """A custom tool call's input, decoded as its JSON arguments arrive, so that it streams: the parser writes a
+    call of the function `{"input": string}` as `{"input":"` and then the string's body, each escape whole.
+    Arguments of another form (a model that wrote other keys) stream nothing; the input then comes whole when
+    the call is done (`ResponseOutput._close`)."""
+
+    def __init__(self):
+        self._raw = ""                        # the arguments so far
+        self._at = 0                          # where their undecoded part starts (0: before the string)
+        self.sent = ""                        # the input decoded (and streamed) so far
+        self._off = False                     # not of the form: stream nothing
+
+    def feed(self, text: str) -> str:
+        """The input's text the arguments' new `text` completes."""
+        if self._off:
+            return ""
+        self._raw += text
+        if not self._at:
+            if not self._raw.startswith(_INPUT_PREFIX):
+                self._off = not _INPUT_PREFIX.startswith(self._raw)
+                return ""
+            self._at = len(_INPUT_PREFIX)
+        body = _STRING_BODY.match(self._raw, self._at).group()
+        high = _HIGH_SURROGATE.search(body)
+        head = body if high is None else body[:high.start()]
+        if high is not None and (len(head) - len(head.rstrip("\\"))) % 2 == 0:
+            body = head                        # half a surrogate pair (an escape, not `\\` + "u..."): wait
+        if not body:
+            return ""
+        new = json.loads(f'"{body}"', strict=False)
+        self._at += len(body)
+        self.sent += new
+        return new
 
 
 class _Events:
