@@ -348,6 +348,98 @@ def test_max_output_tokens_is_clamped_and_a_long_input_fails(served):
     assert data[-1]["response"]["error"]["code"] == "context_length_exceeded"
 
 
+def test_previous_response_id_continues_a_stored_conversation(served, monkeypatch):
+    """A stored response (store defaults to true) is continued by previous_response_id: the prompt is the one the
+    whole history renders (instructions not carried over), read from the prefix cache; GET returns the stored
+    response, DELETE forgets it; store: false keeps nothing; an unknown id is a 400 naming the field."""
+    base, client, engine = served
+    prompts = []
+    submit = engine.submit
+
+    def recording(prompt_ids, *args, **kwargs):
+        prompts.append(list(prompt_ids))
+        return submit(prompt_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", recording)
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="Weather in Oslo? " * 8,
+                                    tools=[WEATHER], tool_choice="required", max_output_tokens=100, temperature=1.0,
+                                    extra_body={"seed": 1})
+    assert first.status == "completed" and first.store and first.previous_response_id is None
+    outputs = [{"type": "function_call_output", "call_id": i.call_id, "output": "Rain."}
+               for i in first.output if i.type == "function_call"]
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input=outputs, tools=[WEATHER],
+                                     instructions="Be brief.", max_output_tokens=3, extra_body={"seed": 2})
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens - 16
+    history = [{"type": "message", "role": "user", "content": "Weather in Oslo? " * 8},
+               *[i.model_dump(exclude_none=True) for i in first.output], *outputs]
+    whole = client.responses.create(model=MODEL, input=history, tools=[WEATHER], instructions="Be brief.",
+                                    max_output_tokens=3, store=False, extra_body={"seed": 2})
+    assert prompts[1] == prompts[2] and len(prompts[1]) > len(prompts[0])
+    assert [i.model_dump() for i in whole.output] and whole.store is False
+    # a chain: the third turn continues the second, and so the first
+    third = client.responses.create(model=MODEL, previous_response_id=second.id, input="And tomorrow?",
+                                    tools=[WEATHER], instructions="Be brief.", max_output_tokens=2,
+                                    extra_body={"seed": 3})
+    assert prompts[3][:len(prompts[1]) - 5] == prompts[1][:-5]     # but its generation prompt (an empty thought)
+    key = {"Authorization": "Bearer none"}
+    got = httpx.get(f"{base}/v1/responses/{second.id}", headers=key, timeout=60)
+    assert got.status_code == 200 and got.json()["id"] == second.id
+    assert client.responses.retrieve(second.id) == second
+    assert httpx.get(f"{base}/v1/responses/{whole.id}", timeout=60).status_code == 404       # store: false
+    _, data = raw_events(base, {"model": MODEL, "input": "hi", "stream": True, "max_output_tokens": 2})
+    final = data[-1]["response"]                                                              # streamed: stored too
+    assert httpx.get(f"{base}/v1/responses/{final['id']}", timeout=60).json() == final
+    deleted = httpx.delete(f"{base}/v1/responses/{first.id}", timeout=60)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    assert_openai_error(httpx.get(f"{base}/v1/responses/{first.id}", timeout=60), 404)
+    err = assert_openai_error(httpx.post(base + "/v1/responses", json={
+        "model": MODEL, "input": "hi", "previous_response_id": first.id}, timeout=60), 400,
+        param="previous_response_id", code="previous_response_not_found")
+    assert first.id in err["message"]
+    # the chain's later turns hold the first turn's conversation themselves
+    again = client.responses.create(model=MODEL, previous_response_id=third.id, input="ok", tools=[WEATHER],
+                                    instructions="Be brief.", max_output_tokens=1)
+    assert again.status in ("completed", "incomplete") and again.usage.input_tokens > third.usage.input_tokens
+
+
+def test_the_response_store_is_bounded_and_evicts_the_least_recently_used():
+    from gem4.server.store import ResponseStore
+
+    def response(i: int, pad: int = 0) -> dict:
+        return {"id": f"resp_{i}", "output": [], "pad": "x" * pad}
+
+    one = len(json.dumps(response(0), separators=(",", ":"))) + len("[]")
+    store = ResponseStore(3 * one)
+    for i in range(3):
+        assert store.put(response(i), [])
+    assert len(store) == 3 and store.size == 3 * one
+    assert store.get("resp_0") is not None          # now the most recently used: resp_1 goes first
+    assert store.put(response(3), [])
+    assert [store.get(f"resp_{i}") is not None for i in range(4)] == [True, False, True, True]
+    assert not store.put(response(4, pad=3 * one), [])    # larger than the store: not kept, nothing evicted
+    assert len(store) == 3 and store.size == 3 * one
+    assert store.put(response(5, pad=one), [{"type": "message"}])          # evicts as many as it takes
+    assert len(store) == 1 and store.size <= 3 * one
+    assert store.delete("resp_5") and store.size == 0 and not store.delete("resp_5")
+    with pytest.raises(ValueError):
+        ResponseStore(0)
+
+
+def test_a_server_without_a_store_refuses_previous_response_id(served):
+    _, _, engine = served
+    app = create_app(ServerConfig(served_model_name=MODEL, responses_store_bytes=0), engine)
+    with InProcessServer(app) as base:
+        r = httpx.post(base + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["store"] is False
+        assert_openai_error(httpx.get(f"{base}/v1/responses/{r.json()['id']}", timeout=60), 404)
+        err = assert_openai_error(httpx.post(base + "/v1/responses", json={
+            "model": MODEL, "input": "hi", "previous_response_id": r.json()["id"]}, timeout=60), 400,
+            param="previous_response_id")
+        assert "--responses-store-mb" in err["message"]
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),

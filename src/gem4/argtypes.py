@@ -69,6 +69,17 @@ def positive_float(text: str) -> float:
     return value
 
 
+def non_negative_float(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def speculative_config(text: str):
     """--speculative-config: vLLM's JSON object, checked (gem4.engine.speculative.SpeculativeConfig)."""
     from gem4.engine.speculative import SpeculativeConfig

@@ -27,6 +27,7 @@ goes to inputs.py):
                   tokenize), each an APIRouter of module-level handlers
     app.py        create_app: the routers, OpenAI error objects for every failure, CORS, the API key
     metrics.py    Prometheus text, `gem4:*`
+    store.py      the Responses API's stored responses (previous_response_id), bounded, LRU
     http11.py     connection guards: header and body timeouts, a connection cap, no draining of unread bodies
     main.py       `gem4 serve` arguments, loading, uvicorn
 

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser,
-                           chat_template, check_model_or_demo, int_at_least, port, positive_float, speculative_config)
+                           chat_template, check_model_or_demo, int_at_least, non_negative_float, port, positive_float,
+                           speculative_config)
+from gem4.server.store import DEFAULT_RESPONSES_STORE_MB
 
 
 def _json_object(text: str) -> dict:
@@ -111,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU seconds a chat template render may take; then it stops with a 400 (the official "
                         "template's time grows with the square of the number of messages). A render also stops "
                         "when its client disconnects")
+    p.add_argument("--responses-store-mb", type=non_negative_float, default=DEFAULT_RESPONSES_STORE_MB, metavar="MIB",
+                   help="MiB of memory for the Responses API's stored responses (what previous_response_id and "
+                        "GET /v1/responses/{id} read; a request with store: false is not kept), the least "
+                        "recently used evicted first; 0: none kept, previous_response_id is a 400")
     p.add_argument("--header-timeout", type=positive_float, default=10.0,
                    help="seconds a connection has to send its request headers, counted from its first byte "
                         "(a new connection: from its opening); then 408 and close")
@@ -273,7 +279,7 @@ def serve(args: argparse.Namespace) -> int:
                           else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
                           allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                           allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                          web_ui=args.web_ui)
+                          web_ui=args.web_ui, responses_store_bytes=int(args.responses_store_mb * 2**20))
     app = create_app(config)
     http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                             write_timeout=args.write_timeout, max_connections=max_connections(args))

@@ -1,9 +1,10 @@
 """The OpenAI Responses wire format (`POST /v1/responses`): the request model, and its translation onto a
 chat request (`chat_body`), so that the chat path renders, constrains, parses and streams it.
 
-gem4 is stateless here, as llama-server and Ollama are: a request carries its whole conversation in
-`input` (Codex CLI sends the full history every turn, with `store: false`). So `previous_response_id`,
-`conversation`, `background: true` and `item_reference` items are refused with a 400 naming them.
+A request carries its whole conversation in `input` (Codex CLI sends the full history every turn, with
+`store: false`), or continues a stored response's (`previous_response_id`, server/store.py: a bounded
+in-memory store, `--responses-store-mb`); `conversation`, `background: true` and `item_reference` items are
+refused with a 400 naming them, as is `previous_response_id` on a server without a store.
 
 Input items -> chat messages:
 
@@ -70,12 +71,13 @@ class ResponsesRequest(P.SamplingRequest):
     max_output_tokens: int | None = Field(None, ge=1)
     top_logprobs: int | None = Field(None, ge=0, le=20)
     include: list[str] | None = None
+    store: bool = True                       # keep the response for previous_response_id (server/store.py)
+    previous_response_id: str | None = None  # continue a stored response's conversation
     # state gem4 does not keep: refused (`check_stateless`)
-    previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
-    # accepted and ignored: store, metadata, user, safety_identifier, prompt_cache_key (prefix caching is
-    # automatic), service_tier, truncation, client_metadata
+    # accepted and ignored: metadata, user, safety_identifier, prompt_cache_key (prefix caching is automatic),
+    # service_tier, truncation, client_metadata
 
     @property
     def thinking(self) -> bool | None:
@@ -103,12 +105,22 @@ def _checked(model: type[BaseModel], value: dict, where: str, inner: str = "") -
                           param) from None
 
 
-def check_stateless(req: ResponsesRequest) -> None:
-    for name, value in (("previous_response_id", req.previous_response_id), ("conversation", req.conversation),
-                        ("background", req.background or None)):
+def check_stateless(req: ResponsesRequest, store: bool) -> None:
+    """400 for the state this server does not keep: conversations, background responses, and stored responses
+    when it has no response store (`store`: it has one)."""
+    for name, value in (("previous_response_id", None if store else req.previous_response_id),
+                        ("conversation", req.conversation), ("background", req.background or None)):
         if value is not None:
-            raise bad_request(f"'{name}' is not supported: this server keeps no responses or conversations "
-                              f"(it is stateless). Send the whole conversation in 'input' instead.", name)
+            kept = "conversations" if store else "responses or conversations (--responses-store-mb 0)"
+            raise bad_request(f"'{name}' is not supported: this server keeps no {kept}. Send the whole "
+                              f"conversation in 'input' instead.", name)
+
+
+def input_items(req: ResponsesRequest) -> list[dict]:
+    """`input` as items (a string is one user message)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "role": "user", "content": req.input}]
+    return req.input
 
 
 def _text(content: Any, where: str) -> str | list[dict]:
@@ -141,14 +153,12 @@ def _reasoning_text(item: dict) -> str:
     return encrypted if isinstance(encrypted, str) else ""
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """`instructions` and `input` as chat messages (see the module docstring)."""
+def chat_messages(req: ResponsesRequest, history: list[dict] | tuple = ()) -> list[dict]:
+    """`instructions`, then the `history` items (a stored response's conversation, for previous_response_id)
+    and the `input` items, as chat messages (see the module docstring)."""
     messages: list[dict] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        messages.append({"role": "user", "content": req.input})
-        return messages
     turn: dict | None = None              # the assistant message being assembled from contiguous items
 
     def assistant() -> dict:
@@ -158,8 +168,8 @@ def chat_messages(req: ResponsesRequest) -> list[dict]:
             messages.append(turn)
         return turn
 
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
+    for i, item in enumerate([*history, *input_items(req)]):
+        where = f"input[{i - len(history)}]" if i >= len(history) else "previous_response_id"
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -249,13 +259,14 @@ def chat_response_format(text: TextConfig | None) -> dict | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
-def chat_body(req: ResponsesRequest) -> tuple[dict, frozenset[str]]:
-    """The chat request equivalent to `req` but its token limit (clamped to the free context once the prompt
-    is known), as a JSON object; and the names of the custom tools."""
+def chat_body(req: ResponsesRequest, history: list[dict] | tuple = ()) -> tuple[dict, frozenset[str]]:
+    """The chat request equivalent to `req` (after the `history` items, for previous_response_id) but its token
+    limit (clamped to the free context once the prompt is known), as a JSON object; and the names of the custom
+    tools."""
     tools, custom = chat_tools(req)
     body = req.model_dump(include=set(P.SamplingRequest.model_fields) - {"max_tokens", "n", "stream", "stream_options"},
                           exclude_unset=True, by_alias=True)
-    body.update(messages=chat_messages(req), parallel_tool_calls=req.parallel_tool_calls,
+    body.update(messages=chat_messages(req, history), parallel_tool_calls=req.parallel_tool_calls,
                 logprobs=req.logprobs, top_logprobs=req.top_logprobs or 0)
     if tools:
         body["tools"] = tools

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from gem4.sampling import SamplingParams
 from gem4.server.metrics import Metrics
 from gem4.server.protocol import APIError
+from gem4.server.store import DEFAULT_RESPONSES_STORE_MB, ResponseStore
 
 DEFAULT_RENDER_SECONDS = 10.0              # --max-render-seconds: CPU seconds one chat template render may take
 
@@ -52,6 +53,7 @@ class ServerConfig:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     web_ui: bool = True                         # GET / serves the chat page (routes/web.py); --no-web-ui: 404
+    responses_store_bytes: int = DEFAULT_RESPONSES_STORE_MB * 2**20   # stored responses (store.py); 0: none
 
 
 class ServerState:
@@ -64,6 +66,7 @@ class ServerState:
         self.metrics = Metrics(config.served_model_name, config.max_num_seqs, engine=lambda: self.engine)
         self.created = int(time.time())
         self.requests: set = set()          # the ServerRequests (request.py) admitted and not closed yet
+        self.responses = ResponseStore(config.responses_store_bytes) if config.responses_store_bytes > 0 else None
         self.shutting_down = False
 
     def shut_down(self) -> int:

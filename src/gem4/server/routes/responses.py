@@ -18,6 +18,8 @@ Differences from chat, for what agents need:
 - `usage.input_tokens_details.cached_tokens` counts the prompt tokens read from the prefix cache (an agent
   that resends its whole history reuses the earlier turns); `output_tokens_details.reasoning_tokens` the
   tokens generated inside the thought channel.
+- A finished response made with `store` true is kept (server/store.py, bounded, LRU) with its conversation:
+  `previous_response_id` continues it, `GET /v1/responses/{id}` returns it and `DELETE` forgets it.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import APIRouter, Request
 from pydantic import RootModel
@@ -37,7 +39,7 @@ from gem4.server import protocol as P
 from gem4.server import protocol_responses as R
 from gem4.server.inputs import parse, render_request, sampling_params, vocab_size, with_grammar
 from gem4.server.outputs import ChatOutput
-from gem4.server.protocol import APIError
+from gem4.server.protocol import APIError, bad_request
 from gem4.server.request import PING, EventStream, ServerRequest, whole_reply
 from gem4.server.state import ServerState
 
@@ -55,9 +57,10 @@ async def responses(request: Request):
     state: ServerState = request.app.state.gem4
     config = state.config
     rreq, engine = await parse(request, R.ResponsesRequest, state)
-    R.check_stateless(rreq)
-    body, custom = R.chat_body(rreq)
-    shell = _shell(rreq, _id("resp"), config.served_model_name)
+    R.check_stateless(rreq, state.responses is not None)
+    history = _history(state, rreq)
+    body, custom = R.chat_body(rreq, history)
+    shell = _shell(rreq, _id("resp"), config.served_model_name, stored=state.responses is not None)
     try:                                   # the chat path: its errors name the Responses fields
         req = P.parse_request(P.ChatCompletionRequest, json.dumps(body).encode())
         rendered = await render_request(request, state, engine, req, where="input")
@@ -78,21 +81,62 @@ async def responses(request: Request):
     out = ResponseOutput(chat, custom, encrypted="reasoning.encrypted_content" in (rreq.include or []))
     gen = ServerRequest(state, shell["id"], prompt_ids, params, 1, detokenize=False)
 
+    def keep(final: dict) -> dict:
+        """The finished response, stored with its conversation (store: true, a server with a store)."""
+        if rreq.store and state.responses is not None and final["status"] in ("completed", "incomplete"):
+            state.responses.put(final, [*history, *R.input_items(rreq), *final["output"]])
+        return final
+
     if rreq.stream:
-        return EventStream(_stream(gen, out, shell, config.heartbeat_s), on_close=lambda: gen.close("abort"))
-    return await whole_reply(request, gen, [out], lambda: RootModel[dict](out.response(shell, gen)))
+        return EventStream(_stream(gen, out, shell, config.heartbeat_s, keep), on_close=lambda: gen.close("abort"))
+    return await whole_reply(request, gen, [out], lambda: RootModel[dict](keep(out.response(shell, gen))))
 
 
-def _shell(req: R.ResponsesRequest, response_id: str, model: str) -> dict:
+@router.get("/v1/responses/{response_id}")
+async def get_response(request: Request, response_id: str):
+    return _stored(request.app.state.gem4, response_id).response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str):
+    state: ServerState = request.app.state.gem4
+    _stored(state, response_id)
+    state.responses.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _stored(state: ServerState, response_id: str):
+    """A stored response; 404 if the server has no store or no such response."""
+    stored = None if state.responses is None else state.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id")
+    return stored
+
+
+def _history(state: ServerState, req: R.ResponsesRequest) -> list[dict]:
+    """The conversation `previous_response_id` continues (none without it); 400 naming it when the store does
+    not hold it (never stored, stored with store: false, or evicted)."""
+    if req.previous_response_id is None:
+        return []
+    stored = state.responses.get(req.previous_response_id)
+    if stored is None:
+        raise bad_request(f"Previous response with id '{req.previous_response_id}' not found (responses are kept "
+                          f"in memory, at most --responses-store-mb, the least recently used evicted first; one "
+                          f"made with store: false is not kept).", "previous_response_id",
+                          code="previous_response_not_found")
+    return stored.items
+
+
+def _shell(req: R.ResponsesRequest, response_id: str, model: str, *, stored: bool) -> dict:
     """The response object before any output: the request's settings echoed, as OpenAI echoes them."""
     text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {}
     text.setdefault("format", {"type": "text"})
     return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": model, "output": [], "error": None, "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": None,
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
             "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
-            "store": False, "temperature": req.temperature, "text": text,
+            "store": req.store and stored, "temperature": req.temperature, "text": text,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "top_p": req.top_p, "top_logprobs": req.top_logprobs,
             "truncation": "disabled", "metadata": {}, "usage": None}
@@ -316,7 +360,8 @@ class _Events:
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def _stream(gen: ServerRequest, out: ResponseOutput, shell: dict, heartbeat_s: float) -> AsyncIterator[str]:
+async def _stream(gen: ServerRequest, out: ResponseOutput, shell: dict, heartbeat_s: float,
+                  keep: Callable[[dict], dict]) -> AsyncIterator[str]:
     event = _Events()
     yield event("response.created", {"response": shell})
     yield event("response.in_progress", {"response": shell})
@@ -331,7 +376,7 @@ async def _stream(gen: ServerRequest, out: ResponseOutput, shell: dict, heartbea
             if out.done and not ev.finished:      # ended here (a stop string, one call): stop the engine
                 gen.end_choice(0, out.finish_reason)
         gen.close(out.finish_reason)
-        final = out.response(shell, gen)
+        final = keep(out.response(shell, gen))
         yield event(f"response.{final['status']}", {"response": final})
     except EngineError as e:
         gen.close("error")
