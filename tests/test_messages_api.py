@@ -236,6 +236,38 @@ def test_a_last_assistant_message_is_a_prefill_the_reply_continues(served, model
     assert "messages[1].content" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(("extra", "want"), [
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, {"chat_template_kwargs": {"enable_thinking": True}}),
+    ({"thinking": {"type": "adaptive"}}, {"chat_template_kwargs": {"enable_thinking": True}}),
+    ({"thinking": {"type": "disabled"}}, {"chat_template_kwargs": {"enable_thinking": False}}),
+    ({}, {"chat_template_kwargs": None}),
+    ({"tools": [WEATHER], "tool_choice": {"type": "auto"}}, {"tool_choice": "auto", "parallel_tool_calls": True}),
+    ({"tools": [WEATHER], "tool_choice": {"type": "none"}}, {"tool_choice": "none"}),
+    ({"tools": [WEATHER], "tool_choice": {"type": "any", "disable_parallel_tool_use": True}},
+     {"tool_choice": "required", "parallel_tool_calls": False}),
+    ({"stop_sequences": ["END"], "top_k": 5}, {"stop": ["END"], "top_k": 5}),
+])
+def test_the_translation_onto_a_chat_request(extra, want):
+    from gem4.server import protocol_messages as M
+
+    req = M.MessagesRequest.model_validate({"model": MODEL, "max_tokens": 8, "messages": HI} | extra)
+    chat = M.to_chat(req).model_dump()
+    assert {k: chat[k] for k in want} == want
+    assert M.budget_of(req) == (extra.get("thinking") or {}).get("budget_tokens")
+
+
+def test_tool_choice_none_declares_no_tool(served):
+    """tool_choice none: the tools are not declared to the model (the prompt is the one without them) and the
+    reply is no tool_use."""
+    _, client = served
+    kwargs = dict(model=MODEL, messages=HI)
+    bare = client.messages.count_tokens(**kwargs).input_tokens
+    assert client.messages.count_tokens(tools=[WEATHER], tool_choice={"type": "none"}, **kwargs).input_tokens == bare
+    reply = client.messages.create(max_tokens=16, tools=[WEATHER], tool_choice={"type": "none"},
+                                   extra_body={"seed": 0}, **kwargs)
+    assert reply.stop_reason != "tool_use" and all(b["type"] != "tool_use" for b in blocks(reply))
+
+
 def test_output_config_format_constrains_the_answer(served):
     _, client = served
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
