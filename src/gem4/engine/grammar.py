@@ -25,11 +25,10 @@ without a grammar: a row where the budget forces the thought to close allows onl
 after the budget is spent allows anything but the opening token, each ANDed with the grammar's row if there is
 one. Where that would leave nothing (a grammar in the middle of the thought's name, `thought`, cannot close it
 yet), the grammar's row stands and the budget binds again on the next row: the output is always a sentence of
-the grammar. The
-budget's state after a sequence's generated ids is kept per sequence and advanced by the new ids each step, and
-row j of a verified entry steps it through d_1 .. d_j, so speculative decoding stays exact as with a grammar;
-`cut` cuts drafts the budget rejects too. A step whose budgeted rows are all free masks nothing for them: a
-budget costs a mask only where it binds.
+the grammar. The budget's state after a sequence's generated ids is kept per sequence and advanced by the new
+ids each step, and row j of a verified entry steps it through d_1 .. d_j, so speculative decoding stays exact
+as with a grammar; `cut` cuts drafts the budget rejects too. A step whose budgeted rows are all free masks
+nothing for them: a budget costs a mask only where it binds.
 
 Errors stay with their request (`MatcherError`, which the runner returns as that chunk's `Failed`): a grammar
 that does not compile, a matcher in an error state (llguidance's parser limits, vocab.py: a grammar whose
@@ -45,7 +44,7 @@ import numpy as np
 import torch
 
 from gem4.engine.sequence import Sequence
-from gem4.structured import Budget, GrammarStats, GrammarVocab, MatcherError
+from gem4.structured import Budget, GrammarStats, GrammarVocab, MatcherError, ThoughtBudget
 
 
 class Matchers:
@@ -122,7 +121,7 @@ class Matchers:
         until the next call."""
         errors: list[MatcherError | None] = [None] * len(rows)
         plain, drafted, spans = [], [], []               # (matcher, row[, drafts]); (entry, first row, n rows)
-        bound: list[tuple[int, Budget, object]] = []     # (row, rule, budget): the rows a thought budget binds
+        bound: list[tuple[int, Budget, ThoughtBudget]] = []   # (row, rule, budget): the rows a budget binds
         total = 0
         for e, (seq, source, drafts) in enumerate(rows):
             try:
@@ -208,7 +207,7 @@ def _bit(token_id: int) -> tuple[int, np.int32]:
     return token_id // 32, np.array(1 << (token_id % 32), dtype=np.uint32).view(np.int32)
 
 
-def _allows(rule: Budget, budget, token_id: int) -> bool:
+def _allows(rule: Budget, budget: ThoughtBudget, token_id: int) -> bool:
     """Whether a thought budget's `rule` allows `token_id`."""
     if rule == Budget.CLOSE:
         return token_id == budget.close_id
