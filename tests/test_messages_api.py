@@ -230,6 +230,17 @@ def test_a_last_assistant_message_is_a_prefill_the_reply_continues(served, model
         assert client.messages.count_tokens(model=MODEL, messages=turns, thinking=thinking).input_tokens == \
             len(closed) - 2
         assert "Well, the answer is" not in "".join(b.get("text", "") for b in blocks(whole))
+        # the chat API's continue_final_message (vLLM's) is the same prompt
+        same = client_for(base).chat.completions.create(
+            model=MODEL, messages=chat, max_tokens=1, extra_body={
+                "continue_final_message": True, "add_generation_prompt": False,
+                "chat_template_kwargs": {"enable_thinking": thinking["type"] == "enabled"}})
+        assert same.usage.prompt_tokens == len(closed) - 2
+    for bad in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False,
+                                                   "messages": HI}):
+        r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                       json={"model": MODEL, "messages": chat, **bad}, timeout=60)
+        assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"], r.text
     r = httpx.post(base + "/v1/messages", headers={"x-api-key": API_KEY}, json={
         "model": MODEL, "max_tokens": 4, "messages": HI + [{"role": "assistant", "content": "Well "}]}, timeout=60)
     assert_envelope(r, 400, "invalid_request_error")
