@@ -266,6 +266,8 @@ def test_bidirectional_span_layout():
     assert later.attend[SLIDING].q_hi.tolist() == [9 - 5, 10 - 5]
     with pytest.raises(ValueError, match="split by the step"):
         pool.layout([SeqStep(0, 5, [0], [0], bidirectional=((3, 8),))])
+    rest = pool.layout([SeqStep(5, 4, [0], [0], bidirectional=((3, 8),))])      # after a hit inside the span
+    assert rest.attend[SLIDING].q_hi.tolist() == [8 - 2, 8 - 2, 8 - 2, 9 - 2]
 
 
 # ---- the pitfalls (docs/multimodal.md §11), each made on purpose ----
@@ -409,3 +411,103 @@ def test_inconsistent_vision_tensors_are_refused(cases, tmp_path, edit, message)
 
 def test_text_only_checkpoints_have_no_tower(variants):
     assert gem4.load(variants["dense_plain"].hf_mm, dtype="float32").vision is None
+
+
+# ---- through the engine ----
+
+GREEDY = dict(temperature=0, max_tokens=6, logprobs=True)
+
+
+def run(engine, ids, media, **params):
+    from gem4 import SamplingParams
+
+    stream = engine.submit(ids, SamplingParams(**dict(GREEDY, **params)), media=media)
+    events = list(stream)
+    return [e.token_id for e in events], [e.logprob for e in events], events[-1].stats
+
+
+def engine_prompt(c: Case, question: list[int], images=None):
+    from gem4.engine.media import image_prompt
+
+    vc = c.model.vision.config
+    ids = [2, 10, 11, vc.image_token_id, 20, 21, 22, vc.image_token_id] + question
+    return image_prompt(ids, vc, images if images is not None else c.patches)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_engine_greedy_equals_transformers(cases, flavour):
+    """Through the engine in prefill chunks of 64 (the images have 60 and 63 tokens: a chunk ends before an image
+    rather than inside it): transformers' generate() tokens."""
+    from gem4 import Engine
+
+    c = cases[flavour]
+    ids, media = engine_prompt(c, [30, 31, 32, 33])
+    assert ids == c.ids and [m.start for m in media] == c.starts
+    with torch.no_grad():
+        want = c.hf.generate(**c.hf_inputs(), max_new_tokens=6, do_sample=False)[0, len(c.ids):].tolist()
+    got, _, stats = run(Engine(c.model, prefill_chunk=64, block_size=4), ids, media)
+    assert got == want and stats.prompt_tokens == len(ids)
+
+
+def test_engine_prefix_cache_is_keyed_on_the_image(cases):
+    """A second question about the same images reuses their K/V (cached tokens cover them) and answers as a cold
+    run; the same placeholders with another image hit only the text before it."""
+    from gem4 import Engine
+
+    c = cases["31b"]
+    engine = Engine(c.model, prefill_chunk=64, block_size=4)
+    first_ids, media = engine_prompt(c, [30, 31, 32, 33])
+    run(engine, first_ids, media)
+    ids, media = engine_prompt(c, [40, 41, 42])
+    warm = run(engine, ids, media)
+    cold = run(Engine(c.model, prefill_chunk=64, block_size=4, enable_prefix_caching=False), ids, media)
+    assert warm[2].cached_tokens >= media[1].end and warm[0] == cold[0]
+    assert warm[1] == pytest.approx(cold[1], rel=1e-5, abs=1e-6)
+    other = [preprocess(sample_image(h, w, seed=9 + i), BUDGET, patch_size=16, pooling=3)
+             for i, (h, w) in enumerate(SIZES)]
+    ids, media = engine_prompt(c, [40, 41, 42], other)
+    miss = run(engine, ids, media)
+    assert miss[2].cached_tokens <= media[0].start
+    alone = run(Engine(c.model, prefill_chunk=64, block_size=4, enable_prefix_caching=False), ids, media)
+    assert miss[0] == alone[0]
+
+
+def test_engine_batches_image_requests_with_text_ones(cases):
+    """Requests with different images and a text-only one, side by side, each get their tokens alone."""
+    from gem4 import Engine, SamplingParams
+
+    c = cases["31b"]
+    other = [preprocess(sample_image(h, w, seed=20 + i), BUDGET, patch_size=16, pooling=3)
+             for i, (h, w) in enumerate(SIZES)]
+    requests = [engine_prompt(c, [30, 31]), engine_prompt(c, [30, 31], other), ([2, 5, 6, 7, 8], [])]
+    alone = [run(Engine(c.model, prefill_chunk=64, block_size=4), ids, media)[0] for ids, media in requests]
+    engine = Engine(c.model, prefill_chunk=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=160)
+    streams = [engine.submit(ids, SamplingParams(**GREEDY), media=media) for ids, media in requests]
+    assert [[e.token_id for e in s] for s in streams] == alone
+
+
+def test_engine_refuses_bad_media(cases, variants):
+    from gem4 import Engine
+    from gem4.engine.media import image_prompt
+
+    c = cases["31b"]
+    ids, media = engine_prompt(c, [30])
+    with pytest.raises(ValueError, match="longer than the prefill chunk"):
+        Engine(c.model, prefill_chunk=32).submit(ids, media=media)
+    with pytest.raises(ValueError, match="placeholders without an image"):
+        Engine(c.model, prefill_chunk=64).submit(ids, media=media[:1])
+    with pytest.raises(ValueError, match="not the image's placeholders"):
+        Engine(c.model, prefill_chunk=64).submit([5] + ids[1:], media=[dataclasses_replace(media[0], start=0)])
+    with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+        image_prompt([2, 500, 3, 500], c.model.vision.config, c.patches[:1])
+    with pytest.raises(ValueError, match="no vision tower"):
+        image_prompt([2, 500], None, c.patches[:1])
+    text_only = gem4.load(variants["dense_plain"].hf_mm, dtype="float32")
+    with pytest.raises(ValueError, match="no tower for media"):
+        Engine(text_only, prefill_chunk=64).submit(ids, media=media)
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)

@@ -26,8 +26,9 @@ A sequence's keys are listed in position order (`Attend.key_rows`), so the keys 
 and within the window on sliding layers -- are one range [q_lo, q_hi) of that list. No [T, S] masks. A
 bidirectional span (`SeqStep.bidirectional`: one image's soft tokens on 26B/31B, docs/multimodal.md §5.3) keeps
 it one range: on sliding layers a query inside the span sees up to the span's end, the window still bounding
-the past; full layers stay causal. The span must lie inside the step, since its first tokens' outputs depend on
-its last ones.
+the past; full layers stay causal. A step that holds part of a span must hold its end, since a token's output
+depends on the span's later tokens; its start may lie in an earlier step only if that part's K/V were computed
+with the whole span (a prefix-cache hit of the whole image: the engine never splits a span itself).
 
 Sharing (a cached prefix, several choices of one prompt): a block may be in several sequences' tables,
 read-only; the block manager decides when a copy is needed and the pool performs it: `copy_blocks` and
@@ -255,9 +256,9 @@ class KVPool:
         for a, b in s.bidirectional:
             if b <= s.start or a >= s.end or b - a < 2:
                 continue
-            if a < s.start or b > s.end:
+            if b > s.end:
                 raise ValueError(f"the bidirectional span [{a}, {b}) is split by the step's tokens "
-                                 f"[{s.start}, {s.end}): it must be computed in one step")
+                                 f"[{s.start}, {s.end}): its rest must be computed in the same step")
             inside = (pos >= a) & (pos < b)
             hi = torch.where(inside, torch.full_like(hi, b), hi)
         return hi
