@@ -511,3 +511,38 @@ def dataclasses_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
+
+
+def test_fast_mode_image_requests_are_batch_invariant_and_exact_on_prefix_hits(cases):
+    """The fast mode (bf16, the CPU kernels where they run): a request with images gets bit-for-bit the same
+    logprobs alone, beside other requests, and after a prefix-cache hit on its images."""
+    from gem4 import Engine, SamplingParams
+
+    c = cases["31b"]
+    fast = gem4.load(c.dir, dtype="auto")
+    params = SamplingParams(**GREEDY)
+    other = [preprocess(sample_image(h, w, seed=30 + i), BUDGET, patch_size=16, pooling=3)
+             for i, (h, w) in enumerate(SIZES)]
+    target = engine_prompt(c, [30, 31, 32])
+    alone = run(Engine(fast, prefill_chunk=64, block_size=4, enable_prefix_caching=False), *target)
+    engine = Engine(fast, prefill_chunk=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=160)
+    streams = [engine.submit(ids, params, media=media)
+               for ids, media in (engine_prompt(c, [40], other), target, ([2, 5, 6, 7, 8, 9], []))]
+    beside = [(e.token_id, e.logprob) for e in streams[1]]
+    for s in streams[0::2]:
+        list(s)
+    assert beside == list(zip(alone[0], alone[1]))
+    hit = run(engine, *engine_prompt(c, [30, 31, 32]))
+    assert hit[2].cached_tokens >= target[1][1].end and (hit[0], hit[1]) == (alone[0], alone[1])
+
+
+def test_inspect_shows_the_tower(cases):
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.summary import format_summary, summarize
+
+    s = summarize(open_checkpoint(cases["e2b"].dir))
+    hf_params = sum(p.numel() for n, p in cases["e2b"].hf.named_parameters() if n.startswith("model.vision_tower.")
+                    or n.startswith("model.embed_vision."))
+    clips = sum(b.numel() for n, b in cases["e2b"].hf.named_buffers() if n.endswith(("_min", "_max")))
+    assert s["vision"]["parameters"] == hf_params + clips and s["vision"]["clipped_linears"]
+    assert "vision tower   2 layers x 32" in format_summary(s) and "causal over images" in format_summary(s)
