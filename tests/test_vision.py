@@ -546,3 +546,41 @@ def test_inspect_shows_the_tower(cases):
     clips = sum(b.numel() for n, b in cases["e2b"].hf.named_buffers() if n.endswith(("_min", "_max")))
     assert s["vision"]["parameters"] == hf_params + clips and s["vision"]["clipped_linears"]
     assert "vision tower   2 layers x 32" in format_summary(s) and "causal over images" in format_summary(s)
+
+
+def small_image_prompt(c: Case, seed: int):
+    """[bos, text, one image of 60 tokens, text]: 66 tokens."""
+    from gem4.engine.media import image_prompt
+
+    vc = c.model.vision.config
+    image = preprocess(sample_image(96, 144, seed=seed), BUDGET, patch_size=16, pooling=3)
+    return image_prompt([2, 10, vc.image_token_id, 30, 31], vc, [image])
+
+
+def test_preempted_image_requests_recompute_with_the_same_soft_tokens(cases):
+    """A pool too small for three image requests at once preempts; each still gets the tokens it gets alone."""
+    from gem4 import Engine, SamplingParams
+    from gem4.engine.pool import kv_pool_size
+
+    c = cases["31b"]
+    requests = [small_image_prompt(c, seed) for seed in (41, 42, 43)]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = [[e.token_id for e in Engine(c.model, prefill_chunk=64).submit(ids, params, media=m)] for ids, m in requests]
+    size = kv_pool_size(c.model.config, c.model.dtype, max_chunk=64, num_seqs=3, max_model_len=128, prefix_caching=True)
+    engine = Engine(c.model, prefill_chunk=64, max_num_seqs=3, max_model_len=128,
+                    kv_cache_bytes=size.num_sliding_blocks * size.sliding_block_bytes + 11 * size.block_bytes)
+    streams = [engine.submit(ids, params, media=m) for ids, m in requests]
+    assert [[e.token_id for e in s] for s in streams] == want and engine.num_preemptions > 0
+
+
+def test_choices_of_an_image_request_are_its_seeded_runs(cases):
+    """n = 2 with a seed: choice i is the n = 1 request with seed + i (the prompt, images included, computed once)."""
+    from gem4 import Engine, SamplingParams
+
+    c = cases["e2b"]
+    ids, media = small_image_prompt(c, 44)
+    runs = [[e.token_id for e in Engine(c.model, prefill_chunk=64).submit(
+        ids, SamplingParams(temperature=1.0, seed=7 + i, max_tokens=8), media=media)] for i in range(2)]
+    events = list(Engine(c.model, prefill_chunk=64, max_num_seqs=2).submit(
+        ids, SamplingParams(temperature=1.0, seed=7, max_tokens=8), media=media, n=2))
+    assert [[e.token_id for e in events if e.index == i] for i in range(2)] == runs

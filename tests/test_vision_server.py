@@ -160,3 +160,14 @@ def test_a_text_only_model_refuses_images(variants, tmp_path):
                        timeout=30)
         err = assert_openai_error(r, 400, param="messages[0].content[1]")
         assert "does not take images" in err["message"]
+
+
+def test_tokenize_counts_the_soft_tokens(vision_server):
+    base, model, tok = vision_server
+    image = sample_image(150, 200, seed=3)
+    r = httpx.post(base + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30,
+                   json={"model": "vision", "messages": ask(data_uri(image)),
+                         "mm_processor_kwargs": {"max_soft_tokens": 140}})
+    assert r.status_code == 200, r.text
+    _, ids, media = oracle(model, tok, ask(data_uri(image)), image, budget=140, max_tokens=1)
+    assert r.json()["tokens"] == ids and r.json()["count"] == len(ids) and media[0].num_tokens > 100

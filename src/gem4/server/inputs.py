@@ -297,12 +297,19 @@ async def render_request(request: Request, state: ServerState, engine: EngineLik
     ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                             enable_thinking=thinking, kwargs=kwargs, request=request,
                             max_render_s=state.config.max_render_s)
-    try:
-        ids, media = image_prompt(ids, vision_config(engine), images)
-    except ValueError as e:               # a template that drops image parts, or text holding the placeholder
-        raise bad_request(f"The rendered prompt does not hold one image placeholder per image: {e}", where) from None
+    ids, media = expand_images(ids, engine, images, where)
     check_length(len(ids), max_tokens, engine.max_model_len, where, max_tokens_name)
     return RenderedChat(ids, thinking, tool_names, plan, media)
+
+
+def expand_images(ids: list[int], engine: EngineLike, images: list[ImagePatches], where: str = "messages"
+                  ) -> tuple[list[int], list[MediaInput]]:
+    """The rendered ids with each image's placeholder expanded into its soft-token block, and the images'
+    MediaInputs; 400 when the prompt does not hold one placeholder per image."""
+    try:
+        return image_prompt(ids, vision_config(engine), images)
+    except ValueError as e:               # a template that drops image parts, or text holding the placeholder
+        raise bad_request(f"The rendered prompt does not hold one image placeholder per image: {e}", where) from None
 
 
 def vision_config(engine: EngineLike):
@@ -311,7 +318,7 @@ def vision_config(engine: EngineLike):
     return None if vision is None else vision.config
 
 
-def image_budget(req: P.ChatCompletionRequest) -> int:
+def image_budget(req: P.ChatCompletionRequest | P.TokenizeRequest) -> int:
     """The soft-token budget of the request's images: `mm_processor_kwargs.max_soft_tokens` (vLLM's name), 280
     by default."""
     kwargs = req.mm_processor_kwargs or {}
@@ -326,7 +333,7 @@ def image_budget(req: P.ChatCompletionRequest) -> int:
     return budget
 
 
-async def chat_images(engine: EngineLike, req: P.ChatCompletionRequest) -> list[ImagePatches]:
+async def chat_images(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest) -> list[ImagePatches]:
     """The images of the chat's messages, in order, decoded and preprocessed in the thread pool; 400 naming the
     part (`messages[i].content[j]`) when one cannot be used, or the first when the model takes no images."""
     where = [(i, j, part["url"]) for i, m in enumerate(req.messages) if isinstance(m.content, list)

@@ -544,6 +544,7 @@ class TokenizeRequest(_In):
     tools: Tools = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None     # as in chat: the images' token budget
 
     @model_validator(mode="after")
     def _one(self):
