@@ -171,3 +171,21 @@ def test_tokenize_counts_the_soft_tokens(vision_server):
     assert r.status_code == 200, r.text
     _, ids, media = oracle(model, tok, ask(data_uri(image)), image, budget=140, max_tokens=1)
     assert r.json()["tokens"] == ids and r.json()["count"] == len(ids) and media[0].num_tokens > 100
+
+
+def test_a_vision_model_takes_bodies_big_enough_for_photos(vision_server):
+    """A few-MB photo as a data URI passes the default body limit of a model with a vision tower (the text
+    limit, 1 MiB + 64 B a token, would refuse it)."""
+    import numpy as np
+    from PIL import Image
+
+    from gem4.server.inputs import IMAGE_BODY_BYTES, default_body_limit
+
+    base, _, _ = vision_server
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (1100, 1100, 3), dtype=np.uint8))
+    uri = data_uri(noise)                              # ~3.6 MB of PNG that does not compress, 4.8 MB as base64
+    assert len(uri) > default_body_limit(MAX_MODEL_LEN) and len(uri) < IMAGE_BODY_BYTES
+    r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                   json={"model": "vision", "messages": ask(uri), "max_tokens": 1,
+                         "mm_processor_kwargs": {"max_soft_tokens": 70}})
+    assert r.status_code == 200, r.text

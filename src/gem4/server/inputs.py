@@ -6,7 +6,7 @@ limit, validated against the protocol model, the engine ready, the model name ch
 Bounded work before admission (each limit refuses before the work it bounds):
 
 - **Body size** (`ServerConfig.max_request_body`, default 1 MiB + 64 bytes per token of
-  max_model_len, see `default_body_limit`): 413 when Content-Length says more (nothing is read),
+  max_model_len, see `default_body_limit`, and IMAGE_BODY_BYTES more for a model that takes images): 413 when Content-Length says more (nothing is read),
   or as soon as a chunked body passes it. Authentication (a dependency) runs before any body is
   read; `http11.py` closes a connection whose request was answered before its body arrived.
 - **Characters before tokens**: no token stands for more than `Tokenizer.max_token_chars` characters (31
@@ -97,7 +97,13 @@ def body_limit(state: ServerState) -> int:
     """The largest request body accepted, in bytes (503 while loading if it depends on the model)."""
     if state.config.max_request_body is not None:
         return state.config.max_request_body
-    return default_body_limit(state.ready_engine().max_model_len)
+    engine = state.ready_engine()
+    return default_body_limit(engine.max_model_len) + (IMAGE_BODY_BYTES if vision_config(engine) else 0)
+
+
+IMAGE_BODY_BYTES = 32 * 2**20
+# More room in a body for a model that takes images: they come as base64 data URIs, 4/3 of their bytes (a phone
+# photo is 2-5 MB); llama-server downloads up to 10 MB an image.
 
 
 def default_body_limit(max_model_len: int) -> int:
