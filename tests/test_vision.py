@@ -588,3 +588,12 @@ def test_choices_of_an_image_request_are_its_seeded_runs(cases):
     events = list(Engine(c.model, prefill_chunk=64, max_num_seqs=2).submit(
         ids, SamplingParams(temperature=1.0, seed=7, max_tokens=8), media=media, n=2))
     assert [[e.token_id for e in events if e.index == i] for i in range(2)] == runs
+
+
+def test_convert_says_the_tower_stays_behind(cases, tmp_path, capsys):
+    from gem4.cli import main as cli_main
+
+    out = tmp_path / "text.gguf"
+    assert cli_main(["convert", str(cases["e2b"].dir), str(out), "--type", "f32"]) == 0
+    assert "vision tower is not in" in capsys.readouterr().err
+    assert gem4.load(out, dtype="float32").vision is None
