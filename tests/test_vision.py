@@ -597,3 +597,20 @@ def test_convert_says_the_tower_stays_behind(cases, tmp_path, capsys):
     assert cli_main(["convert", str(cases["e2b"].dir), str(out), "--type", "f32"]) == 0
     assert "vision tower is not in" in capsys.readouterr().err
     assert gem4.load(out, dtype="float32").vision is None
+
+
+def test_a_cached_text_prefix_beside_an_image_prefix(cases):
+    """The prefix cache compares positions by equality only: a cached text-only prompt whose tokens read like
+    an image's start (`<|image>` then text) and a prompt with an image there share the first positions and no
+    more, and both run."""
+    from gem4 import Engine
+
+    c = cases["31b"]
+    vc = c.model.vision.config
+    engine = Engine(c.model, prefill_chunk=64, block_size=4)
+    text = [2, 10, vc.boi_token_id, 7, 8, 9, 11]
+    run(engine, text, [])
+    ids, media = small_image_prompt(c, 45)
+    got = run(engine, ids, media)
+    assert got[2].cached_tokens <= media[0].start
+    assert got[0] == run(Engine(c.model, prefill_chunk=64, enable_prefix_caching=False), ids, media)[0]
