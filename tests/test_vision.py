@@ -506,6 +506,9 @@ def test_engine_refuses_bad_media(cases, variants):
         image_prompt([2, 500, 3, 500], c.model.vision.config, c.patches[:1])
     with pytest.raises(ValueError, match="no vision tower"):
         image_prompt([2, 500], None, c.patches[:1])
+    wide = preprocess(sample_image(20, 2000), 280, patch_size=16, pooling=3)          # 501 patches across
+    with pytest.raises(ValueError, match="wider or taller than this tower's 64 positions"):
+        image_prompt([2, 500], c.model.vision.config, [wide])
     text_only = gem4.load(variants["dense_plain"].hf_mm, dtype="float32")
     with pytest.raises(ValueError, match="no tower for media"):
         Engine(text_only, prefill_chunk=64).submit(ids, media=media)

@@ -189,3 +189,11 @@ def test_a_vision_model_takes_bodies_big_enough_for_photos(vision_server):
                    json={"model": "vision", "messages": ask(uri), "max_tokens": 1,
                          "mm_processor_kwargs": {"max_soft_tokens": 70}})
     assert r.status_code == 200, r.text
+
+
+def test_an_image_too_wide_for_the_tower_is_a_400(vision_server):
+    base, _, _ = vision_server
+    r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30,
+                   json={"model": "vision", "max_tokens": 2, "messages": ask(data_uri(sample_image(20, 2000)))})
+    err = assert_openai_error(r, 400, param="messages[0].content[1]")
+    assert "wider or taller than this tower's 64 positions" in err["message"]

@@ -29,12 +29,20 @@ def image_prompt(ids: Sequence[int], vision: VisionConfig | None, images: Sequen
     media: list[MediaInput] = []
     last = 0
     for i, image in zip(where, images):
+        check_fits(image, vision)
         out += list(ids[last:i]) + [vision.boi_token_id]
         n = image.num_tokens
         media.append(MediaInput(len(out), n, "image", image, digest(image), vision.bidirectional))
         out += [vision.image_token_id] * n + [vision.eoi_token_id]
         last = i + 1
     return out + list(ids[last:]), media
+
+
+def check_fits(image: ImagePatches, vision: VisionConfig) -> None:
+    """ValueError when the image's patch grid is wider or taller than the tower's position table."""
+    if max(image.grid) > vision.position_embedding_size:
+        raise ValueError(f"an image of {image.grid[1]}x{image.grid[0]} patches is wider or taller than this "
+                         f"tower's {vision.position_embedding_size} positions; use a smaller token budget")
 
 
 def digest(image: ImagePatches) -> str:

@@ -59,7 +59,7 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from gem4.engine.media import image_prompt
+from gem4.engine.media import check_fits, image_prompt
 from gem4.engine.sequence import MediaInput
 from gem4.media.image import BUDGETS, DEFAULT_BUDGET, ImageError, ImagePatches, decode, preprocess
 from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudget, encode_prompt,
@@ -357,7 +357,12 @@ async def chat_images(engine: EngineLike, req: P.ChatCompletionRequest | P.Token
             data = base64.b64decode(url.partition(",")[2], validate=True)
         except (binascii.Error, ValueError):
             raise ImageError("the data URI is not valid base64") from None
-        return preprocess(decode(data), budget, patch_size=vision.patch_size, pooling=vision.pooling)
+        image = preprocess(decode(data), budget, patch_size=vision.patch_size, pooling=vision.pooling)
+        try:
+            check_fits(image, vision)
+        except ValueError as e:
+            raise ImageError(str(e)) from None
+        return image
 
     out = []
     for i, j, url in where:
