@@ -144,20 +144,28 @@ def test_unexpected_tensor_is_refused(variants, tmp_path):
         gem4.load(d, dtype="float32")
 
 
-def test_vestigial_kv_of_shared_layers_and_towers_are_ignored(variants, tmp_path):
+def test_vestigial_kv_of_shared_layers_and_the_audio_tower_are_ignored(variants, tmp_path):
     fx = variants["ple_kvshare"]
     d = copy_hf(fx.hf_mm, tmp_path / "v")
 
     def add(t):
         t["model.language_model.layers.4.self_attn.k_proj.weight"] = torch.randn(16, 64)   # layer 4 reuses layer 1
         t["model.language_model.layers.4.self_attn.k_norm.weight"] = torch.randn(16)
-        t["model.vision_tower.encoder.weight"] = torch.randn(8, 8)
+        t["model.audio_tower.output_proj.weight"] = torch.randn(8, 8)
 
     edit_tensors(d, add)
     ckpt = open_checkpoint(d)
     assert set(ckpt.ignored) == {"model.language_model.layers.4.self_attn.k_proj.weight",
-                                 "model.language_model.layers.4.self_attn.k_norm.weight", "model.vision_tower.encoder.weight"}
+                                 "model.language_model.layers.4.self_attn.k_norm.weight",
+                                 "model.audio_tower.output_proj.weight"}
     assert torch.equal(logits(d, fx.ids), logits(fx.hf_mm, fx.ids))
+
+
+def test_vision_tensors_without_a_vision_config_are_refused(variants, tmp_path):
+    d = copy_hf(variants["ple_kvshare"].hf_mm, tmp_path / "v")
+    edit_tensors(d, lambda t: t.update({"model.vision_tower.encoder.weight": torch.randn(8, 8)}))
+    with pytest.raises(CheckpointError, match="vision tower tensors .*'model.vision_tower.encoder.weight'.* no vision_config"):
+        open_checkpoint(d)
 
 
 def test_config_without_layer_types_is_refused(variants, tmp_path):

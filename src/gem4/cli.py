@@ -48,8 +48,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.gguf_model import write_gguf
 
-    counts = write_gguf(open_checkpoint(args.hf_dir), Path(args.out), args.type)
+    ckpt = open_checkpoint(args.hf_dir)
+    counts = write_gguf(ckpt, Path(args.out), args.type)
     print(f"wrote {args.out}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
+    if ckpt.tower_configs:
+        log(f"note: the checkpoint's {' and '.join(sorted(ckpt.tower_configs))} tower is not in {args.out}: the GGUF "
+            f"holds the text model (mmproj files are not written yet); load the HF directory to use it")
     return 0
 
 

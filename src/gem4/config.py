@@ -315,3 +315,69 @@ def build_config(
         rope_inv_freq=tuple((t, tuple(rope_inv_freq[t])) for t in LAYER_TYPES if t in rope_inv_freq),
         tie_word_embeddings=tie_word_embeddings, max_position_embeddings=max_position_embeddings,
     )
+
+
+# ---- the vision tower (docs/multimodal.md §2) ----
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A Gemma 4 vision tower (E2B/E4B and 26B/31B: a ViT over 16 px patches, pooled 3x3 into soft tokens) and the
+    image tokens of its text model. Built only by `weights/` from a checkpoint (`build_vision_config` checks it)."""
+
+    hidden_size: int              # D, the tower's width
+    intermediate_size: int        # its MLP width
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int                 # a multiple of 4: half of it rotates with x, half with y, NeoX-style each
+    patch_size: int               # pixels per patch side (16)
+    pooling: int                  # patches per soft token side (3)
+    position_embedding_size: int  # rows of each axis' position table: the largest patch coordinate + 1
+    rope_theta: float             # the 2-D RoPE base (100)
+    rms_norm_eps: float           # every norm of the tower and of its projection into the text width
+    clipped_linears: bool         # E2B/E4B: each linear clamps its input and output to stored bounds
+    standardize: bool             # 26B/31B: (pooled - std_bias) * std_scale after pooling
+    text_hidden_size: int         # the text model's width, which the projection maps into
+    bidirectional: bool           # the text model's sliding layers let one image's tokens see each other both
+                                  # ways (config "use_bidirectional_attention": "vision"; 26B/31B)
+    image_token_id: int           # the placeholder one soft token replaces
+    boi_token_id: int             # <|image>, before an image's soft tokens
+    eoi_token_id: int             # <image|>, after them
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size ** 2
+
+    def inv_freq(self) -> tuple[float, ...]:
+        """The head_dim/4 frequencies each axis rotates with: theta^(-2i/(head_dim/2)) in float32."""
+        half = self.head_dim // 2
+        exponent = torch.arange(0, half, 2, dtype=torch.float32, device="cpu") / half    # not a load's meta device
+        return tuple((1.0 / (self.rope_theta ** exponent)).tolist())
+
+
+def build_vision_config(**fields) -> VisionConfig:
+    """Check a vision tower's facts for sense (field: the VisionConfig field at fault) and freeze them."""
+    config = VisionConfig(**fields)
+    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "patch_size", "pooling", "position_embedding_size", "text_hidden_size", "image_token_id",
+                 "boi_token_id", "eoi_token_id"):
+        v = getattr(config, name)
+        least = 0 if name.endswith("token_id") else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ConfigError(f"vision {name} must be an integer >= {least}, got {v!r}", name)
+    if config.head_dim % 4:
+        raise ConfigError(f"vision head_dim {config.head_dim} must be a multiple of 4 (x and y each rotate half of "
+                          f"it in pairs)", "head_dim")
+    if config.num_heads % config.num_kv_heads:
+        raise ConfigError(f"vision heads {config.num_heads} are not a multiple of kv heads {config.num_kv_heads}", "gqa")
+    check_rope_theta(config.rope_theta)
+    eps = config.rms_norm_eps
+    if not (isinstance(eps, float) and math.isfinite(eps) and 0 < eps <= MAX_RMS_NORM_EPS):
+        raise ConfigError(f"vision rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {eps!r}", "rms_norm_eps")
+    products = {"hidden_size": config.hidden_size * max(config.intermediate_size, config.patch_dim,
+                                                        config.num_heads * config.head_dim, config.text_hidden_size,
+                                                        2 * config.position_embedding_size)}
+    for field, n in products.items():
+        if n > MAX_TENSOR_ELEMENTS:
+            raise ConfigError(f"the vision sizes imply a weight of {n} elements, more than 2^40", field)
+    return config

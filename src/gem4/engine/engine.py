@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
-from gem4.engine.sequence import ABORT, RequestStats, Sequence, Status, next_request_id
+from gem4.engine.sequence import ABORT, MediaInput, RequestStats, Sequence, Status, next_request_id
 from gem4.engine.mtp import DRAFT_SLACK, MtpDrafter
 from gem4.engine.pool import kv_pool_size
 from gem4.engine.speculative import SpeculativeConfig
@@ -281,17 +281,21 @@ class Engine:
     # ---- caller threads ----
 
     def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-               request_id: str | None = None, n: int = 1, detokenize: bool = True) -> Stream:
+               request_id: str | None = None, n: int = 1, detokenize: bool = True,
+               media: Seq[MediaInput] = ()) -> Stream:
         """Queue a request for `n` choices (see the module docstring); returns its event stream. Raises
         ValueError for a request that cannot run (`InvalidParameter` for a sampling parameter or n).
         detokenize=False: the events carry token ids only (text ''), for a caller that reads the ids itself
-        (the server's chat output parser); stop strings need the text, so they are refused then."""
+        (the server's chat output parser); stop strings need the text, so they are refused then.
+        media: the prompt's images (engine/media.py `image_prompt` builds both), their soft tokens at the
+        positions of their placeholders."""
         if not detokenize and params is not None and params.stop:
             raise ValueError("stop strings need the text: submit with detokenize=True")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         prompt_ids = self._prompt_ids(prompt)
+        self._check_media(prompt_ids, media)
         max_tokens = self._max_tokens(len(prompt_ids), params)
         self._check_params(params)
         self._check_n(n, params)
@@ -301,7 +305,7 @@ class Engine:
                          else replace(params, seed=params.seed + i),             # choice i: seed + i
                          max_tokens=max_tokens, end_ids=self.end_token_ids, arrival_time=now, index=i,
                          detokenizer=self.tokenizer.detokenizer(skip_special=True)
-                         if self.tokenizer is not None and detokenize else None)
+                         if self.tokenizer is not None and detokenize else None, media=media)
                 for i in range(n)]
         seq = seqs[0]
         seq.forks = seqs[1:]
@@ -422,6 +426,27 @@ class Engine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
         return ids
+
+    def _check_media(self, ids: list[int], media: Seq[MediaInput]) -> None:
+        """Every media item on its own placeholders, in order, inside the prompt; a tower for its kind; a
+        bidirectional one no longer than a prefill chunk (it is computed in one); no stray image placeholder."""
+        vision = getattr(self.model, "vision", None)
+        image_id = None if vision is None else vision.config.image_token_id
+        end = 0
+        for m in media:
+            if m.kind != "image" or vision is None:
+                raise ValueError(f"this model has no tower for media of kind {m.kind!r}")
+            if not (end <= m.start and m.num_tokens >= 1 and m.end <= len(ids)):
+                raise ValueError(f"a media item at positions [{m.start}, {m.end}) overlaps another or lies "
+                                 f"outside the {len(ids)}-token prompt")
+            if any(t != image_id for t in ids[m.start:m.end]):
+                raise ValueError(f"the prompt's tokens at [{m.start}, {m.end}) are not the image's placeholders")
+            if m.bidirectional and m.num_tokens > self._scheduler.max_chunk:
+                raise ValueError(f"an image of {m.num_tokens} tokens is longer than the prefill chunk "
+                                 f"({self._scheduler.max_chunk}), which must hold it whole")
+            end = m.end
+        if image_id is not None and ids.count(image_id) != sum(m.num_tokens for m in media):
+            raise ValueError("the prompt has image placeholders without an image")
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the parts that depend on this engine's model."""

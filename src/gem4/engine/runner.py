@@ -30,6 +30,11 @@ sequence emitted. A grammar that fails (it does not compile, a parser limit, a r
 fails its chunk (`Failed`), like non-finite logits. A thought budget (`SamplingParams.thought_budget`) is applied
 by the same masks, where it binds (engine/grammar.py).
 
+Media (docs/multimodal.md §5.4): a sequence's images become soft tokens through the model's tower once, when
+its first prefill piece runs, and are kept (per sequence, like its generator) until it is released, so a
+preempted sequence recomputes its prompt with the same soft tokens. A forward pass carries the soft tokens of
+its pieces' rows (`StepEmbeds`) and each sequence's bidirectional spans (`SeqStep.bidirectional`).
+
 Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
 forward: the copy-on-write block copies (the copy must hold the shared rows before a sequence writes over
 them). A copy that raises is no one request's fault: it fails the step.
@@ -66,6 +71,7 @@ from gem4.engine.mtp import MtpDrafter
 from gem4.engine.scheduler import Batch, Chunk
 from gem4.engine.speculative import verify
 from gem4.kv_cache import BlockManager, KVPool, SeqStep
+from gem4.model.gemma4 import MediaItem, StepEmbeds
 from gem4.sampling import Sampler, SeedStream
 from gem4.structured import GrammarStats, GrammarVocab
 
@@ -128,6 +134,7 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
         self._generators: dict[int, SeedStream | None] = {}   # seq_id ->
+        self._media: dict[int, list[MediaItem]] = {}            # seq_id -> its soft tokens, once encoded
         self.grammar_stats = grammar_stats if grammar_stats is not None else GrammarStats()
         self.matchers = Matchers(grammar_vocab, self.grammar_stats, model.config.vocab_size, torch.get_num_threads())
 
@@ -261,20 +268,32 @@ class ModelRunner:
 
     def _forward_pass(self, work: list[_Rows]) -> list:
         """One forward pass over the pieces (all of one kind) -> per piece what `_forward` returns for its chunk."""
-        steps, ids = [], []
+        steps, ids, soft = [], [], []
         for w in work:
-            seq_id = w.chunk.seq.seq_id
-            steps.append(SeqStep(w.start, len(w.ids), self.blocks.table(seq_id), self.blocks.sliding_table(seq_id),
-                                 logits=w.num_logits))
+            seq = w.chunk.seq
+            steps.append(SeqStep(w.start, len(w.ids), self.blocks.table(seq.seq_id),
+                                 self.blocks.sliding_table(seq.seq_id), logits=w.num_logits, bidirectional=seq.spans))
+            if seq.media and w.prefill:
+                soft.append(StepEmbeds.of(self._media_items(seq), w.start, len(w.ids), row=len(ids)))
             ids += w.ids
         ids_t, sizes = torch.tensor(ids, dtype=torch.long, device=self.device), [w.num_logits for w in work]
         layout = self.pool.layout(steps, prefill=work[0].prefill)
+        media = StepEmbeds.join(soft)
+        extra = {} if media is None else {"media": media}       # a model without towers needs not take it
         if self.mtp:
-            logits, h = self.model.forward(ids_t, layout, self.pool, hidden=True)    # [M, V], [M, H]
+            logits, h = self.model.forward(ids_t, layout, self.pool, hidden=True, **extra)   # [M, V], [M, H]
             parts = zip(logits.split(sizes), h.split(sizes))
         else:
-            parts = self.model.forward(ids_t, layout, self.pool).split(sizes)      # [M, V]
+            parts = self.model.forward(ids_t, layout, self.pool, **extra).split(sizes)      # [M, V]
         return [part if w.num_logits else None for w, part in zip(work, parts)]
+
+    def _media_items(self, seq) -> list[MediaItem]:
+        """The sequence's media as soft tokens, through the model's towers the first time they are asked for."""
+        items = self._media.get(seq.seq_id)
+        if items is None:
+            items = self._media[seq.seq_id] = [MediaItem(m.start, encode(self.model, m), m.bidirectional)
+                                               for m in seq.media]
+        return items
 
     def _forward_alone(self, work: _Rows):
         try:
@@ -333,6 +352,7 @@ class ModelRunner:
         """Forget a finished or aborted sequence's generator, grammar matcher and drafting state (its KV is
         the block manager's to free)."""
         self._generators.pop(seq_id, None)
+        self._media.pop(seq_id, None)
         self.matchers.release(seq_id)
         if self.mtp:
             self.drafter.forget(seq_id)
@@ -341,6 +361,19 @@ class ModelRunner:
         if seq_id not in self._generators:
             self._generators[seq_id] = Sampler.make_generator(params)
         return self._generators[seq_id]
+
+
+def encode(model, item) -> torch.Tensor:
+    """A MediaInput (engine/sequence.py) -> its soft tokens [num_tokens, H] through the model's tower for its kind."""
+    if item.kind == "image":
+        p = item.data
+        out = model.vision.encode(p.patches, p.positions, p.grid)
+    else:
+        raise ValueError(f"no tower for media of kind {item.kind!r}")
+    if out.shape[0] != item.num_tokens:
+        raise RuntimeError(f"the {item.kind} at position {item.start} gave {out.shape[0]} soft tokens, its prompt "
+                           f"has {item.num_tokens} placeholders")
+    return out
 
 
 def _row_grammar(grammar, b: int):

@@ -207,13 +207,22 @@ class Scheduler:
 
     def _match(self, seq: Sequence) -> None:
         """A sequence about to be admitted (holding no KV) takes the cached prefix of its tokens."""
-        seq.num_computed = self.blocks.match(seq.seq_id, seq.token_ids)
+        seq.num_computed = self.blocks.match(seq.seq_id, seq.cache_keys)
 
     def _room(self, seq: Sequence, budget: int, spare: int = 0) -> int:
         """The longest next chunk of `seq` that the budget and the pool allow, leaving `spare` blocks free;
-        its blocks are reserved. 0 if none fits."""
-        n = min(seq.num_pending, self.max_chunk, budget,
-                self.blocks.capacity(seq.seq_id, spare, seq.num_computed) - seq.num_computed)
+        its blocks are reserved. 0 if none fits.
+
+        A bidirectional media span (an image on 26B/31B: docs/multimodal.md §5.3) is never split: a chunk that
+        would end inside one ends before it, and one that starts at (or, after a prefix hit, inside) it takes
+        it whole -- past the step's token budget if need be, never past max_chunk (Engine.submit refuses a
+        longer span)."""
+        start = seq.num_computed
+        limit = min(seq.num_pending, self.max_chunk, self.blocks.capacity(seq.seq_id, spare, start) - start)
+        n = min(limit, budget)
+        for a, b in seq.spans:
+            if a < start + n < b:
+                n = a - start if a > start else (b - start if b - start <= limit else 0)
         if n > 0:
             self.blocks.reserve(seq.seq_id, seq.num_computed + n, seq.num_computed)
         return max(n, 0)
@@ -248,10 +257,10 @@ class Scheduler:
                 self.running.remove(seq)
                 self._free(seq)
             else:
-                self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+                self.blocks.commit(seq.seq_id, seq.cache_keys, seq.num_computed)
         return outputs
 
     def _free(self, seq: Sequence, cache: bool = True) -> None:
         """Give back a sequence's KV; with `cache`, what it computed stays in the prefix cache to its last
         computed token."""
-        self.blocks.free(seq.seq_id, seq.token_ids if cache else None, seq.num_computed)
+        self.blocks.free(seq.seq_id, seq.cache_keys if cache else None, seq.num_computed)

@@ -17,6 +17,11 @@ engine thread touches it. It knows its token ids, how many of them are in the KV
 
 so the concatenated text deltas of a request equal `tokenizer.decode(output, skip_special=True)`
 cut before the first stop string (and without a final end token).
+
+Media (docs/multimodal.md §5.4): a request's images arrive preprocessed (`MediaInput`: arrays, no tensors) with
+the positions of their soft tokens, whose prompt ids are placeholders. The runner turns them into soft tokens once;
+the prefix cache keys a sequence by `cache_keys`, its ids with each soft-token position replaced by (the item's
+content hash, the token's index in it), so two images behind the same placeholder ids never share K/V.
 """
 from __future__ import annotations
 
@@ -30,6 +35,23 @@ from gem4.stops import StopStrings
 
 STOP, LENGTH, ABORT = "stop", "length", "abort"   # finish reasons (OpenAI's names)
 MAX_DRAFT_PAUSE = 64     # decode steps without drafts at most, after verification rounds that accepted none
+
+
+@dataclass(frozen=True, eq=False)
+class MediaInput:
+    """One media item of a request, preprocessed (gem4.media): its soft tokens take positions
+    [start, start + num_tokens) of the prompt."""
+
+    start: int
+    num_tokens: int
+    kind: str                 # "image" (gem4.media.image.ImagePatches in `data`)
+    data: object
+    digest: str               # a hash of its content: its positions' prefix-cache key
+    bidirectional: bool       # its tokens see each other both ways on sliding layers (the model's config says)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
 
 
 class Status(enum.Enum):
@@ -96,12 +118,20 @@ class Sequence:
         detokenizer=None,
         arrival_time: float = 0.0,
         index: int = 0,
+        media: Seq[MediaInput] = (),
     ):
         self.request_id = request_id
         self.index = index                            # the choice's index within its request
         self.seq_id = next(_seq_counter)              # unique per sequence: the block manager's and runner's key
         self.forks: list[Sequence] = []               # choice 0 only, until forked: the other choices
         self.prompt_ids: list[int] = list(prompt_ids)
+        self.media: tuple[MediaInput, ...] = tuple(media)
+        self.spans: tuple[tuple[int, int], ...] = tuple((m.start, m.end) for m in media if m.bidirectional)
+        self._prompt_keys: list | None = None
+        if media:                                     # soft-token positions keyed by content, not placeholder id
+            self._prompt_keys = list(self.prompt_ids)
+            for m in media:
+                self._prompt_keys[m.start:m.end] = [(m.digest, i) for i in range(m.num_tokens)]
         self.output_ids: list[int] = []
         self.params = params
         self.max_tokens = max_tokens                  # params.max_tokens, or what the context leaves
@@ -131,6 +161,12 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def cache_keys(self) -> list:
+        """What the prefix cache names its positions by: the token ids, soft-token positions replaced by (the
+        media item's digest, index)."""
+        return self.token_ids if self._prompt_keys is None else self._prompt_keys + self.output_ids
 
     @property
     def num_tokens(self) -> int:

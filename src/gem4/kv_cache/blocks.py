@@ -23,7 +23,8 @@ The prefix cache (vLLM's automatic prefix caching, made exact for sliding layers
 depends on the tokens [0, p] alone, so a block's content is named by its tokens and the content of the
 block before it: a registered block has an entry (parent entry's id, its tokens) -> block, with a fresh
 integer id, so a chain of entries names a whole prefix and dict lookups compare the tokens themselves (no
-hash collision can hand a request another prompt's K/V).
+hash collision can hand a request another prompt's K/V). A "token" is any hashable compared by equality: the
+engine names an image's soft-token positions by (the image's content hash, index), docs/multimodal.md §5.4.
 - `commit` registers each block of a sequence once its `block_size` positions are computed (a block whose
   content is already registered stays the sequence's own and unregistered; the chain goes on through the
   existing entry). `free` registers whatever the sequence computed since its last `commit` (a request that
@@ -50,7 +51,6 @@ reads beyond it (the Gemma 4 assistant reads two positions more, engine/mtp.py).
 """
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -236,7 +236,7 @@ class BlockManager:
         partial, agree = None, 0                                         # then one block as far as it agrees
         rest = tokens[len(entries) * bs:min((len(entries) + 1) * bs, limit)]
         for e in self._children.get(parent, ()):
-            n = len(os.path.commonprefix([e.tokens, tuple(rest)]))
+            n = _agree(e.tokens, rest)
             if n > agree:
                 partial, agree = e, n
         blocks = [e.block for e in entries] + ([partial.block] if partial else [])
@@ -379,3 +379,15 @@ class BlockManager:
             self._release_sliding(b)
         for b in s.table:
             self._release(b)
+
+
+def _agree(a: Sequence, b: Sequence) -> int:
+    """How many leading positions of a and b are equal. By equality alone: positions are token ids or, for media
+    soft tokens, (content hash, index) keys (engine/sequence.py), which do not order against ids
+    (os.path.commonprefix sorts)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

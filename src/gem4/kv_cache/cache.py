@@ -3,6 +3,8 @@ benchmarks). Which blocks it holds is a `BlockManager`'s (prefix caching off), a
 the manager hands out its blocks, and takes back the sliding ones behind the window."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from gem4.config import ModelConfig
@@ -37,16 +39,18 @@ class KVCache:
         """Sliding layers: per block, its sliding block (-1 behind the window), as SeqStep takes it."""
         return self.blocks.sliding_table(SEQ) if self.blocks.holds(SEQ) else []
 
-    def step(self, num_tokens: int, logits: int = 1, prefill: bool | None = None) -> StepLayout:
+    def step(self, num_tokens: int, logits: int = 1, prefill: bool | None = None,
+             bidirectional: Sequence[tuple[int, int]] = ()) -> StepLayout:
         """The layout of the next `num_tokens` tokens; `logits` of its last rows are wanted; `prefill` (StepLayout):
-        by default, a step of more than one token."""
+        by default, a step of more than one token; `bidirectional`: SeqStep's spans."""
         start, end = self.length, self.length + num_tokens
         if self.blocks.holds(SEQ):
             self.blocks.commit(SEQ, (), start)                        # gives back the blocks behind the window
         if not self.blocks.can_reserve(SEQ, end, start):
             self._grow(self.blocks.blocks_for(end) - len(self.block_table))
         self.blocks.reserve(SEQ, end, start)
-        return self.pool.layout([SeqStep(start, num_tokens, self.block_table, self.sliding_table, logits=logits)],
+        return self.pool.layout([SeqStep(start, num_tokens, self.block_table, self.sliding_table, logits=logits,
+                                         bidirectional=tuple(bidirectional))],
                                 num_tokens > 1 if prefill is None else prefill)
 
     def commit(self, num_tokens: int) -> None:

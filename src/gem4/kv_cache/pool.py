@@ -23,7 +23,12 @@ step the caller describes each sequence's part with a `SeqStep`, and `KVPool.lay
     attention over layout.attend[type]            # each query row: a contiguous range of its sequence's keys
 
 A sequence's keys are listed in position order (`Attend.key_rows`), so the keys a query may see -- causal,
-and within the window on sliding layers -- are one range [q_lo, q_hi) of that list. No [T, S] masks.
+and within the window on sliding layers -- are one range [q_lo, q_hi) of that list. No [T, S] masks. A
+bidirectional span (`SeqStep.bidirectional`: one image's soft tokens on 26B/31B, docs/multimodal.md §5.3) keeps
+it one range: on sliding layers a query inside the span sees up to the span's end, the window still bounding
+the past; full layers stay causal. A step that holds part of a span must hold its end, since a token's output
+depends on the span's later tokens; its start may lie in an earlier step only if that part's K/V were computed
+with the whole span (a prefix-cache hit of the whole image: the engine never splits a span itself).
 
 Sharing (a cached prefix, several choices of one prompt): a block may be in several sequences' tables,
 read-only; the block manager decides when a copy is needed and the pool performs it: `copy_blocks` and
@@ -55,6 +60,8 @@ class SeqStep:
     block_table: Sequence[int]            # full layers: the blocks holding positions [0, start + num_tokens)
     sliding_table: Sequence[int]          # sliding layers: block j holds positions [j * bs, (j + 1) * bs); only
     logits: int = 1                       # the entries from (start - window + 1) // bs on are read
+    bidirectional: Sequence[tuple[int, int]] = ()   # position spans [a, b) whose tokens see each other both ways
+                                                    # on sliding layers; spans outside the step are ignored
 
     @property
     def end(self) -> int:
@@ -225,7 +232,7 @@ class KVPool:
             slide_keys.append(slide[seen // bs - first // bs] * bs + seen % bs)
             write_slide.append(slide_keys[-1][s.start - first:])
             slide_lo.append(torch.clamp(pos - window + 1, min=first) - first)
-            slide_hi.append(pos - first + 1)
+            slide_hi.append(self._span_ends(pos, s) - first)
             slide_first.append(first)
             positions.append(pos)
             q_seq.append(torch.full((s.num_tokens,), b, dtype=torch.long, device=dev))
@@ -240,6 +247,21 @@ class KVPool:
         }
         return StepLayout(torch.cat(positions), {FULL: torch.cat(write_full), SLIDING: torch.cat(write_slide)},
                           attend, torch.cat(logit_rows), prefill)
+
+    @staticmethod
+    def _span_ends(pos: torch.Tensor, s: SeqStep) -> torch.Tensor:
+        """pos [n] -> one past the last position each query sees on sliding layers: itself, or the end of its
+        bidirectional span."""
+        hi = pos + 1
+        for a, b in s.bidirectional:
+            if b <= s.start or a >= s.end or b - a < 2:
+                continue
+            if b > s.end:
+                raise ValueError(f"the bidirectional span [{a}, {b}) is split by the step's tokens "
+                                 f"[{s.start}, {s.end}): its rest must be computed in the same step")
+            inside = (pos >= a) & (pos < b)
+            hi = torch.where(inside, torch.full_like(hi, b), hi)
+        return hi
 
     def _table(self, table: Sequence[int], lo: int, hi: int, count: int, end: int, what: str) -> torch.Tensor:
         """Entries [lo, hi) of a block table as a tensor, checked: [hi - lo] int64."""

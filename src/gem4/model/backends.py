@@ -84,7 +84,8 @@ class EngineModel(Protocol):
 
     def forward(self, ids: torch.Tensor, step: StepLayout, pool: KVPool, hidden: bool = False):
         """One step over the pool: ids [T] -> logits [M, V] of the step's logit rows (hidden=True: and their
-        final-normed hidden states [M, H])."""
+        final-normed hidden states [M, H]). A model with media towers also takes `media=` (model/gemma4.py
+        StepEmbeds: the step's soft tokens), passed only when a step has some."""
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] -> the scaled input embeddings [T, H] (the MTP assistant's token input)."""

@@ -9,6 +9,12 @@ tokens, laid out one sequence after another; `StepLayout` (kv_cache.py) tells ea
 K/V go and which stored keys each row sees. Every linear layer runs once per step over all T rows. A lone
 sequence is a step of one (`Model.extend` with a `KVCache`).
 
+Media (docs/multimodal.md §5): a step may carry soft tokens -- an image's embeddings from its tower -- that
+replace the rows of their placeholder tokens (`StepEmbeds`). They are not scaled by sqrt(H) as token embeddings
+are, and the per-layer token table (E2B/E4B) is looked up with pad id 0 at their rows; the per-layer projection
+sees the merged rows. Which keys their queries see (one image's tokens both ways on sliding layers, where the
+config says so) is the step's layout (kv_cache `SeqStep.bidirectional`), not this file's.
+
 This file is the reference and knows no backend: a backend chosen at load (model/backends.py) replaces its
 modules by subclasses (the CPU kernels: model/cpu.py) and installs per-layer plans. The only thing a forward
 tells its layers beyond the data is the step's `StepLayout` (prefill or decode among it).
@@ -21,6 +27,8 @@ drift vs the float32 path small (NMSE ~1e-4 on the test fixtures) where bf16 res
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +43,51 @@ from gem4.model.layers import (
 from gem4.ggml import GGMLType
 
 DECODE_ROWS = 32   # the most rows of a decode pass: the engine packs generated tokens into passes of this size
+PAD_ID = 0         # the token id the per-layer table is looked up with at media rows
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One media item of a sequence -- an image (an audio clip, a video frame: the same shape) -- as the text
+    model takes it: soft tokens for the placeholder tokens at positions [start, start + n)."""
+
+    start: int                  # the position of its first soft token in its sequence
+    embeds: torch.Tensor        # [n, H] float32, already in the text width (a tower's output)
+    bidirectional: bool         # its tokens see each other both ways on sliding layers (26B/31B images)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.embeds.shape[0]
+
+
+@dataclass(frozen=True)
+class StepEmbeds:
+    """The soft tokens of one step: rows [K] of the step's T tokens and their embeddings [K, H]."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+
+    @classmethod
+    def of(cls, media: Sequence[MediaItem], start: int, num_tokens: int, row: int = 0) -> "StepEmbeds | None":
+        """The rows of `media` (one sequence's) that fall in its tokens [start, start + num_tokens), which are the
+        step's rows from `row` on; None when none do."""
+        rows, embeds = [], []
+        for item in media:
+            lo, hi = max(item.start, start), min(item.end, start + num_tokens)
+            if lo < hi:
+                rows.append(torch.arange(lo - start + row, hi - start + row))
+                embeds.append(item.embeds[lo - item.start:hi - item.start])
+        if not rows:
+            return None
+        return cls(torch.cat(rows), torch.cat(embeds))
+
+    @classmethod
+    def join(cls, parts: Sequence["StepEmbeds | None"]) -> "StepEmbeds | None":
+        """Several sequences' parts of one step as one."""
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            return None
+        return cls(torch.cat([p.rows for p in parts]), torch.cat([p.embeds for p in parts]))
 
 
 class Attention(nn.Module):
@@ -221,6 +274,8 @@ class Model(nn.Module):
         self.backend = "torch"                 # which backend computes it (model/backends.py; set once at load)
         self.decode_rows = DECODE_ROWS         # the most rows of a decode pass (engine/runner.py); a backend may
                                                # set its own at load
+        self.vision = None                     # the vision tower (model/vision.py VisionModel), bound at load where the
+                                               # checkpoint has one; a submodule then
         # token table [V, H]: looked up by rows for the input; as a linear layer it is the tied head
         self.embed_tokens = QuantLinear(H, config.vocab_size)
         self.embed_scale = embed_scale(H)
@@ -250,11 +305,17 @@ class Model(nn.Module):
         """ids [T] -> scaled input embeddings [T, H] float32 (also the MTP assistant's token input, docs/gemma4.md §5.3)."""
         return self.embed_tokens.rows(ids) * self.embed_scale
 
-    def hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool) -> torch.Tensor:
+    def hidden_states(self, ids: torch.Tensor, step: StepLayout, pool: KVPool, media: StepEmbeds | None = None
+                      ) -> torch.Tensor:
         """ids [T] (a step's new tokens) -> the final-normed hidden states of its logit rows [M, H]; the K/V of
         all T tokens are stored in the pool. `step` is the forward's one context: the layout, and whether its
-        tokens are prompt tokens (step.prefill), which every layer a backend may replace is told."""
+        tokens are prompt tokens (step.prefill), which every layer a backend may replace is told. `media`: soft
+        tokens in place of some rows' token embeddings."""
+        if media is not None:                  # placeholder rows: pad id for the tables, the soft tokens as they are
+            ids = ids.index_fill(0, media.rows.to(ids.device), PAD_ID)
         x = self.embed(ids)                                                        # [T, H]
+        if media is not None:
+            x = x.index_copy(0, media.rows.to(x.device), media.embeds.to(device=x.device, dtype=x.dtype))
         ple = self.per_layer_inputs(ids, x, step.prefill) if self.config.ple_dim else None    # [T, L, P]
         ropes = {t: rope_cos_sin(step.positions, getattr(self, f"inv_freq_{t}"))
                  for t, _ in self.config.rope_inv_freq}
@@ -282,20 +343,27 @@ class Model(nn.Module):
         return self.final_softcap(head(h).float())
 
     @torch.no_grad()      # not inference_mode: torch.compile's AOT backends cannot take inference tensors
-    def forward(self, ids: torch.Tensor, step: StepLayout, pool: KVPool, hidden: bool = False):
-        """One step over the pool: ids [T] -> logits of the step's logit rows [M, V], float32.
+    def forward(self, ids: torch.Tensor, step: StepLayout, pool: KVPool, hidden: bool = False,
+                media: StepEmbeds | None = None):
+        """One step over the pool: ids [T] -> logits of the step's logit rows [M, V], float32. `media`: the
+        step's soft tokens (StepEmbeds).
 
         hidden=True: -> (logits [M, V], h [M, H]) with h the final-normed hidden states of the same rows, the
         state the MTP assistant drafts from (docs/gemma4.md §5.5: post-norm, as transformers and llama.cpp hand it).
         """
-        h = self.hidden_states(ids, step, pool)
+        h = self.hidden_states(ids, step, pool, media)
         logits = self.head(h) if h.shape[0] else h.new_empty((0, self.config.vocab_size))
         return (logits, h) if hidden else logits
 
-    def extend(self, ids: torch.Tensor, cache: KVCache, logits: int = 1, prefill: bool | None = None) -> torch.Tensor:
+    def extend(self, ids: torch.Tensor, cache: KVCache, logits: int = 1, prefill: bool | None = None,
+               media: Sequence[MediaItem] = ()) -> torch.Tensor:
         """The next tokens ids [T] of a one-sequence cache -> logits of its last `logits` rows [logits, V];
-        `prefill`: prompt tokens (StepLayout; by default, T > 1)."""
-        out = self.forward(ids, cache.step(ids.numel(), logits, prefill), cache.pool)
+        `prefill`: prompt tokens (StepLayout; by default, T > 1). `media`: the sequence's media items (those
+        that fall in these tokens are used; a bidirectional one must lie wholly inside them or outside)."""
+        start, n = cache.length, ids.numel()
+        spans = [(m.start, m.end) for m in media if m.bidirectional]
+        step = cache.step(n, logits, prefill, bidirectional=spans)
+        out = self.forward(ids, step, cache.pool, media=StepEmbeds.of(media, start, n))
         cache.commit(ids.numel())
         return out
 
@@ -306,11 +374,14 @@ class Model(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(self.config, dtype=self.dtype, device=self.device)
 
-    def logits(self, token_ids) -> torch.Tensor:
-        """Full-sequence logits [len(ids), vocab] float32 with a fresh cache."""
+    def logits(self, token_ids, media: Sequence[MediaItem] = ()) -> torch.Tensor:
+        """Full-sequence logits [len(ids), vocab] float32 with a fresh cache; `media`: soft tokens at positions."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("token_ids is empty")
         if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")
-        return self.extend(ids, self.new_cache(), logits=ids.numel())
+        for m in media:
+            if not 0 <= m.start <= m.end <= ids.numel():
+                raise ValueError(f"a media item at positions [{m.start}, {m.end}) is outside the {ids.numel()} tokens")
+        return self.extend(ids, self.new_cache(), logits=ids.numel(), media=media)

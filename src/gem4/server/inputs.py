@@ -6,7 +6,7 @@ limit, validated against the protocol model, the engine ready, the model name ch
 Bounded work before admission (each limit refuses before the work it bounds):
 
 - **Body size** (`ServerConfig.max_request_body`, default 1 MiB + 64 bytes per token of
-  max_model_len, see `default_body_limit`): 413 when Content-Length says more (nothing is read),
+  max_model_len, see `default_body_limit`, and IMAGE_BODY_BYTES more for a model that takes images): 413 when Content-Length says more (nothing is read),
   or as soon as a chunked body passes it. Authentication (a dependency) runs before any body is
   read; `http11.py` closes a connection whose request was answered before its body arrived.
 - **Characters before tokens**: no token stands for more than `Tokenizer.max_token_chars` characters (31
@@ -32,6 +32,11 @@ Bounded work before admission (each limit refuses before the work it bounds):
   chats compete with one of them, and get the GIL within a fraction of a millisecond. Text prompts
   tokenize in the default pool (`Tokenizer.encode` releases the GIL; the character bound caps its work).
 
+Images (chat `image_url` parts, base64 data URIs only: docs/multimodal.md §6) are decoded and preprocessed in
+the default pool before the render (`chat_images`); what decodes them is bounded by the body limit and the
+decoded size by `gem4.media.image.MAX_PIXELS`. Each becomes one `<|image|>` in the rendered prompt, then its
+soft-token block (`gem4.engine.media.image_prompt`); `usage.prompt_tokens` counts the soft tokens.
+
 Why a budget checked inside the template rather than a process pool: a process can be killed at
 any point and does not hold this process's GIL, but each render would pickle its messages across,
 a killed worker must be respawned (a new interpreter, a fraction of a second of CPU, each time a
@@ -42,6 +47,8 @@ within tens of microseconds.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -52,6 +59,9 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
+from gem4.engine.media import check_fits, image_prompt
+from gem4.engine.sequence import MediaInput
+from gem4.media.image import BUDGETS, DEFAULT_BUDGET, ImageError, ImagePatches, decode, preprocess
 from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudget, encode_prompt,
                        is_gemma4_template, min_prompt_tokens)
 from gem4.sampling import InvalidParameter, SamplingParams
@@ -88,7 +98,13 @@ def body_limit(state: ServerState) -> int:
     """The largest request body accepted, in bytes (503 while loading if it depends on the model)."""
     if state.config.max_request_body is not None:
         return state.config.max_request_body
-    return default_body_limit(state.ready_engine().max_model_len)
+    engine = state.ready_engine()
+    return default_body_limit(engine.max_model_len) + (IMAGE_BODY_BYTES if vision_config(engine) else 0)
+
+
+IMAGE_BODY_BYTES = 32 * 2**20
+# More room in a body for a model that takes images: they come as base64 data URIs, 4/3 of their bytes (a phone
+# photo is 2-5 MB); llama-server downloads up to 10 MB an image.
 
 
 def default_body_limit(max_model_len: int) -> int:
@@ -156,7 +172,7 @@ def chat_chars(messages) -> int:
     n = 0
     for m in messages:
         if m.role in ("user", "system", "developer") and m.content is not None:
-            texts = [m.content] if isinstance(m.content, str) else [p["text"] for p in m.content]
+            texts = [m.content] if isinstance(m.content, str) else [p["text"] for p in m.content if p["type"] == "text"]
             n += sum(len(t.strip()) for t in texts)
     return n
 
@@ -271,6 +287,7 @@ class RenderedChat:
     thinking: bool
     tool_names: frozenset[str]
     plan: Plan | None
+    media: list[MediaInput] = dataclasses.field(default_factory=list)     # its images, at their positions
 
 
 async def render_request(request: Request, state: ServerState, engine: EngineLike, req: P.ChatCompletionRequest,
@@ -284,11 +301,78 @@ async def render_request(request: Request, state: ServerState, engine: EngineLik
     thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
     check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
                 where)
+    images = await chat_images(engine, req)
     ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                             enable_thinking=thinking, kwargs=kwargs, request=request,
                             max_render_s=state.config.max_render_s, continue_final_message=req.continue_final_message)
+    ids, media = expand_images(ids, engine, images, where)
     check_length(len(ids), max_tokens, engine.max_model_len, where, max_tokens_name)
-    return RenderedChat(ids, thinking, tool_names, plan)
+    return RenderedChat(ids, thinking, tool_names, plan, media)
+
+
+def expand_images(ids: list[int], engine: EngineLike, images: list[ImagePatches], where: str = "messages"
+                  ) -> tuple[list[int], list[MediaInput]]:
+    """The rendered ids with each image's placeholder expanded into its soft-token block, and the images'
+    MediaInputs; 400 when the prompt does not hold one placeholder per image."""
+    try:
+        return image_prompt(ids, vision_config(engine), images)
+    except ValueError as e:               # a template that drops image parts, or text holding the placeholder
+        raise bad_request(f"The rendered prompt does not hold one image placeholder per image: {e}", where) from None
+
+
+def vision_config(engine: EngineLike):
+    """The engine's model's vision tower config, or None (a text-only model)."""
+    vision = getattr(getattr(engine, "model", None), "vision", None)
+    return None if vision is None else vision.config
+
+
+def image_budget(req: P.ChatCompletionRequest | P.TokenizeRequest) -> int:
+    """The soft-token budget of the request's images: `mm_processor_kwargs.max_soft_tokens` (vLLM's name), 280
+    by default."""
+    kwargs = req.mm_processor_kwargs or {}
+    unknown = sorted(set(kwargs) - {"max_soft_tokens"})
+    if unknown:
+        raise bad_request(f"mm_processor_kwargs: unknown key {unknown[0]!r} (max_soft_tokens is the one taken)",
+                          "mm_processor_kwargs")
+    budget = kwargs.get("max_soft_tokens", DEFAULT_BUDGET)
+    if budget not in BUDGETS or isinstance(budget, bool):
+        raise bad_request(f"mm_processor_kwargs.max_soft_tokens must be one of {list(BUDGETS)}, got {budget!r}",
+                          "mm_processor_kwargs")
+    return budget
+
+
+async def chat_images(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest) -> list[ImagePatches]:
+    """The images of the chat's messages, in order, decoded and preprocessed in the thread pool; 400 naming the
+    part (`messages[i].content[j]`) when one cannot be used, or the first when the model takes no images."""
+    where = [(i, j, part["url"]) for i, m in enumerate(req.messages) if isinstance(m.content, list)
+             for j, part in enumerate(m.content) if part["type"] == "image"]
+    if not where:
+        return []
+    vision = vision_config(engine)
+    if vision is None:
+        i, j, _ = where[0]
+        raise bad_request("This model does not take images (it has no vision tower).", f"messages[{i}].content[{j}]")
+    budget = image_budget(req)
+
+    def load(url: str) -> ImagePatches:
+        try:
+            data = base64.b64decode(url.partition(",")[2], validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError("the data URI is not valid base64") from None
+        image = preprocess(decode(data), budget, patch_size=vision.patch_size, pooling=vision.pooling)
+        try:
+            check_fits(image, vision)
+        except ValueError as e:
+            raise ImageError(str(e)) from None
+        return image
+
+    out = []
+    for i, j, url in where:
+        try:
+            out.append(await asyncio.to_thread(load, url))
+        except ImageError as e:
+            raise bad_request(f"messages[{i}].content[{j}]: {e}", f"messages[{i}].content[{j}]") from None
+    return out
 
 
 async def with_grammar(engine: EngineLike, params: SamplingParams, chat: RenderedChat) -> SamplingParams:
@@ -334,6 +418,8 @@ def _message_dict(m) -> dict:
     d: dict[str, Any] = {"role": m.role}
     if m.role in ("system", "developer"):
         d["content"] = P.content_text(m.content)      # the templates expect a string here
+    elif isinstance(m.content, list):                 # an image part renders as its placeholder; the data stays here
+        d["content"] = [{"type": "image"} if p["type"] == "image" else p for p in m.content]
     elif m.content is not None:
         d["content"] = m.content
     if m.name is not None:

@@ -167,7 +167,6 @@ class _In(BaseModel):
 
 
 _UNSUPPORTED_PARTS = {
-    "image_url": "image",
     "input_image": "image",
     "image": "image",
     "input_audio": "audio",
@@ -179,8 +178,10 @@ _UNSUPPORTED_PARTS = {
 }
 
 
-def check_content(content: Any, *, allow_none: bool = False) -> Any:
-    """Message content: a string or a list of text parts `{"type": "text", "text": str}`.
+def check_content(content: Any, *, allow_none: bool = False, images: bool = False) -> Any:
+    """Message content: a string or a list of text parts `{"type": "text", "text": str}` -- and with `images`
+    (user messages), image parts `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`, kept
+    as `{"type": "image", "url": str}` (decoded later: server/inputs.py `chat_images`).
     (Failures are ValueErrors, wrong types included: pydantic turns only those into errors.)"""
     if content is None:
         if allow_none:
@@ -200,6 +201,10 @@ def check_content(content: Any, *, allow_none: bool = False) -> Any:
             if not isinstance(text, str):
                 raise ValueError(f"content part {i} of type '{kind}' needs a string 'text'")
             parts.append({"type": "text", "text": text})
+        elif kind == "image_url" and images:
+            parts.append({"type": "image", "url": _image_url(part.get("image_url"), i)})
+        elif kind == "image_url":
+            raise ValueError(f"content part {i}: images are accepted in user messages only")
         elif kind in _UNSUPPORTED_PARTS:
             raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input is not supported "
                              "(this server runs a text-only model)")
@@ -208,17 +213,31 @@ def check_content(content: Any, *, allow_none: bool = False) -> Any:
     return parts
 
 
+def _image_url(value: Any, i: int) -> str:
+    """An image_url part's URL ({"url": ...} or the string itself): a base64 data URI of an image. URLs are not
+    fetched: a server must not fetch addresses for anonymous clients (docs/multimodal.md §6)."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise ValueError(f"content part {i} of type 'image_url' needs 'image_url': {{'url': string}}")
+    head, _, data = url.partition(",")
+    if not (head.startswith("data:image/") and head.endswith(";base64") and data):
+        raise ValueError(f"content part {i}: only base64 data URIs of images (data:image/...;base64,...) are "
+                         f"accepted; this server does not fetch URLs")
+    return url
+
+
 Content = Annotated[Any, AfterValidator(check_content)]
+UserContent = Annotated[Any, AfterValidator(lambda v: check_content(v, images=True))]
 OptionalContent = Annotated[Any, AfterValidator(lambda v: check_content(v, allow_none=True))]
 
 
 def content_text(content: Any) -> str:
-    """A checked content value as one string (text parts joined with newlines)."""
+    """A checked content value as one string (text parts joined with newlines; images left out)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "\n".join(p["text"] for p in content)
+    return "\n".join(p["text"] for p in content if p["type"] == "text")
 
 
 MAX_TOOLS = 128                 # OpenAI's limit on functions per request
@@ -281,7 +300,7 @@ class SystemMessage(_In):
 
 class UserMessage(_In):
     role: Literal["user"]
-    content: Content
+    content: UserContent
     name: str | None = None
 
 
@@ -491,6 +510,7 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    mm_processor_kwargs: dict[str, Any] | None = None     # vLLM's: {"max_soft_tokens": N}, an image's token budget
     continue_final_message: bool = False     # vLLM's: continue the last (assistant) message, a prefill
 
     @model_validator(mode="after")
@@ -559,6 +579,7 @@ class TokenizeRequest(_In):
     tools: Tools = None
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None     # as in chat: the images' token budget
 
     @model_validator(mode="after")
     def _one(self):

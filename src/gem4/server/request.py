@@ -76,7 +76,7 @@ class ServerRequest:
     """
 
     def __init__(self, state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 n: int = 1, detokenize: bool = True):
+                 n: int = 1, detokenize: bool = True, media=()):
         self.state = state
         self.request_id = request_id
         self.prompt_ids = prompt_ids
@@ -101,7 +101,8 @@ class ServerRequest:
                                 "Retry shortly.", type="server_error", code="server_busy",
                            headers={"Retry-After": "1"})
         try:
-            stream = engine.submit(prompt_ids, params, request_id=request_id, n=n, detokenize=detokenize)
+            stream = engine.submit(prompt_ids, params, request_id=request_id, n=n, detokenize=detokenize,
+                                   **({"media": list(media)} if media else {}))
         except InvalidParameter as e:         # checked against the model (top_k, token ids): 400 naming it
             raise bad_request(f"Invalid '{e.param}': {e.reason}", e.param) from None
         except ValueError as e:

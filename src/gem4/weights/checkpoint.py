@@ -43,6 +43,8 @@ class Checkpoint:
     tensors: dict[str, TensorEntry]               # canonical name -> entry
     ignored: list[str] = field(default_factory=list)   # file tensors deliberately not loaded (vestigial, towers)
     metadata: dict[str, object] = field(default_factory=dict)  # format-level facts for tools (inspect, convert)
+    towers: dict[str, TensorEntry] = field(default_factory=dict)   # the media towers' tensors, by canonical name
+    tower_configs: dict[str, object] = field(default_factory=dict)  # tower -> its config ("vision": VisionConfig)
     close: Callable[[], None] = lambda: None
 
 

@@ -2,7 +2,9 @@
 
 Layouts (docs/gemma4.md §3.1):
     Gemma4ForCausalLM                 text weights under `model.`
-    Gemma4ForConditionalGeneration    text weights under `model.language_model.`; towers ignored
+    Gemma4ForConditionalGeneration    text weights under `model.language_model.`; the vision tower's under
+                                      `model.vision_tower.` / `model.embed_vision.` (Checkpoint.towers, bound by
+                                      weights/towers.py); the audio tower's ignored
 Config forms (docs/gemma4.md §1.2): top-level `global_head_dim` / `num_global_key_value_heads` (hub
 configs) or `per_layer_config` (what transformers 5.23 re-saves; its keys are layer indices, zero-padded
 from 10 layers on: "05"). Per-layer embeddings are decided by
@@ -24,6 +26,8 @@ from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 TEXT_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
 TEXT_PREFIXES = ("model.language_model.", "model.")
 STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# the towers' tensors, kept apart from the text model's (canonical name: without `model.`)
+TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
 VESTIGIAL_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight", "self_attn.v_norm.weight")
 
 
@@ -45,7 +49,8 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _text_config(directory: Path) -> dict:
+def _text_config(directory: Path) -> tuple[dict, dict]:
+    """-> (the whole config.json, its text part)."""
     path = directory / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -58,7 +63,7 @@ def _text_config(directory: Path) -> dict:
     model_type = text.get("model_type", cfg.get("model_type"))
     if model_type not in TEXT_MODEL_TYPES:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not a Gemma 4 text model {TEXT_MODEL_TYPES}")
-    return text
+    return cfg, text
 
 
 def _require(cfg: dict, key: str, where: Path | str):
@@ -75,7 +80,7 @@ def int_field(cfg: dict, key: str, where: Path | str, default=None) -> int:
     return v
 
 
-def _num(cfg: dict, key: str, where: Path | str, default=None) -> float:
+def number_field(cfg: dict, key: str, where: Path | str, default=None) -> float:
     """A finite number field (JSON int or float, not bool); `default` when absent (required if None)."""
     v = _require(cfg, key, where) if default is None or cfg.get(key) is not None else default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -111,13 +116,13 @@ def _rope(params: dict, head_dim: int, layer_type: str, where: Path) -> tuple[fl
         raise CheckpointError(f"{where}: rope_parameters[{layer_type!r}] must be an object, got {params!r}")
     rope_type = params.get("rope_type", "default")
     what = f"{where}: rope_parameters[{layer_type!r}]"
-    theta = _num(params, "rope_theta", what)
+    theta = number_field(params, "rope_theta", what)
     try:
         if rope_type == "default":
             return rope_default(theta, head_dim)
         if rope_type == "proportional":
-            return rope_proportional(theta, head_dim, _num(params, "partial_rotary_factor", what, 1.0),
-                                     _num(params, "factor", what, 1.0))
+            return rope_proportional(theta, head_dim, number_field(params, "partial_rotary_factor", what, 1.0),
+                                     number_field(params, "factor", what, 1.0))
     except ConfigError as e:
         raise CheckpointError(f"{what}: {e}") from None
     raise CheckpointError(f"{what} has unsupported rope_type {rope_type!r}")
@@ -201,8 +206,8 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
             layer_types=layer_types, n_heads=[nh] * L, n_kv_heads=kv_heads, head_dims=head_dims,
             k_eq_v=[k_eq_v_flag and t == FULL for t in layer_types], intermediate_sizes=intermediate,
             num_kv_shared_layers=shared, sliding_window=int_field(cfg, "sliding_window", where),
-            rms_norm_eps=_num(cfg, "rms_norm_eps", where),
-            final_logit_softcap=None if softcap is None else _num(cfg, "final_logit_softcapping", where),
+            rms_norm_eps=number_field(cfg, "rms_norm_eps", where),
+            final_logit_softcap=None if softcap is None else number_field(cfg, "final_logit_softcapping", where),
             ple_dim=ple_dim, ple_vocab_size=ple_vocab, moe=moe, rope_inv_freq=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
             max_position_embeddings=int_field(cfg, "max_position_embeddings", where),
@@ -213,7 +218,7 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
 
 
 def open_hf(directory: Path) -> Checkpoint:
-    cfg = _text_config(directory)
+    whole, cfg = _text_config(directory)
     files = safetensors_files(directory)
     handles = [safe_open(str(f), framework="pt") for f in files]
     located: dict[str, tuple[object, str]] = {}          # tensor name -> (handle, file path)
@@ -228,14 +233,17 @@ def open_hf(directory: Path) -> Checkpoint:
         raise CheckpointError(f"{directory}: no text embedding (model.embed_tokens.weight or "
                               f"model.language_model.embed_tokens.weight)")
     canonical: dict[str, str] = {}
+    towers: dict[str, str] = {}
     ignored = []
     for name in located:
-        if name.startswith(prefix):
+        if name.startswith(TOWER_PREFIXES):
+            towers[name.removeprefix("model.")] = name
+        elif name.startswith(prefix):
             canonical[name[len(prefix):]] = name
         elif name == "lm_head.weight":
             canonical["lm_head.weight"] = name
         else:
-            ignored.append(name)                          # vision/audio towers and their projections
+            ignored.append(name)                          # the audio tower and its projection
 
     shapes = {c: tuple(located[n][0].get_slice(n).get_shape()) for c, n in canonical.items()}
     config = config_from_hf(cfg, shapes, directory / "config.json")
@@ -250,20 +258,25 @@ def open_hf(directory: Path) -> Checkpoint:
                 if c in canonical:
                     ignored.append(canonical.pop(c))
 
-    tensors = {}
-    for c, name in canonical.items():
-        handle, f = located[name]
-        stored = handle.get_slice(name).get_dtype()
-        if stored not in STORED_DTYPES:
-            raise CheckpointError(f"{f}: tensor {name!r} has unsupported dtype {stored} (F32, F16 and BF16 are read)")
-        shape = shapes[c]
-        nbytes = STORED_DTYPES[stored].itemsize
-        for n in shape:
-            nbytes *= n
-        tensors[c] = TensorEntry(name=c, shape=shape, stored=stored, nbytes=nbytes,
-                                 dense=lambda h=handle, n=name: h.get_tensor(n))
+    tensors = {c: _entry(c, *located[name], name, shapes[c]) for c, name in canonical.items()}
+    metadata = {"config.json": cfg, "prefix": prefix}
+    from gem4.weights.towers import hf_towers
+    tower_tensors, tower_configs = hf_towers(
+        whole, cfg, {c: _entry(c, *located[n], n, tuple(located[n][0].get_slice(n).get_shape())) for c, n in towers.items()},
+        directory / "config.json")
     return Checkpoint(path=directory, format="safetensors", config=config, tensors=tensors, ignored=ignored,
-                      metadata={"config.json": cfg, "prefix": prefix})
+                      metadata=metadata, towers=tower_tensors, tower_configs=tower_configs)
+
+
+def _entry(canonical: str, handle, f: str, name: str, shape: tuple[int, ...]) -> TensorEntry:
+    stored = handle.get_slice(name).get_dtype()
+    if stored not in STORED_DTYPES:
+        raise CheckpointError(f"{f}: tensor {name!r} has unsupported dtype {stored} (F32, F16 and BF16 are read)")
+    nbytes = STORED_DTYPES[stored].itemsize
+    for n in shape:
+        nbytes *= n
+    return TensorEntry(name=canonical, shape=shape, stored=stored, nbytes=nbytes,
+                       dense=lambda h=handle, n=name: h.get_tensor(n))
 
 
 def write_hf(directory: Path, config: dict, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from gem4.model.backends import choose
 from gem4.model.gemma4 import Model
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from gem4.weights.towers import bind_vision
 from gem4.ggml import GGMLType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -174,6 +175,7 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
     backend.finish(model, keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
+    model.vision = bind_vision(ckpt, torch_dtype, device)  # the reference modules: no backend swaps them (yet)
     model.eval()
     return model
 
@@ -189,7 +191,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: bool = False,
          expert_cache_slots: int | None = None, memory_limit: float | None = None) -> Model:
-    """Load a Gemma 4 text model from a `.gguf` file or an HF checkpoint directory.
+    """Load a Gemma 4 text model from a `.gguf` file or an HF checkpoint directory; an HF checkpoint's vision tower
+    comes with it (`model.vision`, model/vision.py).
 
     dtype "auto" (the default) is the fast mode, "bfloat16": bf16 weights and matmul inputs, compiled
     kernels on CPUs that run them. "float32" is the reference mode (matches transformers to ~1e-5).

@@ -40,7 +40,18 @@ def summarize(ckpt: Checkpoint) -> dict:
         "ignored_tensors": len(ckpt.ignored),
         "kv_bytes_per_token_bf16": kv_bytes_per_token(config, torch.bfloat16),
         "layers": layers,
+        "vision": _vision(ckpt),
     }
+
+
+def _vision(ckpt: Checkpoint) -> dict | None:
+    """The vision tower: its config and its tensors' size (docs/multimodal.md §2.3), or None."""
+    v = ckpt.tower_configs.get("vision")
+    if v is None:
+        return None
+    entries = [e for name, e in ckpt.towers.items() if name.startswith(("vision_tower.", "embed_vision."))]
+    return {**vars(v), "parameters": sum(math.prod(e.shape) for e in entries), "tensors": len(entries),
+            "bytes": sum(e.nbytes for e in entries)}
 
 
 def format_summary(s: dict) -> str:
@@ -57,6 +68,14 @@ def format_summary(s: dict) -> str:
     if s["moe"]:
         m = s["moe"]
         lines.append(f"experts        {m['num_experts']} x {m['intermediate_size']}, top-{m['top_k']}")
+    v = s.get("vision")
+    if v:
+        lines.append(f"vision tower   {v['num_layers']} layers x {v['hidden_size']} ({v['num_heads']} heads x "
+                     f"{v['head_dim']}), patch {v['patch_size']}, pool {v['pooling']}x{v['pooling']}, "
+                     f"{v['parameters']:,} parameters ({v['bytes'] / 2**20:.1f} MiB)"
+                     + ("; clipped linears" if v["clipped_linears"] else "")
+                     + ("; standardized" if v["standardize"] else "")
+                     + ("; images attend both ways on sliding layers" if v["bidirectional"] else "; causal over images"))
     kv = s["kv_bytes_per_token_bf16"]
     lines.append(f"KV per token   full {kv['full_attention']} B, sliding {kv['sliding_attention']} B (bf16; sliding capped at the window)")
     lines.append("tensors        " + ", ".join(f"{t}: {r['tensors']} ({r['bytes'] / 2**20:.1f} MiB)"

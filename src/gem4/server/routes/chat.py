@@ -40,7 +40,8 @@ async def chat_completions(request: Request):
                        parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
                        top_logprobs=req.top_logprobs or 0) for _ in range(req.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    gen = ServerRequest(state, request_id, prompt_ids, params, req.n, detokenize=False)   # the parser reads the ids
+    gen = ServerRequest(state, request_id, prompt_ids, params, req.n, detokenize=False,   # the parser reads the ids
+                        media=chat.media)
     created = int(time.time())
     name = config.served_model_name
 
