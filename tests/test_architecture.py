@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "gem4"
 # the rooms, lowest first: a module may import its own room and the rooms below it, never one above
 ROOMS = [
     ("facts", {"numbers", "procfs", "paths", "ggml", "gguf", "config"}),
-    ("text", {"tokenizer", "chat", "parser", "structured", "sampling", "stops"}),
+    ("text", {"tokenizer", "chat", "parser", "structured", "sampling", "stops", "media"}),
     ("kv_cache", {"kv_cache"}),
     ("model", {"model"}),
     ("weights", {"weights"}),
