@@ -175,6 +175,8 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
     backend.finish(model, keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
     model.eval()
+    from gem4.weights.audio import bind_audio               # E2B/E4B: the audio tower of an HF checkpoint, or None
+    model.audio = bind_audio(ckpt, torch_dtype, device)
     return model
 
 
