@@ -344,3 +344,78 @@ def test_soft_token_count_is_the_processors_for_every_length(tiny):
     for n in (161, 320, 321, 480, 481, 640, 641, 800, 801, 1600, 4000 + 1):
         count = Gemma4Processor._compute_audio_num_tokens(processor, np.zeros(n), 16000)
         assert tower.encode_audio(model.audio, clip(n, seed=n)).n_tokens == count == math.ceil(((n - 1) // 160) / 4)
+
+
+# ---- 12B ("unified"): raw 640-sample frames, no tower ----
+
+def build_unified(seed: int = 0, samples: int = 640):
+    from transformers import (Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
+                              Gemma4UnifiedTextConfig)
+
+    model = Gemma4UnifiedForConditionalGeneration(Gemma4UnifiedConfig(
+        text_config=Gemma4UnifiedTextConfig(**VARIANTS["dense_keqv"]), vision_config=None,
+        audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=samples))).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        model.model.embed_audio.embedding_projection.weight.copy_(0.1 * torch.randn((64, samples), generator=gen))
+    return model
+
+
+@pytest.fixture(scope="module")
+def unified(tmp_path_factory):
+    hf = build_unified()
+    path = tmp_path_factory.mktemp("audio") / "unified"
+    hf.save_pretrained(path)
+    return hf, gem4.load(path, dtype="float32"), path
+
+
+def unified_hf_embeddings(model, wave: np.ndarray) -> torch.Tensor:
+    from transformers import Gemma4UnifiedAudioFeatureExtractor
+
+    feats = Gemma4UnifiedAudioFeatureExtractor()([wave], return_tensors="pt")
+    with torch.no_grad():
+        out = model.model.get_audio_features(feats["input_features"], feats["input_features_mask"])
+    return out.pooler_output[0][out.attention_mask[0]]
+
+
+@pytest.mark.parametrize("n", [1, 639, 640, 641, 16123, 31 * 16000 + 5])
+def test_unified_raw_frame_embeddings_equal_transformers(unified, n):
+    from types import SimpleNamespace
+
+    from transformers import Gemma4UnifiedAudioFeatureExtractor
+    from transformers.models.gemma4_unified.processing_gemma4_unified import Gemma4UnifiedProcessor
+
+    hf, model, _ = unified
+    assert isinstance(model.audio, tower.FrameAudioModel)
+    wave = clip(n, seed=n)
+    out = tower.encode_audio(model.audio, wave)
+    processor = SimpleNamespace(feature_extractor=Gemma4UnifiedAudioFeatureExtractor())
+    # ceil(N / 640) and no 30 s cut: 31 s give 776 tokens, not the E2B/E4B tower's 750
+    assert out.n_tokens == math.ceil(n / 640) == Gemma4UnifiedProcessor._compute_audio_num_tokens(processor, wave, 16000)
+    assert out.bidirectional is False
+    assert_close(out.embeddings, unified_hf_embeddings(hf, wave))
+
+
+def test_unified_frames_through_the_mel_tower_path_would_be_wrong(unified, monkeypatch):
+    """The 12B takes the waveform itself: frames cut at another length, or the E2B/E4B 30 s cut, do not match."""
+    hf, model, _ = unified
+    wave = clip(20000, seed=8)
+    reference = unified_hf_embeddings(hf, wave)
+    shifted = np.concatenate([np.zeros(160, np.float32), wave])[:len(wave)]      # a semicausal pad, as for mel
+    wrong = tower.encode_audio(model.audio, shifted).embeddings
+    assert (wrong - reference).abs().max() > MOVED
+    assert tower.encode_audio(model.audio, clip(31 * 16000, seed=1)).n_tokens != front_end.num_soft_tokens(31 * 16000)
+
+
+@pytest.mark.parametrize("edit,processor,named", [
+    (lambda a: a.update(audio_embed_dim=320), None, "embed_audio.embedding_projection.weight' has shape (64, 640)"),
+    (lambda a: a.pop("audio_embed_dim"), None, "audio_embed_dim"),
+    (lambda a: a.update(rms_norm_eps=0), None, "audio_config.rms_norm_eps"),
+    (None, {"feature_extractor": {"feature_size": 640, "audio_samples_per_token": 320, "sampling_rate": 16000}},
+     "audio_samples_per_token=320"),
+])
+def test_an_inconsistent_unified_audio_config_is_refused_by_name(unified, tmp_path, edit, processor, named):
+    _, _, path = unified
+    broken = _edit(path, tmp_path / "broken", config=edit, processor=processor)
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        load_audio(broken)

@@ -406,3 +406,23 @@ def build_audio_config(**fields) -> AudioConfig:
                           "residual_weight": float(fields["residual_weight"]), "logit_cap": float(fields["logit_cap"]),
                           "invalid_logit": float(fields["invalid_logit"]),
                           "gradient_clipping": float(fields["gradient_clipping"])})
+
+
+@dataclass(frozen=True)
+class FrameAudioConfig:
+    """12B ("unified", encoder-free): no tower. Each soft token is a frame of `samples_per_token` raw 16 kHz samples,
+    RMS-normed (no weight) and projected to the text width."""
+    samples_per_token: int               # 640 = 40 ms: also the projection's input width
+    rms_norm_eps: float
+    text_hidden_size: int
+
+
+def build_frame_audio_config(samples_per_token, rms_norm_eps, text_hidden_size) -> FrameAudioConfig:
+    for key, v in (("samples_per_token", samples_per_token), ("text_hidden_size", text_hidden_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"audio {key} must be an integer >= 1, got {v!r}", f"audio.{key}")
+    if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and 0 < rms_norm_eps <= MAX_RMS_NORM_EPS):
+        raise ConfigError(f"audio rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {rms_norm_eps!r}",
+                          "audio.rms_norm_eps")
+    return FrameAudioConfig(samples_per_token=samples_per_token, rms_norm_eps=rms_norm_eps,
+                            text_hidden_size=text_hidden_size)

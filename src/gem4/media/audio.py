@@ -19,6 +19,9 @@ waveform of N samples gives F = floor((N - 1) / 160) frames, and the audio tower
 ceil(F / 4) soft tokens (two stride-2 convolutions), 25 a second. Audio longer than 30 s is cut at
 480000 samples, as transformers does (750 tokens); llama.cpp instead splits it into 30 s pieces.
 
+The 12B ("unified") model has no audio tower and no mel features: its soft tokens are the raw waveform cut
+into frames of 640 samples (40 ms), the last one zero-padded (`waveform_frames`), with no 30 s cut.
+
 transformers' extractor also pads the batch to a multiple of 128 samples. Right padding (its default)
 changes nothing; some published processor configs say `padding_side: "left"`, which shifts the frame grid
 and changes the values (not the count). gem4 always behaves as right padding, as llama.cpp does.
@@ -140,6 +143,20 @@ def num_soft_tokens(n_samples: int) -> int:
 
     Not ceil(milliseconds / 40), which is one more for some lengths (16123 samples: 25, not 26)."""
     return -(-num_frames(n_samples) // 4)
+
+
+def frame_tokens(n_samples: int, samples_per_token: int) -> int:
+    """12B (encoder-free) audio soft tokens: ceil(N / samples_per_token), 25 a second at 640; transformers sets no cap."""
+    return -(-n_samples // samples_per_token)
+
+
+def waveform_frames(waveform: np.ndarray, samples_per_token: int) -> np.ndarray:
+    """12B (encoder-free): 16 kHz waveform [N] -> raw frames [ceil(N / S), S] float32, the last one zero-padded."""
+    wave = np.asarray(waveform, dtype=np.float32).reshape(-1)
+    if wave.shape[0] == 0:
+        raise AudioError("the audio holds no samples", "too_short")
+    n = frame_tokens(wave.shape[0], samples_per_token)
+    return np.pad(wave, (0, n * samples_per_token - wave.shape[0])).reshape(n, samples_per_token)
 
 
 def hann_window() -> np.ndarray:

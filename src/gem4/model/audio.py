@@ -1,4 +1,5 @@
 """Gemma 4's audio tower (E2B/E4B): log-mel frames -> soft tokens in the text model's width (docs/multimodal.md, Audio).
+The 12B ("unified") model has none: `FrameAudioModel` projects raw waveform frames (bottom of the file).
 
 A USM-style conformer, as transformers 5.23.0 computes it:
 
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem4.config import AudioConfig
+from gem4.config import AudioConfig, FrameAudioConfig
 from gem4.media import audio as media_audio
 from gem4.model.layers import QuantLinear, rms_norm
 
@@ -249,29 +250,50 @@ class AudioTower(nn.Module):
 class Embedder(nn.Module):
     """Soft tokens into the text model: RMSNorm without weight, then a projection (no bias). Not scaled by sqrt(H)."""
 
-    def __init__(self, config: AudioConfig):
+    def __init__(self, in_dims: int, text_hidden_size: int, eps: float):
         super().__init__()
-        self.eps = config.rms_norm_eps
-        self.embedding_projection = QuantLinear(config.output_dims, config.text_hidden_size)
+        self.eps = eps
+        self.embedding_projection = QuantLinear(in_dims, text_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.embedding_projection(rms_norm(x, None, self.eps))
 
 
 class AudioModel(nn.Module):
-    """The tower and its embedder: features [F, n_mels] -> soft-token embeddings [ceil(F/4), H_text] float32."""
+    """E2B/E4B: the tower and its embedder: features [F, n_mels] -> soft-token embeddings [ceil(F/4), H_text] float32."""
 
     def __init__(self, config: AudioConfig):
         super().__init__()
         self.config = config
         self.audio_tower = AudioTower(config)
-        self.embed_audio = Embedder(config)
+        self.embed_audio = Embedder(config.output_dims, config.text_hidden_size, config.rms_norm_eps)
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         if features.ndim != 2 or features.shape[1] != self.config.n_mels:
             raise ValueError(f"audio features must be [frames, {self.config.n_mels}], got {tuple(features.shape)}")
         return self.embed_audio(self.audio_tower(features.to(self.device)))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_audio.embedding_projection.weight.device
+
+
+class FrameAudioModel(nn.Module):
+    """12B ("unified", encoder-free): raw waveform frames [n, 640] -> soft-token embeddings [n, H_text] float32,
+    each frame RMS-normed (no weight) and projected; no tower."""
+
+    def __init__(self, config: FrameAudioConfig):
+        super().__init__()
+        self.config = config
+        self.embed_audio = Embedder(config.samples_per_token, config.text_hidden_size, config.rms_norm_eps)
+
+    @torch.no_grad()
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        S = self.config.samples_per_token
+        if frames.ndim != 2 or frames.shape[1] != S:
+            raise ValueError(f"audio frames must be [n, {S}], got {tuple(frames.shape)}")
+        return self.embed_audio(frames.float().to(self.device))
 
     @property
     def device(self) -> torch.device:
@@ -287,12 +309,16 @@ class AudioEmbedding:
     bidirectional: bool = False
 
 
-def encode_audio(model: AudioModel, waveform: np.ndarray) -> AudioEmbedding:
+def encode_audio(model: AudioModel | FrameAudioModel, waveform: np.ndarray) -> AudioEmbedding:
     """A 16 kHz mono waveform (media/audio.py decode_audio) -> its soft-token embeddings and their count.
 
-    The count is media/audio.py's num_soft_tokens (25 a second, at most 750: audio past 30 s is cut)."""
-    features = torch.from_numpy(media_audio.log_mel(waveform))
-    embeddings = model(features)
+    E2B/E4B: log-mel frames through the tower; the count is media/audio.py's num_soft_tokens (25 a second, at
+    most 750: audio past 30 s is cut). 12B: raw 640-sample frames, ceil(N / 640) of them, no cut."""
+    if isinstance(model, FrameAudioModel):
+        frames = media_audio.waveform_frames(waveform, model.config.samples_per_token)
+        embeddings = model(torch.from_numpy(frames))
+        return AudioEmbedding(embeddings=embeddings, n_tokens=embeddings.shape[0])
+    embeddings = model(torch.from_numpy(media_audio.log_mel(waveform)))
     n = media_audio.num_soft_tokens(len(waveform))
     if embeddings.shape[0] != n:                 # the two stride-2 convolutions give ceil(F / 4) rows
         raise RuntimeError(f"the audio tower gave {embeddings.shape[0]} soft tokens, the front end counts {n}")

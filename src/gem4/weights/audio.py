@@ -1,5 +1,6 @@
-"""The audio tower of an HF checkpoint (E2B/E4B): config.json's `audio_config` and the `model.audio_tower.*` /
-`model.embed_audio.*` tensors -> a bound `AudioModel` (model/audio.py).
+"""The audio of an HF checkpoint: config.json's `audio_config` and the `model.audio_tower.*` / `model.embed_audio.*`
+tensors -> a bound `AudioModel` (E2B/E4B's conformer) or `FrameAudioModel` (the 12B's raw-frame projection),
+model/audio.py.
 
 Every value comes from the checkpoint: the tower's fields from `audio_config` (refused by name when missing or
 out of range), its sizes checked against the tensors' shapes (missing, unexpected and mis-shaped tensors are
@@ -19,14 +20,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gem4.config import AudioConfig, ConfigError, build_audio_config
+from gem4.config import AudioConfig, ConfigError, FrameAudioConfig, build_audio_config, build_frame_audio_config
 from gem4.media import audio as front_end
-from gem4.model.audio import AudioModel
+from gem4.model.audio import AudioModel, FrameAudioModel
 from gem4.weights.checkpoint import Checkpoint, CheckpointError
 from gem4.weights.hf import STORED_DTYPES, int_field, safetensors_files
 
 AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
-AUDIO_MODEL_TYPES = ("gemma4_audio",)
+AUDIO_MODEL_TYPES = ("gemma4_audio", "gemma4_unified_audio")    # E2B/E4B's conformer, the 12B's raw frames
 
 # AudioConfig field -> audio_config key (all required: the released E2B/E4B configs write every one of them)
 AUDIO_KEYS = {
@@ -43,7 +44,7 @@ AUDIO_KEYS = {
 DEFAULT_HIDDEN_ACT = "silu"
 
 # feature-extractor fields that change the features -> the value gem4's front end computes with
-FRONT_END = {
+LOG_MEL_FRONT_END = {
     "feature_size": front_end.N_MELS, "sampling_rate": front_end.SAMPLE_RATE, "frame_length": front_end.FRAME_LENGTH,
     "hop_length": front_end.HOP_LENGTH, "fft_length": front_end.FFT_LENGTH, "mel_floor": front_end.MEL_FLOOR,
     "min_frequency": 0.0, "max_frequency": front_end.SAMPLE_RATE / 2, "preemphasis": 0.0, "dither": 0.0,
@@ -51,8 +52,14 @@ FRONT_END = {
 }
 
 
-def audio_config_from_hf(cfg: dict, where: Path | str) -> AudioConfig | None:
-    """config.json (the top level, with text_config and audio_config) -> AudioConfig, or None without a tower."""
+def frame_front_end(config: FrameAudioConfig) -> dict:
+    """12B: the raw-frame extractor's fields."""
+    S = config.samples_per_token
+    return {"sampling_rate": front_end.SAMPLE_RATE, "feature_size": S, "audio_samples_per_token": S}
+
+
+def audio_config_from_hf(cfg: dict, where: Path | str) -> AudioConfig | FrameAudioConfig | None:
+    """config.json (the top level, with text_config and audio_config) -> the audio config, or None without audio."""
     audio = cfg.get("audio_config")
     if audio is None:
         return None
@@ -61,26 +68,36 @@ def audio_config_from_hf(cfg: dict, where: Path | str) -> AudioConfig | None:
     if audio.get("model_type") not in AUDIO_MODEL_TYPES:
         raise CheckpointError(f"{where}: audio_config.model_type {audio.get('model_type')!r} is not one of "
                               f"{AUDIO_MODEL_TYPES}")
-    fields = {}
-    for field, key in AUDIO_KEYS.items():
-        if audio.get(key) is None:
-            raise CheckpointError(f"{where}: audio_config lacks {key!r}")
-        fields[field] = audio[key]
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise CheckpointError(f"{where}: a checkpoint with audio_config needs a text_config")
-    fields["text_hidden_size"] = int_field(text, "hidden_size", f"{where} text_config")
-    fields["hidden_act"] = audio.get("hidden_act", DEFAULT_HIDDEN_ACT)
-    fields["n_mels"] = front_end.N_MELS
+    text_hidden = int_field(text, "hidden_size", f"{where} text_config")
+    if audio["model_type"] == "gemma4_unified_audio":     # 12B: audio_embed_dim is the frame length and the width
+        keys = {"samples_per_token": "audio_embed_dim", "rms_norm_eps": "rms_norm_eps"}
+        fields = {field: _required(audio, key, where) for field, key in keys.items()}
+        build = build_frame_audio_config
+    else:
+        keys = AUDIO_KEYS
+        fields = {field: _required(audio, key, where) for field, key in keys.items()}
+        fields["hidden_act"] = audio.get("hidden_act", DEFAULT_HIDDEN_ACT)
+        fields["n_mels"] = front_end.N_MELS
+        build = build_audio_config
     try:
-        return build_audio_config(**fields)
+        return build(**fields, text_hidden_size=text_hidden)
     except ConfigError as e:
-        key = AUDIO_KEYS.get((e.field or "").removeprefix("audio."), (e.field or "").removeprefix("audio."))
-        raise CheckpointError(f"{where}: {e} (config.json audio_config.{key})") from None
+        field = (e.field or "").removeprefix("audio.")
+        raise CheckpointError(f"{where}: {e} (config.json audio_config.{keys.get(field, field)})") from None
 
 
-def check_feature_extractor(directory: Path) -> None:
-    """A checkpoint's saved feature extractor, where it has one, must describe gem4's front end."""
+def _required(audio: dict, key: str, where):
+    if audio.get(key) is None:
+        raise CheckpointError(f"{where}: audio_config lacks {key!r}")
+    return audio[key]
+
+
+def check_feature_extractor(directory: Path, ours: dict) -> None:
+    """A checkpoint's saved feature extractor, where it has one, must describe gem4's front end (`ours`: field ->
+    the value gem4 computes with)."""
     for name in ("processor_config.json", "preprocessor_config.json"):
         path = directory / name
         if not path.is_file():
@@ -92,18 +109,14 @@ def check_feature_extractor(directory: Path) -> None:
         extractor = saved.get("feature_extractor", saved) if isinstance(saved, dict) else None
         if not isinstance(extractor, dict) or "feature_size" not in extractor:
             continue                                   # an image processor only, or no audio settings
-        for key, ours in FRONT_END.items():
-            if key in extractor and extractor[key] != ours:
+        for key, value in ours.items():
+            if key in extractor and extractor[key] != value:
                 raise CheckpointError(f"{path}: feature extractor {key}={extractor[key]!r}, but gem4's audio front "
-                                      f"end computes {key}={ours!r} (the Gemma 4 log-mel features)")
+                                      f"end computes {key}={value!r} for this model")
 
 
-def expected_tensors(model: AudioModel) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | None:
-    """The audio tower of an opened HF checkpoint, bound in `dtype` (vectors and scalars in float32), or None."""
+def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
+    """The audio model of an opened HF checkpoint, bound in `dtype` (vectors and scalars in float32), or None."""
     if ckpt.format != "safetensors":
         return None                                    # a GGUF's towers live in its mmproj file
     directory = Path(ckpt.path)
@@ -111,7 +124,8 @@ def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> Aud
     config = audio_config_from_hf(cfg, directory / "config.json")
     if config is None:
         return None
-    check_feature_extractor(directory)
+    frames = isinstance(config, FrameAudioConfig)
+    check_feature_extractor(directory, frame_front_end(config) if frames else LOG_MEL_FRONT_END)
     located = {}
     for f in safetensors_files(directory):
         handle = safe_open(str(f), framework="pt")
@@ -119,8 +133,8 @@ def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> Aud
             if name.startswith(AUDIO_PREFIXES):
                 located[name.removeprefix("model.")] = (handle, name, f)
     with torch.device("meta"):
-        model = AudioModel(config)
-    expected = expected_tensors(model)
+        model = FrameAudioModel(config) if frames else AudioModel(config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     for name, shape in expected.items():
         if name not in located:
             raise CheckpointError(f"{directory}: missing audio tensor {'model.' + name!r} (expected shape {shape})")
@@ -145,8 +159,8 @@ def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> Aud
     return model.eval()
 
 
-def load_audio(path: str | Path, dtype: str = "float32", device: str = "cpu") -> AudioModel | None:
-    """The audio tower of the HF checkpoint directory at `path` alone (None when it has none)."""
+def load_audio(path: str | Path, dtype: str = "float32", device: str = "cpu") -> AudioModel | FrameAudioModel | None:
+    """The audio model of the HF checkpoint directory at `path` alone (None when it has none)."""
     from gem4.weights.hf import open_hf
     from gem4.weights.loader import DTYPES
 
