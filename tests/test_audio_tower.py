@@ -158,7 +158,7 @@ def test_a_text_only_checkpoint_has_no_audio_tower(tmp_path):
     assert load_audio(tmp_path) is None
 
 
-# ---- pitfalls (docs/multimodal.md, Audio): each mistake moves the embeddings far beyond the tolerance ----
+# ---- pitfalls (docs/multimodal.md §3.7): each mistake moves the embeddings far beyond the tolerance ----
 
 def _attentions(audio):
     return [layer.self_attn for layer in audio.audio_tower.layers]
@@ -391,7 +391,8 @@ def test_unified_raw_frame_embeddings_equal_transformers(unified, n):
     out = tower.encode_audio(model.audio, wave)
     processor = SimpleNamespace(feature_extractor=Gemma4UnifiedAudioFeatureExtractor())
     # ceil(N / 640) and no 30 s cut: 31 s give 776 tokens, not the E2B/E4B tower's 750
-    assert out.n_tokens == math.ceil(n / 640) == Gemma4UnifiedProcessor._compute_audio_num_tokens(processor, wave, 16000)
+    count = Gemma4UnifiedProcessor._compute_audio_num_tokens(processor, wave, 16000)
+    assert out.n_tokens == math.ceil(n / 640) == count
     assert out.bidirectional is False
     assert_close(out.embeddings, unified_hf_embeddings(hf, wave))
 

@@ -317,7 +317,7 @@ def build_config(
     )
 
 
-# ---- the audio tower (E2B/E4B; docs/multimodal.md, Audio) ----
+# ---- the audio tower (E2B/E4B; docs/multimodal.md §3.3) ----
 
 AUDIO_ACTIVATIONS = ("silu",)
 

@@ -1,4 +1,4 @@
-"""Audio bytes -> 16 kHz mono waveform -> log-mel frames: Gemma 4's audio front end (docs/multimodal.md, Audio).
+"""Audio bytes -> 16 kHz mono waveform -> log-mel frames: the audio front end (docs/multimodal.md §3.1-3.2).
 
 Decoding is done by field libraries, never by hand: soundfile (libsndfile: WAV, FLAC, OGG/Vorbis/Opus, MP3)
 first, PyAV (FFmpeg: AAC/M4A, WebM, anything soundfile cannot read) for the rest. The waveform is made mono
@@ -146,7 +146,7 @@ def num_soft_tokens(n_samples: int) -> int:
 
 
 def frame_tokens(n_samples: int, samples_per_token: int) -> int:
-    """12B (encoder-free) audio soft tokens: ceil(N / samples_per_token), 25 a second at 640; transformers sets no cap."""
+    """12B (encoder-free) soft tokens: ceil(N / samples_per_token), 25 a second at 640, no cap (as transformers)."""
     return -(-n_samples // samples_per_token)
 
 

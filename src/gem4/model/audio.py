@@ -1,4 +1,4 @@
-"""Gemma 4's audio tower (E2B/E4B): log-mel frames -> soft tokens in the text model's width (docs/multimodal.md, Audio).
+"""Gemma 4's audio tower (E2B/E4B): log-mel frames -> soft tokens in the text width (docs/multimodal.md §3.3).
 The 12B ("unified") model has none: `FrameAudioModel` projects raw waveform frames (bottom of the file).
 
 A USM-style conformer, as transformers 5.23.0 computes it:
@@ -260,7 +260,7 @@ class Embedder(nn.Module):
 
 
 class AudioModel(nn.Module):
-    """E2B/E4B: the tower and its embedder: features [F, n_mels] -> soft-token embeddings [ceil(F/4), H_text] float32."""
+    """E2B/E4B: the tower and its embedder: features [F, n_mels] -> soft tokens [ceil(F/4), H_text] float32."""
 
     def __init__(self, config: AudioConfig):
         super().__init__()

@@ -8,7 +8,7 @@ refused by name, as the text model's are). The front end is gem4's own (media/au
 `processor_config.json` / `preprocessor_config.json` whose feature extractor asks for other features
 (another sample rate, frame, mel count, floor, pre-emphasis, dither, normalisation) is refused by name rather
 than fed features it was not trained on. `padding_side` is not read: gem4 always computes right-padded
-features (docs/multimodal.md, Audio).
+features (docs/multimodal.md §3.2).
 
 `loader.bind` calls `bind_audio` once the text model is bound (`model.audio`, None without an audio tower).
 """
