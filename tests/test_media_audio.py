@@ -118,6 +118,32 @@ def test_undecodable_and_silent_and_overlong_media_are_refused_by_cause():
     assert e.value.cause == "too_short"
 
 
+def test_broken_media_are_audio_errors_never_other_exceptions():
+    import av
+
+    video = io.BytesIO()                                       # a video without sound
+    with av.open(video, mode="w", format="matroska") as out:
+        stream = out.add_stream("ffv1", rate=5)
+        stream.width, stream.height, stream.pix_fmt = 32, 32, "yuv420p"
+        for i in range(3):
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(np.full((32, 32, 3), 40 * i, np.uint8), format="rgb24")))
+        out.mux(stream.encode(None))
+    with pytest.raises(A.AudioError, match="no audio stream") as e:
+        A.decode_audio(video.getvalue())
+    assert e.value.cause == "undecodable"
+    empty = A.decode_audio(encode(np.zeros((0, 1), np.float32), 16000, "WAV"))
+    with pytest.raises(A.AudioError) as e:
+        A.log_mel(empty)
+    assert e.value.cause == "too_short"
+    for fmt in ("WAV", "FLAC", "MP3", "OGG"):                  # cut short: decoded as far as it goes, or refused
+        data = encode(tone(16000, 1.0), 16000, fmt)
+        for cut in (len(data) // 2, 40, 0):
+            try:
+                A.decode_audio(data[:cut])
+            except A.AudioError as e:
+                assert e.cause == "undecodable"
+
+
 # ---- log-mel ----
 
 @pytest.mark.parametrize("n", [161, 200, 320, 1000, 16000, 16123, 16500, 33333, 160 * 128 + 7, 480000, 500001])
