@@ -420,3 +420,14 @@ def test_an_inconsistent_unified_audio_config_is_refused_by_name(unified, tmp_pa
     broken = _edit(path, tmp_path / "broken", config=edit, processor=processor)
     with pytest.raises(CheckpointError, match=re.escape(named)):
         load_audio(broken)
+
+
+def test_inspect_shows_the_audio(tiny, unified, capsys):
+    from gem4.cli import main as cli_main
+
+    assert cli_main(["inspect", str(tiny[2])]) == 0
+    assert "audio          conformer (E2B/E4B): 2 layers x 32, 2 heads, window 12 frames -> 48 -> 64; 25 tokens/s, " \
+           "at most 750" in capsys.readouterr().out
+    assert cli_main(["inspect", str(unified[2]), "--json"]) == 0
+    audio = json.loads(capsys.readouterr().out)["audio"]
+    assert audio["kind"] == "raw frames (12B)" and audio["samples_per_token"] == 640 and audio["tokens_per_second"] == 25

@@ -115,6 +115,25 @@ def check_feature_extractor(directory: Path, ours: dict) -> None:
                                       f"end computes {key}={value!r} for this model")
 
 
+def audio_summary(ckpt: Checkpoint) -> dict | None:
+    """`gem4 inspect`: the audio a checkpoint takes, from its config alone (None: none, or not an HF checkpoint)."""
+    if ckpt.format != "safetensors":
+        return None
+    directory = Path(ckpt.path)
+    config = audio_config_from_hf(json.loads((directory / "config.json").read_text()), directory / "config.json")
+    if config is None:
+        return None
+    if isinstance(config, FrameAudioConfig):
+        return {"kind": "raw frames (12B)", "samples_per_token": config.samples_per_token,
+                "tokens_per_second": front_end.SAMPLE_RATE / config.samples_per_token, "max_tokens": None,
+                "text_hidden_size": config.text_hidden_size}
+    return {"kind": "conformer (E2B/E4B)", "layers": config.num_layers, "hidden_size": config.hidden_size,
+            "heads": config.num_heads, "window": config.context_left - 1, "clipped_linears": config.clipped_linears,
+            "output_dims": config.output_dims, "text_hidden_size": config.text_hidden_size,
+            "tokens_per_second": front_end.TOKENS_PER_SECOND,
+            "max_tokens": front_end.num_soft_tokens(front_end.MAX_SAMPLES)}
+
+
 def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
     """The audio model of an opened HF checkpoint, bound in `dtype` (vectors and scalars in float32), or None."""
     if ckpt.format != "safetensors":
