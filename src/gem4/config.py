@@ -381,3 +381,112 @@ def build_vision_config(**fields) -> VisionConfig:
         if n > MAX_TENSOR_ELEMENTS:
             raise ConfigError(f"the vision sizes imply a weight of {n} elements, more than 2^40", field)
     return config
+# ---- the audio tower (E2B/E4B; docs/multimodal.md §3.3) ----
+
+AUDIO_ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """The conformer audio tower of E2B/E4B and the projection of its output into the text model's width.
+
+    Built only by `weights/` from a checkpoint's `audio_config` and checked against its tensors
+    (`build_audio_config`); model/audio.py reads it."""
+    n_mels: int                          # input features per frame (the front end's 128)
+    subsampling_channels: tuple[int, int]  # the two stride-2 3x3 convolutions' output channels
+    hidden_size: int                     # D
+    num_layers: int
+    num_heads: int                       # head_dim = D / heads
+    hidden_act: str                      # the feed-forward and light-conv activation
+    conv_kernel_size: int                # the light conv's causal depthwise kernel
+    residual_weight: float               # the feed-forward blocks' output scale
+    chunk_size: int                      # transformers' attention block (the result does not depend on it)
+    context_left: int                    # a frame sees itself and context_left - 2 earlier frames
+    context_right: int                   # ... and context_right - 1 later ones (0 and 1: none)
+    logit_cap: float                     # cap * tanh(logit / cap), before the mask
+    invalid_logit: float                 # the logit of a key a frame may not see
+    clipped_linears: bool                # the linear layers clamp their inputs and outputs to stored bounds
+    rms_norm_eps: float                  # the light conv's norms, the subsampling LayerNorms, the embedder's norm
+    gradient_clipping: float             # the residual branches are clamped to +- this
+    output_dims: int                     # output_proj's width (with bias)
+    text_hidden_size: int                # the text model's H: where embed_audio projects to
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def subsampled_mels(self) -> int:
+        """The frequency bins left after the two stride-2 convolutions (padding 1): ceil(ceil(n_mels / 2) / 2)."""
+        return -(-(-(-self.n_mels // 2)) // 2)
+
+    @property
+    def relative_positions(self) -> int:
+        """Rows of the relative-position table, as transformers sizes it: (chunk + left - 1 + right) // 2 + 1."""
+        return (self.chunk_size + self.context_left - 1 + self.context_right) // 2 + 1
+
+
+def build_audio_config(**fields) -> AudioConfig:
+    """Validate an audio tower's facts (ConfigError naming the field) and freeze them."""
+    for key in ("n_mels", "hidden_size", "num_layers", "num_heads", "conv_kernel_size", "chunk_size", "output_dims",
+                "text_hidden_size"):
+        v = fields[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"audio {key} must be an integer >= 1, got {v!r}", f"audio.{key}")
+    for key, least in (("context_left", 2), ("context_right", 0)):
+        v = fields[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ConfigError(f"audio {key} must be an integer >= {least}, got {v!r}", f"audio.{key}")
+    channels = fields["subsampling_channels"]
+    if (not isinstance(channels, (list, tuple)) or len(channels) != 2
+            or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 1 for c in channels)):
+        raise ConfigError(f"audio subsampling channels must be two integers >= 1, got {channels!r}",
+                          "audio.subsampling_channels")
+    if fields["hidden_size"] % fields["num_heads"]:
+        raise ConfigError(f"audio hidden_size {fields['hidden_size']} is not a multiple of its "
+                          f"{fields['num_heads']} heads", "audio.num_heads")
+    if fields["hidden_size"] < 2:
+        raise ConfigError("audio hidden_size must be at least 2 (sine and cosine halves)", "audio.hidden_size")
+    if fields["hidden_act"] not in AUDIO_ACTIVATIONS:
+        raise ConfigError(f"audio hidden_act {fields['hidden_act']!r} is not supported ({AUDIO_ACTIVATIONS})",
+                          "audio.hidden_act")
+    eps = fields["rms_norm_eps"]
+    if not (isinstance(eps, float) and math.isfinite(eps) and 0 < eps <= MAX_RMS_NORM_EPS):
+        raise ConfigError(f"audio rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {eps!r}",
+                          "audio.rms_norm_eps")
+    for key in ("residual_weight", "logit_cap", "gradient_clipping"):
+        v = fields[key]
+        if not is_finite_number(v) or v <= 0:
+            raise ConfigError(f"audio {key} must be a finite number > 0, got {v!r}", f"audio.{key}")
+    # softmax subtracts the row's max (>= -cap): a masked key's weight is then exp(< -200) = exactly 0 in float32,
+    # as transformers' -1e9 makes it; a milder value would give the keys outside the window a share
+    if not is_finite_number(fields["invalid_logit"]) or fields["invalid_logit"] > -(fields["logit_cap"] + 200):
+        raise ConfigError(f"audio invalid_logit {fields['invalid_logit']!r} must be finite and at most "
+                          f"-(logit_cap + 200), so that a masked key gets no weight", "audio.invalid_logit")
+    if not isinstance(fields["clipped_linears"], bool):
+        raise ConfigError(f"audio clipped_linears must be true or false, got {fields['clipped_linears']!r}",
+                          "audio.clipped_linears")
+    return AudioConfig(**{**fields, "subsampling_channels": tuple(channels),
+                          "residual_weight": float(fields["residual_weight"]), "logit_cap": float(fields["logit_cap"]),
+                          "invalid_logit": float(fields["invalid_logit"]),
+                          "gradient_clipping": float(fields["gradient_clipping"])})
+
+
+@dataclass(frozen=True)
+class FrameAudioConfig:
+    """12B ("unified", encoder-free): no tower. Each soft token is a frame of `samples_per_token` raw 16 kHz samples,
+    RMS-normed (no weight) and projected to the text width."""
+    samples_per_token: int               # 640 = 40 ms: also the projection's input width
+    rms_norm_eps: float
+    text_hidden_size: int
+
+
+def build_frame_audio_config(samples_per_token, rms_norm_eps, text_hidden_size) -> FrameAudioConfig:
+    for key, v in (("samples_per_token", samples_per_token), ("text_hidden_size", text_hidden_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"audio {key} must be an integer >= 1, got {v!r}", f"audio.{key}")
+    if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and 0 < rms_norm_eps <= MAX_RMS_NORM_EPS):
+        raise ConfigError(f"audio rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {rms_norm_eps!r}",
+                          "audio.rms_norm_eps")
+    return FrameAudioConfig(samples_per_token=samples_per_token, rms_norm_eps=rms_norm_eps,
+                            text_hidden_size=text_hidden_size)

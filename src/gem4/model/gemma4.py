@@ -282,6 +282,7 @@ class Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, spec) for spec in config.layers)
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.final_softcap = Softcap(config.final_logit_softcap)
+        self.audio = None                      # E2B/E4B: the audio tower (model/audio.py), bound by weights/audio.py
         if not config.tie_word_embeddings:
             self.lm_head = QuantLinear(H, config.vocab_size)
         if P:                                  # E2B/E4B: per-layer token table [V_ple, L*P], only looked up by rows

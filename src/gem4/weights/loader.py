@@ -177,6 +177,8 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     backend.finish(model, keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
     model.vision = bind_vision(ckpt, torch_dtype, device)  # the reference modules: no backend swaps them (yet)
     model.eval()
+    from gem4.weights.audio import bind_audio               # E2B/E4B: the audio tower of an HF checkpoint, or None
+    model.audio = bind_audio(ckpt, torch_dtype, device)
     return model
 
 

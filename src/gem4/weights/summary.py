@@ -6,6 +6,7 @@ import math
 import torch
 
 from gem4.kv_cache import kv_bytes_per_token
+from gem4.weights.audio import audio_summary
 from gem4.weights.checkpoint import Checkpoint
 
 
@@ -39,6 +40,7 @@ def summarize(ckpt: Checkpoint) -> dict:
         "tensor_types": by_type,
         "ignored_tensors": len(ckpt.ignored),
         "kv_bytes_per_token_bf16": kv_bytes_per_token(config, torch.bfloat16),
+        "audio": audio_summary(ckpt),
         "layers": layers,
         "vision": _vision(ckpt),
     }
@@ -76,6 +78,15 @@ def format_summary(s: dict) -> str:
                      + ("; clipped linears" if v["clipped_linears"] else "")
                      + ("; standardized" if v["standardize"] else "")
                      + ("; images attend both ways on sliding layers" if v["bidirectional"] else "; causal over images"))
+    if s["audio"]:
+        a = s["audio"]
+        if "layers" in a:
+            lines.append(f"audio          {a['kind']}: {a['layers']} layers x {a['hidden_size']}, {a['heads']} heads, "
+                         f"window {a['window']} frames -> {a['output_dims']} -> {a['text_hidden_size']}; "
+                         f"{a['tokens_per_second']} tokens/s, at most {a['max_tokens']}")
+        else:
+            lines.append(f"audio          {a['kind']}: {a['samples_per_token']} samples a token -> "
+                         f"{a['text_hidden_size']}; {a['tokens_per_second']:g} tokens/s")
     kv = s["kv_bytes_per_token_bf16"]
     lines.append(f"KV per token   full {kv['full_attention']} B, sliding {kv['sliding_attention']} B (bf16; sliding capped at the window)")
     lines.append("tensors        " + ", ".join(f"{t}: {r['tensors']} ({r['bytes'] / 2**20:.1f} MiB)"
