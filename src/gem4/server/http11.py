@@ -17,9 +17,10 @@ connection alive. What this protocol does instead:
   pass without a byte of it arriving (nginx's `client_body_timeout`). Time when reading is paused
   because the handler has not asked for more yet does not count, nor does time after the response
   has started. Otherwise `408` and close; the handler sees the client disconnect.
-- **Early response**: a response that completes before the whole request body has arrived (401 for
-  a missing key, 413, 404, 503 ...) closes the connection instead of reading and discarding the
-  rest: a client without a valid key cannot make the server take a 50 MB upload.
+- **Early response**: a response that starts before the whole request body has arrived (401 for a
+  missing key, 413, 404, 503 ...) says `Connection: close` and closes the connection when done,
+  instead of reading and discarding the rest: a client without a valid key cannot make the server
+  take a 50 MB upload, and the client knows not to reuse the connection.
 - **Write timeout** (`write_timeout` s): a connection whose response bytes wait in the transport's
   buffer (the kernel's socket buffer is full: the client does not read) and none of them could be
   sent for that long is aborted, nginx's `send_timeout`. Aborted, not closed: asyncio's `close()`
@@ -68,9 +69,18 @@ def _raw_error(err: APIError) -> bytes:
 
 class _Connection(h11.Connection):
     """h11's connection, keeping the error that made the client's side fail (uvicorn catches it and
-    passes on only its own message), so the answer can give h11's reason and status."""
+    passes on only its own message), so the answer can give h11's reason and status; and saying
+    `Connection: close` on a response that starts before the request's body has all arrived (the early
+    response the protocol closes after: a client must not send its next request on that connection)."""
 
     error: h11.RemoteProtocolError | None = None
+
+    def send(self, event):
+        if isinstance(event, h11.Response) and self.their_state is h11.SEND_BODY \
+                and (b"connection", b"close") not in event.headers:
+            event = h11.Response(status_code=event.status_code, reason=event.reason,
+                                 headers=[*event.headers, (b"connection", b"close")])
+        return super().send(event)
 
     def next_event(self):
         try:
