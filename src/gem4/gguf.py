@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gem4.ggml import BLOCK_INFO, GGMLType, tensor_nbytes
+from gem4.ggml import BLOCK_INFO, GEM4_TYPES, GGMLType, tensor_nbytes
 
 __all__ = [
     "GGUFError",
@@ -73,7 +73,7 @@ class GGUFValueType(enum.IntEnum):
 
 _VT = GGUFValueType
 _VALUE_TYPES = frozenset(int(t) for t in GGUFValueType)
-_GGML_TYPES = frozenset(int(t) for t in GGMLType)
+_GGML_TYPES = frozenset(int(t) for t in GGMLType if t not in GEM4_TYPES)
 
 # Fixed-size value types: struct codec and the little-endian numpy dtype of an array of them.
 _SCALAR_STRUCT: dict[GGUFValueType, struct.Struct] = {

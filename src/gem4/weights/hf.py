@@ -3,6 +3,9 @@
 Layouts (docs/gemma4.md §3.1):
     Gemma4ForCausalLM                 text weights under `model.`
     Gemma4ForConditionalGeneration    text weights under `model.language_model.`; towers ignored
+    (MLX: language_model.model.)      what mlx_lm / mlx-vlm save for the multimodal model
+MLX affine checkpoints (config.json `quantization`; weights/mlx.py) are read here too: their quantized weights
+become MLX_A4 / MLX_A8 (or Q4_1) block tensors, the rest as in any HF checkpoint.
 Config forms (docs/gemma4.md §1.2): top-level `global_head_dim` / `num_global_key_value_heads` (hub
 configs) or `per_layer_config` (what transformers 5.23 re-saves; its keys are layer indices, zero-padded
 from 10 layers on: "05"). Per-layer embeddings are decided by
@@ -19,10 +22,11 @@ import torch
 from safetensors import safe_open
 
 from gem4.config import FULL, ConfigError, ModelConfig, MoEConfig, build_config, rope_default, rope_proportional
+from gem4.weights import mlx
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 
 TEXT_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
-TEXT_PREFIXES = ("model.language_model.", "model.")
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 VESTIGIAL_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight", "self_attn.v_norm.weight")
 
@@ -45,7 +49,8 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def _text_config(directory: Path) -> dict:
+def _text_config(directory: Path) -> tuple[dict, dict]:
+    """-> (config.json, its text section)."""
     path = directory / "config.json"
     try:
         cfg = json.loads(path.read_text())
@@ -58,7 +63,7 @@ def _text_config(directory: Path) -> dict:
     model_type = text.get("model_type", cfg.get("model_type"))
     if model_type not in TEXT_MODEL_TYPES:
         raise CheckpointError(f"{path}: model_type {model_type!r} is not a Gemma 4 text model {TEXT_MODEL_TYPES}")
-    return text
+    return cfg, text
 
 
 def _require(cfg: dict, key: str, where: Path | str):
@@ -213,7 +218,8 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
 
 
 def open_hf(directory: Path) -> Checkpoint:
-    cfg = _text_config(directory)
+    full, cfg = _text_config(directory)
+    quant = mlx.quantization(full, directory / "config.json")
     files = safetensors_files(directory)
     handles = [safe_open(str(f), framework="pt") for f in files]
     located: dict[str, tuple[object, str]] = {}          # tensor name -> (handle, file path)
@@ -232,15 +238,22 @@ def open_hf(directory: Path) -> Checkpoint:
     for name in located:
         if name.startswith(prefix):
             canonical[name[len(prefix):]] = name
-        elif name == "lm_head.weight":
-            canonical["lm_head.weight"] = name
+        elif name in ("lm_head.weight", "lm_head.scales", "lm_head.biases"):     # (MLX: scales and biases too)
+            canonical[name] = name
         else:
             ignored.append(name)                          # vision/audio towers and their projections
 
-    shapes = {c: tuple(located[n][0].get_slice(n).get_shape()) for c, n in canonical.items()}
+    def shape_of(n: str) -> tuple[int, ...]:
+        return tuple(located[n][0].get_slice(n).get_shape())
+
+    affine: dict[str, mlx.AffineTensor] = {}
+    if quant is not None:                                 # MLX affine: weight + scales + biases -> one tensor
+        canonical, affine = mlx.affine_tensors(canonical, shape_of, lambda n: located[n][0].get_slice(n).get_dtype(),
+                                               lambda n: located[n][0].get_tensor(n), quant, directory)
+    shapes = {c: shape_of(n) for c, n in canonical.items()} | {c: t.shape for c, t in affine.items()}
     config = config_from_hf(cfg, shapes, directory / "config.json")
-    if config.tie_word_embeddings and "lm_head.weight" in canonical:
-        ignored.append(canonical.pop("lm_head.weight"))   # tied: the head is embed_tokens
+    if config.tie_word_embeddings and "lm_head.weight" in shapes:
+        ignored.append(canonical.pop("lm_head.weight", None) or affine.pop("lm_head.weight").name)  # tied: embed_tokens
 
     # vestigial K/V weights of KV-shared layers (docs/gemma4.md §3.4) are not loaded
     for spec in config.layers:
@@ -249,6 +262,8 @@ def open_hf(directory: Path) -> Checkpoint:
                 c = f"layers.{spec.index}.{suffix}"
                 if c in canonical:
                     ignored.append(canonical.pop(c))
+                elif c in affine:
+                    ignored.append(affine.pop(c).name)
 
     tensors = {}
     for c, name in canonical.items():
@@ -262,8 +277,12 @@ def open_hf(directory: Path) -> Checkpoint:
             nbytes *= n
         tensors[c] = TensorEntry(name=c, shape=shape, stored=stored, nbytes=nbytes,
                                  dense=lambda h=handle, n=name: h.get_tensor(n))
+    tensors |= {c: mlx.entry(t) for c, t in affine.items()}
+    metadata = {"config.json": cfg, "prefix": prefix}
+    if quant is not None:
+        metadata["quantization"] = {c: (t.bits, t.group) for c, t in affine.items() if isinstance(t, mlx.AffineTensor)}
     return Checkpoint(path=directory, format="safetensors", config=config, tensors=tensors, ignored=ignored,
-                      metadata={"config.json": cfg, "prefix": prefix})
+                      metadata=metadata)
 
 
 def write_hf(directory: Path, config: dict, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:

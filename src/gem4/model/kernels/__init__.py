@@ -35,7 +35,8 @@ from gem4.model.kernels.build import describe
 
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0,    # formats the compiled kernels read
                           GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                          GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+                          GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                          GGMLType.MLX_A4, GGMLType.MLX_A8})        # gem4's blocks of MLX affine checkpoints
 PANEL_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # of those, packed in 16-row panels (panels.h):
                                                           # N padded to 16, no padding along k
 

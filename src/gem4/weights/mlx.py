@@ -1,0 +1,284 @@
+"""MLX affine checkpoints (mlx_lm.convert, mlx-community's `-4bit` / `-8bit` repos): HF-style safetensors whose
+quantized modules are stored as three tensors instead of one float weight (docs/weights.md).
+
+    <module>.weight   uint32 [..., out, in * bits / 32]   the quants, packed little-endian, low bits first:
+                                                       weight j of a row is bits (j * bits) % 32 .. of word j * bits / 32
+    <module>.scales   bf16 / f16 / f32 [..., out, in / group_size]
+    <module>.biases   the same shape and dtype         w[j] = scales[j / group_size] * q[j] + biases[j / group_size]
+
+config.json's `quantization` says `group_size` (32, 64 or 128), `bits` (4 or 8) and `mode` ("affine"; absent in
+older files); an entry keyed by a module's path (the file's tensor name without `.weight`) overrides them for
+that module: an object with its own `group_size` / `bits` (mlx_lm keeps Gemma 4's router at 8 bits, group 64), or
+`false` for a module left in float. A module counts as quantized where the file has its `.scales`.
+
+The values are kept as they are: each quantized weight is regrouped, losslessly, into gem4's 32-weight blocks
+(gem4.ggml MLX_A4 / MLX_A8: the scale and bias of a group of 64 or 128 repeated in each of its 32-weight blocks,
+the 4-bit quants in Q4_1's nibble order), which the CPU backend repacks for its kernels like any GGML type and
+the float32 mode dequantizes (`dense`). Scales and biases stored in bf16 (what mlx-community publishes) go into
+the blocks as they are; f16 ones take Q4_1 itself for 4 bits (the same arithmetic with f16 fields) and bf16 for
+8 bits where they convert exactly; f32 ones the first 16-bit type that holds every value exactly. A weight whose
+scales fit no 16-bit type is refused by name in the fast mode (the float32 mode reads it).
+
+Kept in float32 whatever the file: the 26B-A4B router (as for every format: weights/loader.py), dequantized once
+from its 8-bit values (exact). The 26B-A4B experts (mlx_lm's `experts.switch_glu.{gate,up,down}_proj`, one
+[E, out, in] tensor each) become the model's `experts.gate_up_proj` (gate's rows, then up's, per expert) and
+`experts.down_proj`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gem4.ggml import GGMLType
+from gem4.weights.checkpoint import CheckpointError, TensorEntry
+
+GROUP_SIZES = (32, 64, 128)
+BITS = (4, 8)
+SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# mlx_lm's names of 26B-A4B's experts -> the model's (gate and up become one tensor)
+SWITCH = "experts.switch_glu."
+KEEP_FLOAT = ("router.proj.weight",)       # dequantized to float32 at load (weights/loader.py keeps them float32)
+
+
+@dataclass(frozen=True)
+class Quantization:
+    group_size: int
+    bits: int
+    overrides: dict[str, dict | bool]      # module path -> {"group_size", "bits"} or False
+
+    def of(self, module: str) -> tuple[int, int] | None:
+        """(group_size, bits) of a module path, None where config.json says it stays in float."""
+        entry = self.overrides.get(module, True)
+        if entry is False:
+            return None
+        if entry is True:
+            return self.group_size, self.bits
+        return entry["group_size"], entry["bits"]
+
+
+def _params(value: dict, where: str) -> tuple[int, int]:
+    group, bits = value.get("group_size"), value.get("bits")
+    mode = value.get("mode", "affine")
+    if mode != "affine":
+        raise CheckpointError(f"{where}: quantization mode {mode!r} is not supported (gem4 reads MLX's 'affine')")
+    if group not in GROUP_SIZES or isinstance(group, bool):
+        raise CheckpointError(f"{where}: quantization group_size {group!r} is not one of {GROUP_SIZES}")
+    if bits not in BITS or isinstance(bits, bool):
+        raise CheckpointError(f"{where}: quantization bits {bits!r} is not one of {BITS}")
+    return group, bits
+
+
+def quantization(cfg: dict, where: Path) -> Quantization | None:
+    """config.json's `quantization` (or `quantization_config`, which mlx_lm writes as its copy) -> Quantization;
+    None for a float checkpoint. Refuses other quantization methods (an HF `quant_method`) by name."""
+    q = cfg.get("quantization", cfg.get("quantization_config"))
+    if q is None:
+        return None
+    if not isinstance(q, dict) or "quant_method" in q:
+        method = q.get("quant_method") if isinstance(q, dict) else q
+        raise CheckpointError(f"{where}: quantization {method!r} is not supported (gem4 reads float safetensors, "
+                              "MLX affine quantization and GGUF)")
+    group, bits = _params(q, f"{where}: quantization")
+    overrides: dict[str, dict | bool] = {}
+    for key, value in q.items():
+        if isinstance(value, dict):
+            g, b = _params(value, f"{where}: quantization[{key!r}]")
+            overrides[key] = {"group_size": g, "bits": b}
+        elif value is False:
+            overrides[key] = False
+    return Quantization(group, bits, overrides)
+
+
+def _bytes16(t: torch.Tensor) -> torch.Tensor:
+    """[..., n] 16-bit floats -> [..., n, 2] uint8 (little-endian)."""
+    return t.contiguous().view(torch.uint8).reshape(*t.shape, 2)
+
+
+def _exactly(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """t in `dtype` where every value converts exactly (NaN for NaN), else None."""
+    c = t.to(dtype)
+    back = c.to(t.dtype)
+    same = (back == t) | (torch.isnan(back) & torch.isnan(t))
+    return c if bool(same.all()) else None
+
+
+class AffineTensor:
+    """One quantized weight of the file ([..., out, in] logically): its three tensors, read on demand."""
+
+    def __init__(self, name: str, weight, scales, biases, group: int, bits: int):
+        self.name, self.group, self.bits = name, group, bits
+        self._weight, self._scales, self._biases = weight, scales, biases     # callables -> tensors
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._weight(), self._scales(), self._biases()
+
+    def quants(self) -> torch.Tensor:
+        """uint8 [..., out, in]: each weight's q."""
+        w = self._weight().contiguous().view(torch.uint8)    # little-endian words: byte k = weights of bits 8k..
+        if self.bits == 8:
+            return w
+        return torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(*w.shape[:-1], w.shape[-1] * 2)
+
+    def dense(self) -> torch.Tensor:
+        """float32 [..., out, in]: (scale * q) + bias, the format's values (scale * q is exact in float32)."""
+        _, s, b = self.parts()
+        q = self.quants().to(torch.float32)
+        g = q.reshape(*q.shape[:-1], -1, self.group)
+        w = s.float().unsqueeze(-1) * g + b.float().unsqueeze(-1)
+        return w.reshape(q.shape)
+
+    def blocks(self) -> tuple[torch.Tensor, GGMLType]:
+        """gem4's 32-weight blocks of it, uint8 [..., out, in / 32 * block bytes], and their type (module doc)."""
+        _, s, b = self.parts()
+        fields, ggml_type = self._fields(s, b)
+        q = self.quants()
+        *lead, n_in = q.shape
+        nb = n_in // 32
+        qb = q.reshape(*lead, nb, 32)
+        if self.bits == 4:                                  # Q4_1's order: byte j holds weights j (low) and j + 16
+            qb = qb[..., :16] | (qb[..., 16:] << 4)
+        rep = self.group // 32                              # 32-weight blocks per group
+        s16, b16 = (f.repeat_interleave(rep, dim=-1) for f in fields)
+        out = torch.cat([_bytes16(s16), _bytes16(b16), qb], dim=-1)
+        return out.reshape(*lead, -1), ggml_type
+
+    def _fields(self, s: torch.Tensor, b: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], GGMLType]:
+        """The scales and biases in the 16-bit type of the blocks, exactly, and the block type (module doc)."""
+        own = GGMLType.MLX_A4 if self.bits == 4 else GGMLType.MLX_A8
+        choices = [(torch.bfloat16, own)] + ([(torch.float16, GGMLType.Q4_1)] if self.bits == 4 else [])
+        if s.dtype == torch.float16 and self.bits == 4:
+            choices = choices[::-1]                         # f16: Q4_1 itself first
+        for dtype, t in choices:
+            fs, fb = _exactly(s, dtype), _exactly(b, dtype)
+            if fs is not None and fb is not None:
+                return (fs, fb), t
+        raise CheckpointError(f"tensor {self.name!r}: its {str(s.dtype).removeprefix('torch.')} scales and biases fit "
+                              f"no 16-bit type exactly, which gem4's {self.bits}-bit kernels read; load it in float32 mode")
+
+
+def affine_tensors(names: dict[str, str], shape_of, dtype_of, read, quant: Quantization, where: Path
+                   ) -> tuple[dict[str, str], dict[str, AffineTensor]]:
+    """Split a checkpoint's canonical names (canonical -> file name) into its float tensors and its quantized
+    weights (canonical name of the weight -> AffineTensor), with 26B-A4B's switch_glu experts renamed and gate /
+    up joined. shape_of / dtype_of / read(file name) give a tensor's shape, safetensors dtype and data.
+    Refuses, by name, a `.weight` without its `.scales` or `.biases` (and the reverse), a weight that is not
+    uint32, and shapes that disagree with each other or with config.json's bits and group size."""
+    floats: dict[str, str] = {}
+    affine: dict[str, AffineTensor] = {}
+    for c, name in names.items():
+        if c.endswith((".scales", ".biases")):
+            base = c.rsplit(".", 1)[0]
+            if base + ".weight" not in names:
+                raise CheckpointError(f"{where}: tensor {name!r} has no {base}.weight beside it")
+            continue
+        base = c.removesuffix(".weight")
+        has_scales, has_biases = base + ".scales" in names, base + ".biases" in names
+        if not (c.endswith(".weight") and (has_scales or has_biases)):
+            floats[c] = name
+            continue
+        if not (has_scales and has_biases):
+            missing = ".biases" if has_scales else ".scales"
+            raise CheckpointError(f"{where}: quantized tensor {name!r} has no {name.removesuffix('.weight')}{missing}")
+        module = name.removesuffix(".weight")
+        params = quant.of(module)
+        if params is None:
+            raise CheckpointError(f"{where}: config.json's quantization says {module!r} is not quantized, "
+                                  f"but the file has its scales")
+        group, bits = params
+        s_name, b_name = names[base + ".scales"], names[base + ".biases"]
+        w_shape, s_shape, b_shape = shape_of(name), shape_of(s_name), shape_of(b_name)
+        if dtype_of(name) != "U32":
+            raise CheckpointError(f"{where}: quantized tensor {name!r} is {dtype_of(name)}, not U32 (packed quants)")
+        for other in (s_name, b_name):
+            if dtype_of(other) not in SCALE_DTYPES:
+                raise CheckpointError(f"{where}: tensor {other!r} is {dtype_of(other)}, not one of {sorted(SCALE_DTYPES)}")
+        n_in = w_shape[-1] * 32 // bits if w_shape else 0
+        if (len(w_shape) < 2 or s_shape != b_shape or tuple(s_shape[:-1]) != tuple(w_shape[:-1])
+                or n_in % group or s_shape[-1] * group != n_in):
+            raise CheckpointError(
+                f"{where}: quantized tensor {name!r} {tuple(w_shape)} disagrees with {s_name!r} {tuple(s_shape)} "
+                f"and {b_name!r} {tuple(b_shape)} for {bits}-bit quants in groups of {group} (config.json quantization)")
+        logical = (*w_shape[:-1], n_in)
+        tensor = AffineTensor(c, lambda n=name: read(n), lambda n=s_name: read(n), lambda n=b_name: read(n), group, bits)
+        tensor.shape = logical
+        affine[c] = tensor
+    _join_experts(affine, floats, shape_of, dtype_of, read, where)
+    return floats, affine
+
+
+class JoinedExperts(AffineTensor):
+    """26B-A4B's gate_up_proj from mlx_lm's separate gate and up experts: [E, 2 * I, H], gate's rows first."""
+
+    def __init__(self, name: str, gate: AffineTensor, up: AffineTensor):
+        super().__init__(name, None, None, None, gate.group, gate.bits)
+        self.gate, self.up = gate, up
+        self.shape = (gate.shape[0], 2 * gate.shape[1], gate.shape[2])
+
+    def parts(self):
+        return tuple(torch.cat([g, u], dim=-2) for g, u in zip(self.gate.parts(), self.up.parts()))
+
+    def quants(self) -> torch.Tensor:
+        return torch.cat([self.gate.quants(), self.up.quants()], dim=-2)
+
+
+class FloatExperts:
+    """gate_up_proj from mlx_lm's separate gate and up experts left in float (their input width is not a multiple
+    of the group size)."""
+
+    def __init__(self, name: str, gate: str, up: str, shape_of, dtype_of, read):
+        self.name, self.gate, self.up, self.read = name, gate, up, read
+        e, rows, k = shape_of(gate)
+        self.shape, self.stored = (e, 2 * rows, k), dtype_of(gate)
+
+    def dense(self) -> torch.Tensor:
+        return torch.cat([self.read(self.gate), self.read(self.up)], dim=-2)
+
+
+def _join_experts(affine: dict, floats: dict[str, str], shape_of, dtype_of, read, where: Path) -> None:
+    for c in [c for c in floats if SWITCH + "gate_proj" in c]:
+        prefix = c.split(SWITCH)[0]
+        up = prefix + SWITCH + "up_proj.weight"
+        if up not in floats:
+            raise CheckpointError(f"{where}: {c!r} has no float {up!r} beside it")
+        gate_name, up_name = floats.pop(c), floats.pop(up)
+        if shape_of(gate_name) != shape_of(up_name) or dtype_of(gate_name) != dtype_of(up_name):
+            raise CheckpointError(f"{where}: {gate_name!r} and {up_name!r} differ in shape or dtype")
+        affine[prefix + "experts.gate_up_proj"] = FloatExperts(prefix + "experts.gate_up_proj", gate_name, up_name,
+                                                               shape_of, dtype_of, read)
+    for c in [c for c in floats if SWITCH + "down_proj" in c]:
+        floats[c.split(SWITCH)[0] + "experts.down_proj"] = floats.pop(c)
+    for c in [c for c in affine if SWITCH + "gate_proj" in c]:
+        prefix = c.split(SWITCH)[0]
+        up = prefix + SWITCH + "up_proj.weight"
+        gate = affine.pop(c)
+        if up not in affine:
+            raise CheckpointError(f"{where}: {c!r} has no quantized {up!r} beside it")
+        up_t = affine.pop(up)
+        if (gate.group, gate.bits, gate.shape) != (up_t.group, up_t.bits, up_t.shape):
+            raise CheckpointError(f"{where}: {c!r} and {up!r} are quantized differently; gem4 joins them into one tensor")
+        affine[prefix + "experts.gate_up_proj"] = JoinedExperts(prefix + "experts.gate_up_proj", gate, up_t)
+    for c in [c for c in affine if SWITCH + "down_proj" in c]:
+        t = affine.pop(c)
+        t.name = c.split(SWITCH)[0] + "experts.down_proj"
+        affine[t.name] = t
+    left = [c for c in [*affine, *floats] if SWITCH in c]
+    if left:
+        raise CheckpointError(f"{where}: tensor {left[0]!r} is not an expert weight gem4 knows "
+                              "(switch_glu.gate_proj / up_proj / down_proj, quantized)")
+
+
+def entry(t: AffineTensor | FloatExperts) -> TensorEntry:
+    """The loader's view of a quantized weight: `raw` gives the blocks (packed by the backend), `dense` the values
+    in float32; the router (KEEP_FLOAT) offers only `dense`."""
+    n = math.prod(t.shape)
+    if isinstance(t, FloatExperts):
+        return TensorEntry(name=t.name, shape=t.shape, stored=t.stored, nbytes=SCALE_DTYPES[t.stored].itemsize * n,
+                           dense=t.dense)
+    block_bytes = 20 if t.bits == 4 else 36
+    stored = f"MLX_A{t.bits}"
+    raw = None if t.name.endswith(KEEP_FLOAT) else t.blocks
+    return TensorEntry(name=t.name, shape=tuple(t.shape), stored=stored, nbytes=n // 32 * block_bytes, dense=t.dense,
+                       raw=raw)
