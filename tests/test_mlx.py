@@ -209,3 +209,15 @@ def test_other_quantization_methods_are_refused(tmp_path, quantized):
     (tmp_path / "corrupt" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="gptq"):
         open_checkpoint(path)
+
+
+def test_convert_writes_gguf_only_losslessly(quantized, tmp_path):
+    from gem4.weights.gguf_model import write_gguf
+
+    ref, path = quantized["dense_plain", 8, 32]
+    with pytest.raises(CheckpointError, match="losslessly only with --type f32"):
+        write_gguf(open_checkpoint(path), tmp_path / "x.gguf", "q4_0")
+    write_gguf(open_checkpoint(path), tmp_path / "f32.gguf", "f32")
+    ids = prompt_ids()
+    assert torch.equal(gem4.load(tmp_path / "f32.gguf", dtype="float32").logits(ids),
+                       gem4.load(path, dtype="float32").logits(ids))

@@ -1,5 +1,5 @@
 """MLX affine checkpoints (mlx_lm.convert, mlx-community's `-4bit` / `-8bit` repos): HF-style safetensors whose
-quantized modules are stored as three tensors instead of one float weight (docs/weights.md).
+quantized modules are stored as three tensors instead of one float weight (docs/fast-mode.md).
 
     <module>.weight   uint32 [..., out, in * bits / 32]   the quants, packed little-endian, low bits first:
                                                        weight j of a row is bits (j * bits) % 32 .. of word j * bits / 32
