@@ -221,3 +221,21 @@ def test_convert_writes_gguf_only_losslessly(quantized, tmp_path):
     ids = prompt_ids()
     assert torch.equal(gem4.load(tmp_path / "f32.gguf", dtype="float32").logits(ids),
                        gem4.load(path, dtype="float32").logits(ids))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+def test_streamed_experts_give_the_resident_logits(quantized, tmp_path, monkeypatch, bits, group, dtype):
+    """26B-A4B's experts read one at a time from the MLX file into slots (2 = top_k, and all 8): the logits of
+    the resident experts, bit for bit (in groups of 64 the fixture's down_proj, 32 wide, stays float)."""
+    from gem4.weights import expert_files
+
+    monkeypatch.setattr(expert_files, "repack_root", lambda: tmp_path / "repacked")
+    _, path = quantized["moe", bits, group]
+    ids = prompt_ids()
+    resident = gem4.load(path, dtype=dtype).logits(ids)
+    for slots in (2, 8):
+        model = gem4.load(path, dtype=dtype, expert_cache_slots=slots)
+        assert model.expert_cache.slots == slots
+        assert torch.equal(model.logits(ids), resident), slots
+        assert model.expert_cache.stats.misses > 0

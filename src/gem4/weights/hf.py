@@ -277,10 +277,17 @@ def open_hf(directory: Path) -> Checkpoint:
             nbytes *= n
         tensors[c] = TensorEntry(name=c, shape=shape, stored=stored, nbytes=nbytes,
                                  dense=lambda h=handle, n=name: h.get_tensor(n))
-    tensors |= {c: mlx.entry(t) for c, t in affine.items()}
     metadata = {"config.json": cfg, "prefix": prefix}
     if quant is not None:
+        files = {n: Path(f) for n, (_, f) in located.items()}
+        tensors = {c: mlx.float_entry(e, canonical[c], files) for c, e in tensors.items()}
+        tensors |= {c: mlx.entry(t, files) for c, t in affine.items()}
         metadata["quantization"] = {c: (t.bits, t.group) for c, t in affine.items() if isinstance(t, mlx.AffineTensor)}
+        experts = sorted(c for c in tensors if c.endswith(mlx.EXPERT_WEIGHTS))
+        if experts:                                       # the streamed experts' identity (weights/expert_stream.py)
+            first = affine.get(experts[0])
+            metadata["expert_file"] = files[first.files[0] if isinstance(first, mlx.AffineTensor)
+                                            else first.gate if first is not None else canonical[experts[0]]]
     return Checkpoint(path=directory, format="safetensors", config=config, tensors=tensors, ignored=ignored,
                       metadata=metadata)
 

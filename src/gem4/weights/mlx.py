@@ -26,8 +26,10 @@ from its 8-bit values (exact). The 26B-A4B experts (mlx_lm's `experts.switch_glu
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -106,7 +108,10 @@ def _exactly(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 class AffineTensor:
-    """One quantized weight of the file ([..., out, in] logically): its three tensors, read on demand."""
+    """One quantized weight of the file ([..., out, in] logically): its three tensors, read on demand.
+    `files`: the file names of weight, scales and biases (26B-A4B's experts are streamed from them)."""
+
+    files: tuple[str, str, str] = ()
 
     def __init__(self, name: str, weight, scales, biases, group: int, bits: int):
         self.name, self.group, self.bits = name, group, bits
@@ -203,7 +208,7 @@ def affine_tensors(names: dict[str, str], shape_of, dtype_of, read, quant: Quant
                 f"and {b_name!r} {tuple(b_shape)} for {bits}-bit quants in groups of {group} (config.json quantization)")
         logical = (*w_shape[:-1], n_in)
         tensor = AffineTensor(c, lambda n=name: read(n), lambda n=s_name: read(n), lambda n=b_name: read(n), group, bits)
-        tensor.shape = logical
+        tensor.shape, tensor.files = logical, (name, s_name, b_name)
         affine[c] = tensor
     _join_experts(affine, floats, shape_of, dtype_of, read, where)
     return floats, affine
@@ -219,6 +224,10 @@ class JoinedExperts(AffineTensor):
 
     def parts(self):
         return tuple(torch.cat([g, u], dim=-2) for g, u in zip(self.gate.parts(), self.up.parts()))
+
+    @property
+    def files(self):
+        return self.gate.files + self.up.files
 
     def quants(self) -> torch.Tensor:
         return torch.cat([self.gate.quants(), self.up.quants()], dim=-2)
@@ -270,15 +279,112 @@ def _join_experts(affine: dict, floats: dict[str, str], shape_of, dtype_of, read
                               "(switch_glu.gate_proj / up_proj / down_proj, quantized)")
 
 
-def entry(t: AffineTensor | FloatExperts) -> TensorEntry:
+# ---- 26B-A4B's experts streamed from the safetensors files (weights/expert_stream.py) ----
+
+TORCH_DTYPES = {"U32": torch.int32, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+def tensor_ranges(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
+    """A safetensors file's tensors: name -> (dtype, shape, absolute byte offset of its data). The format: a
+    little-endian u64 header length N, N bytes of JSON (each tensor's dtype, shape and data_offsets, relative
+    to the end of the header), then the data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {name: (v["dtype"], tuple(v["shape"]), 8 + n + v["data_offsets"][0])
+            for name, v in header.items() if name != "__metadata__"}
+
+
+class StreamedExperts:
+    """One layer's expert weight (gate_up_proj or down_proj) read one expert at a time from the file: the
+    interface of expert_files.ExpertTensor (`expert(file, e)`, `nbytes`), reading its own byte ranges (each of
+    the expert's weight / scales / biases tensors, gate's then up's) rather than the one range of a GGUF tensor,
+    and turning them into the slot's layout: the kernels' packed rows or the dense weight in `dtype`."""
+
+    def __init__(self, t: AffineTensor | None, names: tuple[str, ...], shape: tuple[int, ...], located: dict[str, Path],
+                 packed: bool, dtype: torch.dtype):
+        from gem4.weights.expert_files import RawFile
+
+        self.t, self.shape, self.packed, self.dtype = t, shape, packed, dtype
+        self.ranges = []                                     # (RawFile, offset of expert 0, bytes per expert, dtype, shape)
+        handles: dict[Path, RawFile] = {}
+        for name in names:
+            path = located[name]
+            if path not in handles:
+                handles[path] = RawFile(path)
+            dtype_name, shape, offset = tensor_ranges(path)[name]
+            per = math.prod(shape[1:]) * TORCH_DTYPES[dtype_name].itemsize
+            self.ranges.append((handles[path], offset, per, TORCH_DTYPES[dtype_name], shape[1:]))
+        self.path = located[names[0]]
+        self.nbytes = sum(r[2] for r in self.ranges)
+        if t is None:                                        # left in float: one tensor, or gate's and up's
+            return
+        scales = self.ranges[1][3]
+        if packed and scales != torch.bfloat16:
+            raise CheckpointError(f"{self.path}: {t.name!r}: streamed packed experts need bf16 scales and biases, "
+                                  f"the file has {str(scales).removeprefix('torch.')}")
+        self.ggml_type = GGMLType.MLX_A4 if t.bits == 4 else GGMLType.MLX_A8
+
+    def expert(self, file, e: int) -> torch.Tensor:
+        """Expert e in the slot's layout (`file`, the GGUF's handle in ExpertTensor, is not used)."""
+        # read() gives a view into its aligned pages at the range's offset: cloned where that is not on an element
+        parts = [_typed(f.read(offset + e * per, per), dtype).view(shape) for f, offset, per, dtype, shape in self.ranges]
+        rows, k = self.shape[1:]
+        if self.t is None:
+            return torch.cat(parts, dim=-2).to(self.dtype)
+        one = AffineTensor(self.t.name, *(lambda p=p: p for p in parts[:3]), self.t.group, self.t.bits)
+        one.shape = self.t.shape[1:]
+        if len(parts) == 6:                                  # gate, then up
+            up = AffineTensor(self.t.name, *(lambda p=p: p for p in parts[3:]), self.t.group, self.t.bits)
+            up.shape = one.shape
+            one = JoinedExperts(self.t.name, _lead(one), _lead(up))
+        if not self.packed:
+            return one.dense().reshape(rows, k).to(self.dtype)
+        from gem4.model import kernels
+
+        raw, _ = one.blocks()
+        return kernels.repack(raw.reshape(-1), rows, k, self.ggml_type)
+
+    def close(self) -> None:
+        for f, *_ in self.ranges:
+            f.close()
+
+
+def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (raw if raw.storage_offset() % dtype.itemsize == 0 else raw.clone()).view(dtype)
+
+
+def _lead(t: AffineTensor) -> AffineTensor:
+    """t with a leading expert dimension of 1 (JoinedExperts joins [E, rows, k] tensors)."""
+    t.shape = (1, *t.shape)
+    return t
+
+
+EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def entry(t: AffineTensor | FloatExperts, located: dict[str, Path]) -> TensorEntry:
     """The loader's view of a quantized weight: `raw` gives the blocks (packed by the backend), `dense` the values
-    in float32; the router (KEEP_FLOAT) offers only `dense`."""
+    in float32; the router (KEEP_FLOAT) offers only `dense`. 26B-A4B's expert weights also `stream`
+    (StreamedExperts), and so do float ones (`float_entry`). located: file tensor name -> its file."""
     n = math.prod(t.shape)
     if isinstance(t, FloatExperts):
+        stream = lambda packed, dtype: StreamedExperts(None, (t.gate, t.up), t.shape, located, packed, dtype)  # noqa: E731
         return TensorEntry(name=t.name, shape=t.shape, stored=t.stored, nbytes=SCALE_DTYPES[t.stored].itemsize * n,
-                           dense=t.dense)
+                           dense=t.dense, stream=stream)
     block_bytes = 20 if t.bits == 4 else 36
     stored = f"MLX_A{t.bits}"
     raw = None if t.name.endswith(KEEP_FLOAT) else t.blocks
+    stream = None
+    if t.name.endswith(EXPERT_WEIGHTS):
+        stream = lambda packed, dtype: StreamedExperts(t, t.files, t.shape, located, packed, dtype)  # noqa: E731
     return TensorEntry(name=t.name, shape=tuple(t.shape), stored=stored, nbytes=n // 32 * block_bytes, dense=t.dense,
-                       raw=raw)
+                       raw=raw, stream=stream)
+
+
+def float_entry(e: TensorEntry, file_name: str, located: dict[str, Path]) -> TensorEntry:
+    """A float expert weight of an MLX checkpoint (mlx_lm's down_proj where its input width is not a multiple of
+    the group size) with its `stream`."""
+    if not e.name.endswith(EXPERT_WEIGHTS):
+        return e
+    return replace(e, stream=lambda packed, dtype: StreamedExperts(None, (file_name,), e.shape, located, packed, dtype))
