@@ -239,3 +239,19 @@ def test_streamed_experts_give_the_resident_logits(quantized, tmp_path, monkeypa
         assert model.expert_cache.slots == slots
         assert torch.equal(model.logits(ids), resident), slots
         assert model.expert_cache.stats.misses > 0
+
+
+def test_a_table_read_by_rows_stays_as_the_file_has_it():
+    """The per-layer embedding of an MLX checkpoint (QuantLinear.keep_affine): its rows are mlx's values, the table
+    is never regrouped nor multiplied."""
+    from gem4.model.layers import QuantLinear
+
+    g = torch.Generator().manual_seed(8)
+    t, ref = mlx_tensor(torch.randn(30, 128, generator=g), 4, 64)
+    table = QuantLinear(128, 30)
+    q, s, b = t.parts()
+    table.keep_affine(q, s, b, 4, 64)
+    ids = torch.tensor([29, 0, 7, 7])
+    assert table.layout == "affine" and torch.equal(table.rows(ids), ref[ids])
+    with pytest.raises(RuntimeError, match="lookup table"):
+        table(torch.randn(1, 128))

@@ -252,6 +252,20 @@ def _dequant_mlx_a8(blocks: torch.Tensor) -> torch.Tensor:
     return (s * q) + b
 
 
+def dequantize_affine(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """MLX's affine quantization as its checkpoints store it -> float32 [..., rows, in] (weights/mlx.py):
+    q int32/uint32 [..., rows, in * bits / 32], weight j of a row at bits (j * bits) % 32 of word j * bits / 32
+    (little-endian, low bits first); scales / biases [..., rows, in / group] (bf16, f16 or f32);
+    w = (scale * q) + bias, scale * q exact in float32 for 16-bit scales."""
+    w = q.contiguous().view(torch.uint8)                      # byte k holds weights of bits 8k.. of the row
+    if bits == 4:
+        w = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(*w.shape[:-1], w.shape[-1] * 2)
+    elif bits != 8:
+        raise ValueError(f"affine quantization: {bits} bits is not 4 or 8")
+    g = w.to(torch.float32).reshape(*w.shape[:-1], -1, group)
+    return (scales.float().unsqueeze(-1) * g + biases.float().unsqueeze(-1)).reshape(*w.shape)
+
+
 def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16_field(blocks, 0)                                 # (n, 1)
     qh = _bits_of_bytes(blocks[:, 2:6])                       # (n, 32), 0/1

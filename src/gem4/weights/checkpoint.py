@@ -36,6 +36,9 @@ class TensorEntry:
     # MLX checkpoints' expert weights: (packed, dtype) -> a reader of one expert at a time (weights/mlx.py
     # StreamedExperts), what streamed experts read instead of the GGUF range at `offset`
     stream: Callable[[bool, torch.dtype], object] | None = None
+    # MLX checkpoints' quantized tensors: () -> (q, scales, biases, bits, group_size) as the file has them (tables
+    # read by rows keep them so: QuantLinear.keep_affine)
+    affine: Callable[[], tuple] | None = None
 
 
 @dataclass

@@ -151,9 +151,13 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
             streamed[name] = entry
             continue
         if storage is not None:
-            raw, ggml_type = entry.raw()
+            raw, ggml_type = entry.raw() if entry.affine is None or storage != "blocks" else (None, None)
             parent, attr = name.rsplit(".", 1)
             module = model.get_submodule(parent)
+            if storage == "blocks" and entry.affine is not None:    # MLX: the file's three tensors, not regrouped
+                q, scales, biases, bits, group = entry.affine()
+                module.keep_affine(q.to(device), scales.to(device), biases.to(device), bits, group)
+                continue
             if storage == "blocks":
                 module.keep_blocks(raw.to(device), ggml_type)
                 continue

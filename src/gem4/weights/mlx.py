@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from gem4.ggml import GGMLType
+from gem4.ggml import GGMLType, dequantize_affine
 from gem4.weights.checkpoint import CheckpointError, TensorEntry
 
 GROUP_SIZES = (32, 64, 128)
@@ -42,7 +42,8 @@ BITS = (4, 8)
 SCALE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # mlx_lm's names of 26B-A4B's experts -> the model's (gate and up become one tensor)
 SWITCH = "experts.switch_glu."
-KEEP_FLOAT = ("router.proj.weight",)       # dequantized to float32 at load (weights/loader.py keeps them float32)
+KEEP_FLOAT = ("router.proj.weight",)
+BLOCK_ROWS_ELEMS = 1 << 22                 # weights regrouped at a time (AffineTensor.blocks)       # dequantized to float32 at load (weights/loader.py keeps them float32)
 
 
 @dataclass(frozen=True)
@@ -120,35 +121,36 @@ class AffineTensor:
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._weight(), self._scales(), self._biases()
 
-    def quants(self) -> torch.Tensor:
-        """uint8 [..., out, in]: each weight's q."""
-        w = self._weight().contiguous().view(torch.uint8)    # little-endian words: byte k = weights of bits 8k..
-        if self.bits == 8:
-            return w
-        return torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(*w.shape[:-1], w.shape[-1] * 2)
-
     def dense(self) -> torch.Tensor:
-        """float32 [..., out, in]: (scale * q) + bias, the format's values (scale * q is exact in float32)."""
-        _, s, b = self.parts()
-        q = self.quants().to(torch.float32)
-        g = q.reshape(*q.shape[:-1], -1, self.group)
-        w = s.float().unsqueeze(-1) * g + b.float().unsqueeze(-1)
-        return w.reshape(q.shape)
+        """float32 [..., out, in]: (scale * q) + bias, the format's values (gem4.ggml.dequantize_affine)."""
+        return dequantize_affine(*self.parts(), self.bits, self.group)
 
     def blocks(self) -> tuple[torch.Tensor, GGMLType]:
-        """gem4's 32-weight blocks of it, uint8 [..., out, in / 32 * block bytes], and their type (module doc)."""
-        _, s, b = self.parts()
-        fields, ggml_type = self._fields(s, b)
-        q = self.quants()
-        *lead, n_in = q.shape
-        nb = n_in // 32
-        qb = q.reshape(*lead, nb, 32)
+        """gem4's 32-weight blocks of it, uint8 [..., out, in / 32 * block bytes], and their type (module doc);
+        made BLOCK_ROWS_ELEMS weights at a time (the temporaries stay small whatever the tensor)."""
+        w, s, b = self.parts()
+        (s16, b16), ggml_type = self._fields(s, b)
+        *lead, cols = w.shape
+        n_in = cols * 32 // self.bits
+        block_bytes = 20 if self.bits == 4 else 36
+        w, s16, b16 = (t.reshape(-1, t.shape[-1]) for t in (w, s16, b16))
+        out = torch.empty(w.shape[0], n_in // 32 * block_bytes, dtype=torch.uint8)
+        step = max(1, BLOCK_ROWS_ELEMS // n_in)
+        for r in range(0, w.shape[0], step):
+            out[r:r + step] = self._block_rows(w[r:r + step], s16[r:r + step], b16[r:r + step])
+        return out.reshape(*lead, -1), ggml_type
+
+    def _block_rows(self, w: torch.Tensor, s16: torch.Tensor, b16: torch.Tensor) -> torch.Tensor:
+        """Rows of the packed words and their 16-bit scales / biases -> their blocks [rows, in / 32 * bytes]."""
+        q = w.contiguous().view(torch.uint8)                 # little-endian words: byte k = weights of bits 8k..
+        if self.bits == 4:
+            q = torch.stack([q & 0x0F, q >> 4], dim=-1).reshape(q.shape[0], -1)
+        qb = q.reshape(q.shape[0], -1, 32)
         if self.bits == 4:                                  # Q4_1's order: byte j holds weights j (low) and j + 16
             qb = qb[..., :16] | (qb[..., 16:] << 4)
         rep = self.group // 32                              # 32-weight blocks per group
-        s16, b16 = (f.repeat_interleave(rep, dim=-1) for f in fields)
-        out = torch.cat([_bytes16(s16), _bytes16(b16), qb], dim=-1)
-        return out.reshape(*lead, -1), ggml_type
+        s16, b16 = (f.repeat_interleave(rep, dim=-1) for f in (s16, b16))
+        return torch.cat([_bytes16(s16), _bytes16(b16), qb], dim=-1).reshape(q.shape[0], -1)
 
     def _fields(self, s: torch.Tensor, b: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], GGMLType]:
         """The scales and biases in the 16-bit type of the blocks, exactly, and the block type (module doc)."""
@@ -228,9 +230,6 @@ class JoinedExperts(AffineTensor):
     @property
     def files(self):
         return self.gate.files + self.up.files
-
-    def quants(self) -> torch.Tensor:
-        return torch.cat([self.gate.quants(), self.up.quants()], dim=-2)
 
 
 class FloatExperts:
@@ -379,7 +378,7 @@ def entry(t: AffineTensor | FloatExperts, located: dict[str, Path]) -> TensorEnt
     if t.name.endswith(EXPERT_WEIGHTS):
         stream = lambda packed, dtype: StreamedExperts(t, t.files, t.shape, located, packed, dtype)  # noqa: E731
     return TensorEntry(name=t.name, shape=tuple(t.shape), stored=stored, nbytes=n // 32 * block_bytes, dense=t.dense,
-                       raw=raw, stream=stream)
+                       raw=raw, stream=stream, affine=lambda: (*t.parts(), t.bits, t.group))
 
 
 def float_entry(e: TensorEntry, file_name: str, located: dict[str, Path]) -> TensorEntry:
