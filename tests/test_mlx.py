@@ -55,6 +55,19 @@ def test_the_format_on_a_hand_made_tensor():
 
 
 @pytest.mark.parametrize("bits,group", [*FORMATS, (4, 128), (8, 128)])
+def test_the_compiled_regrouping_gives_the_same_bytes(monkeypatch, bits, group):
+    """kernels.affine_blocks (mlx_affine.cpp) against weights/mlx.py's torch regrouping, over several row chunks."""
+    from gem4.weights import mlx as mlx_module
+
+    g = torch.Generator().manual_seed(bits + group)
+    t, _ = mlx_tensor(torch.randn(3, 40, 256, generator=g), bits, group)     # experts' [E, rows, k]
+    compiled = t.blocks()
+    monkeypatch.setattr(mlx_module, "_kernels_available", lambda: False)
+    monkeypatch.setattr(mlx_module, "BLOCK_ROWS_ELEMS", 256 * 7)
+    assert torch.equal(t.blocks()[0], compiled[0]) and compiled[0].shape == (3, 40, 256 // 32 * (4 + 4 * bits))
+
+
+@pytest.mark.parametrize("bits,group", [*FORMATS, (4, 128), (8, 128)])
 def test_blocks_and_kernels_hold_mlx_values_exactly(bits, group):
     """The regrouped blocks (reference dequantization), the kernels' layout (kernels.dequant) and the float32 values
     all equal mlx's own dequantization bit for bit; the decode GEMV and the prefill GEMM are its products."""

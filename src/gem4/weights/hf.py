@@ -249,7 +249,7 @@ def open_hf(directory: Path) -> Checkpoint:
     affine: dict[str, mlx.AffineTensor] = {}
     if quant is not None:                                 # MLX affine: weight + scales + biases -> one tensor
         canonical, affine = mlx.affine_tensors(canonical, shape_of, lambda n: located[n][0].get_slice(n).get_dtype(),
-                                               lambda n: located[n][0].get_tensor(n), quant, directory)
+                                               lambda n: mlx.mapped(Path(located[n][1]), n), quant, directory)
     shapes = {c: shape_of(n) for c, n in canonical.items()} | {c: t.shape for c, t in affine.items()}
     config = config_from_hf(cfg, shapes, directory / "config.json")
     if config.tie_word_embeddings and "lm_head.weight" in shapes:

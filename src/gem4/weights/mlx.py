@@ -26,6 +26,7 @@ from its 8-bit values (exact). The 26B-A4B experts (mlx_lm's `experts.switch_glu
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import struct
@@ -95,6 +96,12 @@ def quantization(cfg: dict, where: Path) -> Quantization | None:
     return Quantization(group, bits, overrides)
 
 
+def _kernels_available() -> bool:
+    from gem4.model import kernels
+
+    return kernels.available()
+
+
 def _bytes16(t: torch.Tensor) -> torch.Tensor:
     """[..., n] 16-bit floats -> [..., n, 2] uint8 (little-endian)."""
     return t.contiguous().view(torch.uint8).reshape(*t.shape, 2)
@@ -134,6 +141,10 @@ class AffineTensor:
         n_in = cols * 32 // self.bits
         block_bytes = 20 if self.bits == 4 else 36
         w, s16, b16 = (t.reshape(-1, t.shape[-1]) for t in (w, s16, b16))
+        if ggml_type != GGMLType.Q4_1 and _kernels_available():       # the same bytes, in one compiled pass
+            from gem4.model import kernels
+
+            return kernels.affine_blocks(w.view(torch.int32), s16, b16, self.bits, self.group).reshape(*lead, -1), ggml_type
         out = torch.empty(w.shape[0], n_in // 32 * block_bytes, dtype=torch.uint8)
         step = max(1, BLOCK_ROWS_ELEMS // n_in)
         for r in range(0, w.shape[0], step):
@@ -283,6 +294,7 @@ def _join_experts(affine: dict, floats: dict[str, str], shape_of, dtype_of, read
 TORCH_DTYPES = {"U32": torch.int32, "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
+@functools.lru_cache(maxsize=16)
 def tensor_ranges(path: Path) -> dict[str, tuple[str, tuple[int, ...], int]]:
     """A safetensors file's tensors: name -> (dtype, shape, absolute byte offset of its data). The format: a
     little-endian u64 header length N, N bytes of JSON (each tensor's dtype, shape and data_offsets, relative
@@ -349,6 +361,17 @@ class StreamedExperts:
             f.close()
 
 
+def mapped(path: Path, name: str) -> torch.Tensor:
+    """Tensor `name` of a safetensors file as a view of the file's pages (mmap, copy-on-write: never written), so a
+    table read by rows costs only the pages its rows touch."""
+    import numpy as np
+
+    dtype_name, shape, offset = tensor_ranges(path)[name]
+    dtype = TORCH_DTYPES[dtype_name]
+    pages = np.memmap(path, dtype=np.uint8, mode="c", offset=offset, shape=(math.prod(shape) * dtype.itemsize,))
+    return torch.from_numpy(pages).view(dtype).view(shape)
+
+
 def _typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (raw if raw.storage_offset() % dtype.itemsize == 0 else raw.clone()).view(dtype)
 
@@ -378,7 +401,7 @@ def entry(t: AffineTensor | FloatExperts, located: dict[str, Path]) -> TensorEnt
     if t.name.endswith(EXPERT_WEIGHTS):
         stream = lambda packed, dtype: StreamedExperts(t, t.files, t.shape, located, packed, dtype)  # noqa: E731
     return TensorEntry(name=t.name, shape=tuple(t.shape), stored=stored, nbytes=n // 32 * block_bytes, dense=t.dense,
-                       raw=raw, stream=stream, affine=lambda: (*t.parts(), t.bits, t.group))
+                       raw=raw, stream=stream, affine=lambda: (*(mapped(located[n], n) for n in t.files), t.bits, t.group))
 
 
 def float_entry(e: TensorEntry, file_name: str, located: dict[str, Path]) -> TensorEntry:

@@ -91,6 +91,13 @@ def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> tor
     return _ops().repack(raw.contiguous(), n_out, k_in, int(ggml_type))
 
 
+def affine_blocks(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """An MLX affine weight as its checkpoint stores it (q int32 [R, k_in * bits / 32], bf16 scales / biases
+    [R, k_in / group]) -> gem4's MLX_A4 / MLX_A8 blocks uint8 [R, k_in / 32 * block bytes] (`mlx_affine.cpp`):
+    weights/mlx.py's regrouping in one pass, the same bytes."""
+    return _ops().affine_blocks(q.contiguous(), scales.contiguous(), biases.contiguous(), bits, group)
+
+
 def gemv(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
     """x [M, k_in] float32, packed weight -> x @ W.T [M, n_out] float32, activations quantized per 32-block:
     Q8_0 / Q4_0 (panels.h) to int8, scale amax / 127, round to nearest (GGML's Q8_0 activations: each value
