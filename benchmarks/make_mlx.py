@@ -4,7 +4,11 @@ and quantized with mlx (`mx.quantize`, affine, --bits / --group-size) wherever m
 and embedding whose input width is a multiple of the group size; vectors stay bf16). Names are the text model's
 under `model.` (mlx_lm's gemma4_text), config.json is make_e2b.py's with `quantization` added.
 
-    python benchmarks/make_mlx.py benchmarks/out/e2b-q4_0.gguf --out benchmarks/out/e2b-mlx-4bit      # ~3.3 GB
+    python benchmarks/make_mlx.py benchmarks/out/e2b-q4_0.gguf --out benchmarks/out/e2b-mlx-4bit      # 2.6 GB
+    python benchmarks/make_mlx.py benchmarks/out/e2b-q4_0.gguf --gguf q4_k_m --out benchmarks/out/e2b-q4_k_m.gguf
+
+`--gguf TYPE` writes the same weights as a GGUF of that type instead (gem4's writer, `gem4 convert`'s types: the
+Q4_K_M to compare with), dequantized from the source and quantized again.
 
 The quantization runs in row chunks (exact: groups lie within rows), so memory stays ~the packed output
 (held until the one safetensors file is written) plus a chunk.
@@ -50,11 +54,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128))
+    ap.add_argument("--gguf", dest="gguf_type", default=None, help="write a GGUF of this type instead (e.g. q4_k_m)")
     a = ap.parse_args(argv)
     ckpt = open_checkpoint(a.gguf)
     if ckpt.config.num_layers != Arch().layers or ckpt.config.moe is not None:
         raise SystemExit(f"{a.gguf}: not an E2B-shaped file from make_e2b.py")
     start = time.time()
+    if a.gguf_type:
+        from dataclasses import replace
+
+        from gem4.weights.gguf_model import write_gguf
+
+        # the writer reads HF checkpoints: these tensors with make_e2b's config.json (no tokenizer beside them)
+        as_hf = replace(ckpt, format="safetensors", path=a.out.parent, metadata={"config.json": hf_config(Arch())})
+        counts = write_gguf(as_hf, a.out, a.gguf_type, name=a.out.stem)
+        print(f"wrote {a.out} ({a.out.stat().st_size / 1e9:.2f} GB: {counts}) in {time.time() - start:.0f} s")
+        return 0
     out: dict = {}
     for i, (name, entry) in enumerate(ckpt.tensors.items()):
         w = entry.dense()
