@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx            # a test extra (pyproject): mlx writes the checkpoints these tests read
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,6 @@ from gem4.weights.checkpoint import CheckpointError, open_checkpoint
 from gem4.weights.mlx import AffineTensor
 from mlx_fixtures import hf_state, write_mlx
 from model_fixtures import VARIANTS, build_hf, prompt_ids
-
-mx = pytest.importorskip("mlx.core")   # a test extra (pyproject): present in CI
 
 FORMATS = [(4, 32), (4, 64), (8, 32), (8, 64)]
 
