@@ -267,3 +267,34 @@ def test_a_table_read_by_rows_stays_as_the_file_has_it():
     assert table.layout == "affine" and torch.equal(table.rows(ids), ref[ids])
     with pytest.raises(RuntimeError, match="lookup table"):
         table(torch.randn(1, 128))
+
+
+def test_gem4s_own_block_types_never_enter_a_gguf(tmp_path):
+    """MLX_A4 / MLX_A8 are gem4's load-time blocks: the GGUF writer refuses them, the reader refuses their ids."""
+    import struct
+
+    from gem4.gguf import GGUFReader, GGUFWriter
+
+    w = GGUFWriter(tmp_path / "a.gguf")
+    with pytest.raises(ValueError, match="gem4's own block type"):
+        w.add_tensor("blk.0.x", np.zeros(20, dtype=np.uint8), (32,), GGMLType.MLX_A4)
+    w = GGUFWriter(tmp_path / "b.gguf")
+    w.add_tensor("blk.0.x", np.zeros(20, dtype=np.uint8), (32,), GGMLType.Q4_1)
+    w.write()
+    data = bytearray((tmp_path / "b.gguf").read_bytes())
+    at = data.find(b"blk.0.x") + len("blk.0.x")                      # n_dims u32, dims u64 each, then the type u32
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    assert struct.unpack_from("<I", data, at + 4 + 8 * n_dims)[0] == GGMLType.Q4_1
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, int(GGMLType.MLX_A4))
+    (tmp_path / "c.gguf").write_bytes(bytes(data))
+    with pytest.raises(Exception, match="unknown ggml type 1004"):
+        GGUFReader(tmp_path / "c.gguf")
+
+
+def test_a_module_the_config_calls_float_must_not_have_scales(quantized, tmp_path):
+    path = _corrupt(quantized, tmp_path, lambda t: None)
+    cfg = json.loads((tmp_path / "corrupt" / "config.json").read_text())
+    cfg["quantization"]["model.layers.0.mlp.down_proj"] = False
+    (tmp_path / "corrupt" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj.*not quantized"):
+        open_checkpoint(path)

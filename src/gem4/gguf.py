@@ -650,6 +650,8 @@ class GGUFWriter:
         if name in self._tensors:
             raise ValueError(f"duplicate tensor name {name!r}")
         ggml_type = GGMLType(ggml_type)
+        if ggml_type in GEM4_TYPES:
+            raise ValueError(f"tensor {name!r}: {ggml_type.name} is gem4's own block type, not GGML's: a GGUF cannot hold it")
         shape = tuple(int(d) for d in shape)
         if not 1 <= len(shape) <= GGML_MAX_DIMS or any(d < 0 for d in shape):
             raise ValueError(f"tensor {name!r}: shape {shape} must have 1..{GGML_MAX_DIMS} non-negative dims")
