@@ -109,6 +109,8 @@ def _bytes16(t: torch.Tensor) -> torch.Tensor:
 
 def _exactly(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """t in `dtype` where every value converts exactly (NaN for NaN), else None."""
+    if t.dtype == dtype:
+        return t
     c = t.to(dtype)
     back = c.to(t.dtype)
     same = (back == t) | (torch.isnan(back) & torch.isnan(t))
