@@ -165,7 +165,7 @@ def test_streaming_refusals(moe, tmp_path):
         gem4.load(files["q8_0"], expert_cache_slots=0)
     with pytest.raises(ExpertCacheError, match="positive number of GB"):
         gem4.load(files["q8_0"], memory_limit=-1)
-    with pytest.raises(ExpertCacheError, match="GGUF file only"):
+    with pytest.raises(ExpertCacheError, match="GGUF file or an MLX checkpoint only"):
         gem4.load(root / "causal", expert_cache_slots=4)
     assert gem4.load(files["q8_0"], expert_cache_slots=100).expert_cache.slots == E     # more than E: E
     from gem4.weights.checkpoint import open_checkpoint

@@ -46,6 +46,13 @@ Tensor rows (last PyTorch dim) are contiguous and split into consecutive blocks.
           16 sub-blocks of 16; half h: ql[64h:64h+64] lo nibbles = elems 128h+0..63, hi nibbles =
           128h+64..127; bits 2s..2s+1 of qh[32h+l] are bits 4-5 of elem 128h + 32s + l.
                                                                      y = (d * sc) * (q - 32)
+
+Two block types are gem4's own, not GGML's (ids from 1000 on; never read from or written to a GGUF file): the
+32-weight blocks an MLX affine checkpoint's weights are regrouped into at load (weights/mlx.py), losslessly (a
+group of 64 or 128 weights repeats its scale and bias in each of its 32-weight blocks):
+    MLX_A4 32 elems, 20 B: s:bf16 | b:bf16 | qs[16] (nibbles as Q4_0)   y = (s * q) + b   (Q4_1, bf16 fields)
+    MLX_A8 32 elems, 36 B: s:bf16 | b:bf16 | q:uint8[32]               y = (s * q) + b
+(s * q is exact in float32: 8 significant bits times at most 8; only the sum rounds.)
 """
 from __future__ import annotations
 
@@ -78,6 +85,11 @@ class GGMLType(enum.IntEnum):
     I64 = 27
     F64 = 28
     BF16 = 30
+    MLX_A4 = 1004      # gem4's own (above): MLX affine checkpoints, never in a GGUF file
+    MLX_A8 = 1008
+
+
+GEM4_TYPES = frozenset({GGMLType.MLX_A4, GGMLType.MLX_A8})   # not GGML's: a GGUF reader refuses them
 
 
 @dataclass(frozen=True)
@@ -107,6 +119,8 @@ BLOCK_INFO: dict[GGMLType, BlockInfo] = {
     GGMLType.Q5_K: BlockInfo(256, 2 + 2 + 12 + 32 + 128),
     GGMLType.Q6_K: BlockInfo(256, 128 + 64 + 16 + 2),
     GGMLType.Q8_K: BlockInfo(256, 4 + 256 + 32),
+    GGMLType.MLX_A4: BlockInfo(32, 2 + 2 + 16),
+    GGMLType.MLX_A8: BlockInfo(32, 2 + 2 + 32),
 }
 
 
@@ -220,6 +234,38 @@ def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q) + m
 
 
+def _bf16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """(n_blocks, type_size) uint8 -> (n_blocks, 1) float32 from the bf16 at byte `start` of each block (exact)."""
+    h = blocks[:, start:start + 2].clone(memory_format=torch.contiguous_format).view(torch.int16)
+    return (h.to(torch.int32) * 65536).view(torch.float32)
+
+
+def _dequant_mlx_a4(blocks: torch.Tensor) -> torch.Tensor:
+    s, b = _bf16_field(blocks, 0), _bf16_field(blocks, 2)    # (n, 1) each
+    q = _nibbles(blocks[:, 4:20]).to(torch.float32)           # (n, 32), 0..15
+    return (s * q) + b
+
+
+def _dequant_mlx_a8(blocks: torch.Tensor) -> torch.Tensor:
+    s, b = _bf16_field(blocks, 0), _bf16_field(blocks, 2)
+    q = blocks[:, 4:36].to(torch.float32)                     # (n, 32), 0..255
+    return (s * q) + b
+
+
+def dequantize_affine(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """MLX's affine quantization as its checkpoints store it -> float32 [..., rows, in] (weights/mlx.py):
+    q int32/uint32 [..., rows, in * bits / 32], weight j of a row at bits (j * bits) % 32 of word j * bits / 32
+    (little-endian, low bits first); scales / biases [..., rows, in / group] (bf16, f16 or f32);
+    w = (scale * q) + bias, scale * q exact in float32 for 16-bit scales."""
+    w = q.contiguous().view(torch.uint8)                      # byte k holds weights of bits 8k.. of the row
+    if bits == 4:
+        w = torch.stack([w & 0x0F, w >> 4], dim=-1).reshape(*w.shape[:-1], w.shape[-1] * 2)
+    elif bits != 8:
+        raise ValueError(f"affine quantization: {bits} bits is not 4 or 8")
+    g = w.to(torch.float32).reshape(*w.shape[:-1], -1, group)
+    return (scales.float().unsqueeze(-1) * g + biases.float().unsqueeze(-1)).reshape(*w.shape)
+
+
 def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16_field(blocks, 0)                                 # (n, 1)
     qh = _bits_of_bytes(blocks[:, 2:6])                       # (n, 32), 0/1
@@ -311,6 +357,8 @@ _BLOCK_DEQUANT: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.Q4_K: _dequant_q4_k,
     GGMLType.Q5_K: _dequant_q5_k,
     GGMLType.Q6_K: _dequant_q6_k,
+    GGMLType.MLX_A4: _dequant_mlx_a4,
+    GGMLType.MLX_A8: _dequant_mlx_a8,
 }
 
 _FLOAT_DTYPES: dict[GGMLType, torch.dtype] = {

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gem4.ggml import BLOCK_INFO, GGMLType, tensor_nbytes
+from gem4.ggml import BLOCK_INFO, GEM4_TYPES, GGMLType, tensor_nbytes
 
 __all__ = [
     "GGUFError",
@@ -73,7 +73,7 @@ class GGUFValueType(enum.IntEnum):
 
 _VT = GGUFValueType
 _VALUE_TYPES = frozenset(int(t) for t in GGUFValueType)
-_GGML_TYPES = frozenset(int(t) for t in GGMLType)
+_GGML_TYPES = frozenset(int(t) for t in GGMLType if t not in GEM4_TYPES)
 
 # Fixed-size value types: struct codec and the little-endian numpy dtype of an array of them.
 _SCALAR_STRUCT: dict[GGUFValueType, struct.Struct] = {
@@ -650,6 +650,8 @@ class GGUFWriter:
         if name in self._tensors:
             raise ValueError(f"duplicate tensor name {name!r}")
         ggml_type = GGMLType(ggml_type)
+        if ggml_type in GEM4_TYPES:
+            raise ValueError(f"tensor {name!r}: {ggml_type.name} is gem4's own block type, not GGML's: a GGUF cannot hold it")
         shape = tuple(int(d) for d in shape)
         if not 1 <= len(shape) <= GGML_MAX_DIMS or any(d < 0 for d in shape):
             raise ValueError(f"tensor {name!r}: shape {shape} must have 1..{GGML_MAX_DIMS} non-negative dims")

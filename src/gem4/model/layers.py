@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gem4.ggml import GGMLType, dequantize, tensor_nbytes
+from gem4.ggml import GGMLType, dequantize, dequantize_affine, tensor_nbytes
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -100,6 +100,7 @@ class QuantLinear(nn.Module):
     Two storages (`layout`):
     - "dense": `weight` in the weight dtype (GGML block formats dequantized once at load). The input is
       rounded to W's dtype, products accumulate in float32, the result comes back in the activation dtype.
+    - "affine" (`keep_affine()`): an MLX affine table's three tensors as the file has them, read by rows.
     - "blocks" (`keep_blocks()`): `raw` holds GGML blocks of any type exactly as the file has them, for a
       table that is only ever read by rows (the per-layer token embedding); it stays in the mmap.
 
@@ -120,6 +121,14 @@ class QuantLinear(nn.Module):
         row_bytes = tensor_nbytes(ggml_type, self.in_features)
         self.set_storage("blocks", "raw", raw.reshape(self.out_features, row_bytes), ggml_type)
 
+    def keep_affine(self, q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int) -> None:
+        """Load time: keep an MLX affine table (gem4.ggml.dequantize_affine) as the file has it, read by rows: the
+        E2B/E4B per-layer embedding of an MLX checkpoint (weights/mlx.py), never regrouped."""
+        del self.weight
+        for name, t in (("q", q), ("scales", scales), ("biases", biases)):
+            self.register_buffer(name, t, persistent=False)
+        self.layout, self.affine = "affine", (bits, group)
+
     def set_storage(self, layout: str, name: str, data: torch.Tensor, ggml_type: GGMLType) -> None:
         """Load time: the weight becomes the buffer `name` in `layout` (blocks here; a backend's packed forms)."""
         del self.weight
@@ -137,10 +146,13 @@ class QuantLinear(nn.Module):
         ids = ids.reshape(-1)
         if self.layout == "dense":
             return self.weight.index_select(0, ids).float()
+        if self.layout == "affine":
+            return dequantize_affine(self.q.index_select(0, ids), self.scales.index_select(0, ids),
+                                     self.biases.index_select(0, ids), *self.affine)
         return dequantize(self.raw.index_select(0, ids), self.ggml_type, (ids.numel(), self.in_features))
 
     def forward(self, x: torch.Tensor, prefill: bool | None = None) -> torch.Tensor:
-        if self.layout == "blocks":
+        if self.layout in ("blocks", "affine"):
             raise RuntimeError("this weight is kept in GGML blocks as a lookup table; it has no matmul")
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 

@@ -33,6 +33,12 @@ class TensorEntry:
     # would otherwise count twice in its memory); views taken earlier stay valid. No-op where not mmapped.
     release: Callable[[], None] = lambda: None
     offset: int | None = None    # absolute byte offset of the stored bytes in the file (GGUF; streamed experts)
+    # MLX checkpoints' expert weights: (packed, dtype) -> a reader of one expert at a time (weights/mlx.py
+    # StreamedExperts), what streamed experts read instead of the GGUF range at `offset`
+    stream: Callable[[bool, torch.dtype], object] | None = None
+    # MLX checkpoints' quantized tensors: () -> (q, scales, biases, bits, group_size) as the file has them (tables
+    # read by rows keep them so: QuantLinear.keep_affine)
+    affine: Callable[[], tuple] | None = None
 
 
 @dataclass

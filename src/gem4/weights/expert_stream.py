@@ -248,6 +248,12 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
             tensors, types = {}, {}
             for name in EXPERT_NAMES:
                 entry = entries[f"layers.{layer.spec.index}.experts.{name}"]
+                is_packed = packed[entry.name]
+                if entry.stream is not None:            # MLX: one expert at a time from its own byte ranges
+                    tensors[name] = entry.stream(is_packed, dtype)
+                    if is_packed:
+                        types[name] = tensors[name].ggml_type
+                    continue
                 if entry.offset is None:
                     raise ExpertCacheError(f"{path}: tensor {entry.name!r} has no file offset to stream from")
                 if entry.nbytes % moe.num_experts:
@@ -255,7 +261,6 @@ def stream_experts(model, path, entries: dict, packed: dict[str, bool], dtype: t
                                            f"{moe.num_experts} equal experts")
                 rows, k = entry.shape[1:]
                 ggml_type = GGMLType[entry.stored]
-                is_packed = packed[entry.name]
                 tensors[name] = ExpertTensor(entry.offset, entry.nbytes // moe.num_experts,
                                              _converter(ggml_type, rows, k, is_packed, dtype))
                 if is_packed:

@@ -423,6 +423,13 @@ def write_gguf(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = No
     if ckpt.format != "safetensors":
         raise CheckpointError(f"{ckpt.path}: convert reads HF checkpoint directories")
     qtype = MIXES.get(out_type) or OUT_TYPES[out_type]
+    if ckpt.metadata.get("quantization") and out_type != "f32":
+        # MLX affine (weights/mlx.py): float32 holds its values (scale * q + bias) exactly; every other type would
+        # round them again: GGML's blocks hold a group's scale and bias in f16 (Q4_1) or have no bias at all
+        bits = sorted({f"{b}-bit, groups of {g}" for b, g in ckpt.metadata["quantization"].values()})
+        raise CheckpointError(f"{ckpt.path}: an MLX affine checkpoint ({'; '.join(bits)}) converts to GGUF losslessly "
+                              f"only with --type f32; --type {out_type} would requantize its values (gem4 runs the "
+                              "MLX checkpoint itself on its kernels: no conversion is needed)")
     config = ckpt.config
     rope_params = ckpt.metadata["config.json"].get("text_config", ckpt.metadata["config.json"])["rope_parameters"]
     factors, theta = rope_metadata(config, {t: float(p["rope_theta"]) for t, p in rope_params.items()})

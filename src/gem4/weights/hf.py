@@ -4,7 +4,10 @@ Layouts (docs/gemma4.md §3.1):
     Gemma4ForCausalLM                 text weights under `model.`
     Gemma4ForConditionalGeneration    text weights under `model.language_model.`; the vision tower's under
                                       `model.vision_tower.` / `model.embed_vision.` (Checkpoint.towers, bound by
-                                      weights/towers.py); the audio tower's ignored
+                                      weights/towers.py); the audio tower's ignored here (weights/audio.py)
+    (MLX: language_model.model.)      what mlx_lm / mlx-vlm save for the multimodal model (towers ignored)
+MLX affine checkpoints (config.json `quantization`; weights/mlx.py) are read here too: their quantized weights
+become MLX_A4 / MLX_A8 (or Q4_1) block tensors, the rest as in any HF checkpoint.
 Config forms (docs/gemma4.md §1.2): top-level `global_head_dim` / `num_global_key_value_heads` (hub
 configs) or `per_layer_config` (what transformers 5.23 re-saves; its keys are layer indices, zero-padded
 from 10 layers on: "05"). Per-layer embeddings are decided by
@@ -21,10 +24,11 @@ import torch
 from safetensors import safe_open
 
 from gem4.config import FULL, ConfigError, ModelConfig, MoEConfig, build_config, rope_default, rope_proportional
+from gem4.weights import mlx
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 
 TEXT_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text")
-TEXT_PREFIXES = ("model.language_model.", "model.")
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # the towers' tensors, kept apart from the text model's (canonical name: without `model.`)
 TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
@@ -219,6 +223,7 @@ def config_from_hf(cfg: dict, shapes: dict[str, tuple[int, ...]], where: Path) -
 
 def open_hf(directory: Path) -> Checkpoint:
     whole, cfg = _text_config(directory)
+    quant = mlx.quantization(whole, directory / "config.json")
     files = safetensors_files(directory)
     handles = [safe_open(str(f), framework="pt") for f in files]
     located: dict[str, tuple[object, str]] = {}          # tensor name -> (handle, file path)
@@ -240,15 +245,22 @@ def open_hf(directory: Path) -> Checkpoint:
             towers[name.removeprefix("model.")] = name
         elif name.startswith(prefix):
             canonical[name[len(prefix):]] = name
-        elif name == "lm_head.weight":
-            canonical["lm_head.weight"] = name
+        elif name in ("lm_head.weight", "lm_head.scales", "lm_head.biases"):     # (MLX: scales and biases too)
+            canonical[name] = name
         else:
             ignored.append(name)                          # the audio tower and its projection
 
-    shapes = {c: tuple(located[n][0].get_slice(n).get_shape()) for c, n in canonical.items()}
+    def shape_of(n: str) -> tuple[int, ...]:
+        return tuple(located[n][0].get_slice(n).get_shape())
+
+    affine: dict[str, mlx.AffineTensor] = {}
+    if quant is not None:                                 # MLX affine: weight + scales + biases -> one tensor
+        canonical, affine = mlx.affine_tensors(canonical, shape_of, lambda n: located[n][0].get_slice(n).get_dtype(),
+                                               lambda n: mlx.mapped(Path(located[n][1]), n), quant, directory)
+    shapes = {c: shape_of(n) for c, n in canonical.items()} | {c: t.shape for c, t in affine.items()}
     config = config_from_hf(cfg, shapes, directory / "config.json")
-    if config.tie_word_embeddings and "lm_head.weight" in canonical:
-        ignored.append(canonical.pop("lm_head.weight"))   # tied: the head is embed_tokens
+    if config.tie_word_embeddings and "lm_head.weight" in shapes:
+        ignored.append(canonical.pop("lm_head.weight", None) or affine.pop("lm_head.weight").name)  # tied: embed_tokens
 
     # vestigial K/V weights of KV-shared layers (docs/gemma4.md §3.4) are not loaded
     for spec in config.layers:
@@ -257,13 +269,24 @@ def open_hf(directory: Path) -> Checkpoint:
                 c = f"layers.{spec.index}.{suffix}"
                 if c in canonical:
                     ignored.append(canonical.pop(c))
+                elif c in affine:
+                    ignored.append(affine.pop(c).name)
 
     tensors = {c: _entry(c, *located[name], name, shapes[c]) for c, name in canonical.items()}
     metadata = {"config.json": cfg, "prefix": prefix}
+    if quant is not None:
+        files = {n: Path(f) for n, (_, f) in located.items()}
+        tensors = {c: mlx.float_entry(e, canonical[c], files) for c, e in tensors.items()}
+        tensors |= {c: mlx.entry(t, files) for c, t in affine.items()}
+        metadata["quantization"] = {c: (t.bits, t.group) for c, t in affine.items() if isinstance(t, mlx.AffineTensor)}
+        experts = sorted(c for c in tensors if c.endswith(mlx.EXPERT_WEIGHTS))
+        if experts:                                       # the streamed experts' identity (weights/expert_stream.py)
+            first = affine.get(experts[0])
+            metadata["expert_file"] = files[first.files[0] if isinstance(first, mlx.AffineTensor)
+                                            else first.gate if first is not None else canonical[experts[0]]]
     from gem4.weights.towers import hf_towers
     tower_tensors, tower_configs = hf_towers(
-        whole, cfg, {c: _entry(c, *located[n], n, tuple(located[n][0].get_slice(n).get_shape())) for c, n in towers.items()},
-        directory / "config.json")
+        whole, cfg, {c: _entry(c, *located[n], n, shape_of(n)) for c, n in towers.items()}, directory / "config.json")
     return Checkpoint(path=directory, format="safetensors", config=config, tensors=tensors, ignored=ignored,
                       metadata=metadata, towers=tower_tensors, tower_configs=tower_configs)
 

@@ -74,7 +74,7 @@ def block_storage(name: str, entry, packed_types: frozenset[GGMLType]) -> str | 
 
 
 def _check_streamable(ckpt: Checkpoint, device: str, slots, memory_limit) -> None:
-    """Streamed experts need a 26B-A4B GGUF on the CPU, and one well-formed option."""
+    """Streamed experts need a 26B-A4B GGUF or MLX checkpoint on the CPU, and one well-formed option."""
     from gem4.weights.expert_stream import ExpertCacheError
 
     if slots is not None and memory_limit is not None:
@@ -87,9 +87,10 @@ def _check_streamable(ckpt: Checkpoint, device: str, slots, memory_limit) -> Non
     if ckpt.config.moe is None:
         raise ExpertCacheError(f"{ckpt.path}: the model has no routed experts to stream "
                                "(expert_cache_slots / memory_limit are for 26B-A4B)")
-    if ckpt.format != "gguf":
-        raise ExpertCacheError(f"{ckpt.path}: experts are streamed from a GGUF file only "
-                               f"(this is a {ckpt.format} checkpoint; gem4 convert writes a GGUF)")
+    experts = [e for name, e in ckpt.tensors.items() if name.endswith(EXPERT_WEIGHTS)]
+    if ckpt.format != "gguf" and not all(e.stream is not None for e in experts):     # MLX: entry.stream
+        raise ExpertCacheError(f"{ckpt.path}: experts are streamed from a GGUF file or an MLX checkpoint only "
+                               f"(this is a float {ckpt.format} checkpoint; gem4 convert writes a GGUF)")
     if torch.device(device).type != "cpu":
         raise ExpertCacheError(f"streamed experts run on the CPU only, not {device!r}")
 
@@ -151,9 +152,13 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
             streamed[name] = entry
             continue
         if storage is not None:
-            raw, ggml_type = entry.raw()
+            raw, ggml_type = entry.raw() if entry.affine is None or storage != "blocks" else (None, None)
             parent, attr = name.rsplit(".", 1)
             module = model.get_submodule(parent)
+            if storage == "blocks" and entry.affine is not None:    # MLX: the file's three tensors, not regrouped
+                q, scales, biases, bits, group = entry.affine()
+                module.keep_affine(q.to(device), scales.to(device), biases.to(device), bits, group)
+                continue
             if storage == "blocks":
                 module.keep_blocks(raw.to(device), ggml_type)
                 continue
@@ -169,7 +174,8 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
         resident = (sum(t.nbytes for t in state.values())
                     + sum(b.nbytes for b in model.buffers() if not b.is_meta))
         packed = {name: block_storage(name, entry, backend.packed_types) == "experts" for name, entry in streamed.items()}
-        model.expert_cache = stream_experts(model, ckpt.path, streamed, packed, torch_dtype, expert_cache_slots,
+        source = ckpt.metadata.get("expert_file", ckpt.path)    # MLX: the file of the first layer's experts
+        model.expert_cache = stream_experts(model, source, streamed, packed, torch_dtype, expert_cache_slots,
                                             memory_limit, resident, runtime)
     model.load_state_dict(state, strict=True, assign=True)
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta

@@ -21,6 +21,11 @@ def summarize(ckpt: Checkpoint) -> dict:
         "index": s.index, "type": s.layer_type, "heads": s.n_heads, "kv_heads": s.n_kv_heads, "head_dim": s.head_dim,
         "k_eq_v": s.k_eq_v, "kv_source": s.kv_source, "mlp": s.intermediate_size,
     } for s in config.layers]
+    quantization = ckpt.metadata.get("quantization")      # MLX affine: canonical name -> (bits, group_size)
+    mlx_affine: dict[str, int] = {}
+    for bits, group in (quantization or {}).values():
+        key = f"{bits}-bit, groups of {group}"
+        mlx_affine[key] = mlx_affine.get(key, 0) + 1
     return {
         "path": str(ckpt.path),
         "format": ckpt.format,
@@ -38,6 +43,7 @@ def summarize(ckpt: Checkpoint) -> dict:
         "parameters": sum(math.prod(e.shape) for e in ckpt.tensors.values()),
         "tensors": len(ckpt.tensors),
         "tensor_types": by_type,
+        "mlx_affine": mlx_affine or None,
         "ignored_tensors": len(ckpt.ignored),
         "kv_bytes_per_token_bf16": kv_bytes_per_token(config, torch.bfloat16),
         "audio": audio_summary(ckpt),
@@ -91,6 +97,8 @@ def format_summary(s: dict) -> str:
     lines.append(f"KV per token   full {kv['full_attention']} B, sliding {kv['sliding_attention']} B (bf16; sliding capped at the window)")
     lines.append("tensors        " + ", ".join(f"{t}: {r['tensors']} ({r['bytes'] / 2**20:.1f} MiB)"
                                                 for t, r in sorted(s["tensor_types"].items())))
+    if s.get("mlx_affine"):
+        lines.append("quantization   MLX affine: " + ", ".join(f"{n} tensors {k}" for k, n in sorted(s["mlx_affine"].items())))
     lines.append("layers         idx type     heads kv  dim  k_eq_v kv_from mlp")
     for l in s["layers"]:
         lines.append(f"               {l['index']:>3} {'full' if l['type'] == 'full_attention' else 'slide':<8} "

@@ -35,7 +35,8 @@ from gem4.model.kernels.build import describe
 
 PACKED_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0,    # formats the compiled kernels read
                           GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
-                          GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+                          GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                          GGMLType.MLX_A4, GGMLType.MLX_A8})        # gem4's blocks of MLX affine checkpoints
 PANEL_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q8_0})   # of those, packed in 16-row panels (panels.h):
                                                           # N padded to 16, no padding along k
 
@@ -88,6 +89,13 @@ def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> tor
     """GGML bytes of an [n_out, k_in] weight of a PACKED_TYPES type -> the kernels' layout, uint8 [rows, row_bytes]
     (Q8_0 / Q4_0: panels of 16 rows, the rows padded to a multiple of 16; the other types: x16 rows)."""
     return _ops().repack(raw.contiguous(), n_out, k_in, int(ggml_type))
+
+
+def affine_blocks(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """An MLX affine weight as its checkpoint stores it (q int32 [R, k_in * bits / 32], bf16 scales / biases
+    [R, k_in / group]) -> gem4's MLX_A4 / MLX_A8 blocks uint8 [R, k_in / 32 * block bytes] (`mlx_affine.cpp`):
+    weights/mlx.py's regrouping in one pass, the same bytes."""
+    return _ops().affine_blocks(q.contiguous(), scales.contiguous(), biases.contiguous(), bits, group)
 
 
 def gemv(x: torch.Tensor, packed: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:

@@ -54,7 +54,7 @@ import torch
 from gem4 import paths
 
 SOURCES = [Path(__file__).with_name(name) for name in ("ggml_gemv.cpp", "bf16_gemv.cpp", "tile_gemm.cpp", "decode_ops.cpp",
-                                                      "chunk_attention.cpp", "decode_layer.cpp")]
+                                                      "chunk_attention.cpp", "decode_layer.cpp", "mlx_affine.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd.h", "ops.h", "ggml_types.h", "kquants.h", "panels.h",
                                                       "tile_gemm.h")]
 # compiler flag -m<key> -> the /proc/cpuinfo flag of the same extension

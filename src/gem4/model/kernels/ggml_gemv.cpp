@@ -6,6 +6,7 @@
 //                           Q4_0: fp16 d | u8 qs[16] (lo nibble: j, hi: j + 16)   w = d * (q - 8)
 //                           Q4_1 / Q5_0 / Q5_1: Q4_0's nibbles (+ qh: bit j = bit 4 of weight j; + fp16 m)
 //                           w = d q + m / d (q - 16) / d q + m
+//                           MLX_A4 / MLX_A8 (gem4's blocks of MLX affine checkpoints): Q4_1 with bf16 s, b; A8 u8 q
 // K-quants (super-blocks of 256 weights): kquants.h. Their x16 rows use Q4_0's 32-weight blocks, groups and
 // nibble order for the low 4 bits of q, plus high-bit vectors and unpacked sub-block scales per group
 // (lossless: dequant gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
@@ -56,6 +57,7 @@
 namespace gem4_ops {
 
 using gem4_ggml::QK, gem4_ggml::Q8_0, gem4_ggml::Q4_0, gem4_ggml::Q4_1, gem4_ggml::Q5_0, gem4_ggml::Q5_1;
+using gem4_ggml::MLX_A4, gem4_ggml::MLX_A8;
 constexpr int GROUP = 16;              // blocks per x16 group
 constexpr int64_t GROUP_ELEMS = GROUP * QK;
 constexpr int MAX_M = 8;               // rows of x handled per pass over a row of W
@@ -63,7 +65,27 @@ constexpr int64_t PREFETCH = 2048;     // software prefetch distance in the weig
 // Q4_1 / Q5_0 / Q5_1 (32-weight blocks): Q4_0's nibbles; Q5_0 / Q5_1 add one high-bit vector per group (bit i
 // of the block's qh placed as for Q5_K, kquants.h); Q4_1 / Q5_1 keep their fp16 m beside d (64 scale bytes a group).
 constexpr bool legacy_high(int64_t t) { return t == Q5_0 || t == Q5_1; }
-constexpr bool legacy_min(int64_t t) { return t == Q4_1 || t == Q5_1; }
+// MLX_A4 / MLX_A8 (MLX's affine checkpoints, ggml_types.h): Q4_1's arithmetic with bf16 s and b in place of
+// fp16 d and m (bf16 -> float32 is exact), MLX_A4 in Q4_1's nibbles; MLX_A8's unsigned bytes take 8 vectors of
+// 64 bytes a group, vector u holding bytes 16 (u % 2) + 4 (u / 2) + 0..3 of each block (affine8_elem), so that its
+// low and high bytes are the activation stream's steps 2u and 2u + 1 (stream_pos).
+constexpr bool affine(int64_t t) { return t == MLX_A4 || t == MLX_A8; }
+constexpr bool legacy_min(int64_t t) { return t == Q4_1 || t == Q5_1 || affine(t); }
+constexpr int64_t affine8_elem(int64_t u, int64_t r) { return 16 * (u % 2) + 4 * (u / 2) + r; }
+// a group's 16 scales (or biases) to float32: bf16 for MLX_A4 / MLX_A8, fp16 for the GGML types
+inline __m512 group_scales(const uint8_t* p, bool bf16) {
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)) : _mm512_cvtph_ps(bits);
+}
+inline float scale_at(const uint8_t* p, bool bf16) {
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    if (!bf16) return _cvtsh_ss(bits);
+    const uint32_t wide = uint32_t{bits} << 16;
+    float f;
+    std::memcpy(&f, &wide, 4);
+    return f;
+}
 
 int64_t groups_of(int64_t k_in) { return (k_in / QK + GROUP - 1) / GROUP; }
 
@@ -84,15 +106,16 @@ int64_t packed_rows(const Format& f, int64_t n_out) { return f.panel ? (n_out + 
 
 Format format_of(int64_t ggml_type, int64_t k_in) {
     const bool k = gem4_kq::is_k(ggml_type);
-    TORCH_CHECK(ggml_type == Q8_0 || ggml_type == Q4_0 || ggml_type == Q4_1 || legacy_high(ggml_type) || k, "GGML type ",
-                ggml_type, " has no kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K have: ggml_types.h)");
+    TORCH_CHECK(ggml_type == Q8_0 || ggml_type == Q4_0 || ggml_type == Q4_1 || legacy_high(ggml_type) || k || affine(ggml_type),
+                "GGML type ", ggml_type, " has no kernels (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MLX_A4 and MLX_A8 "
+                "have: ggml_types.h)");
     const int64_t block = k ? gem4_kq::QK_K : QK;
     TORCH_CHECK(k_in > 0 && k_in % block == 0, "k_in must be a positive multiple of ", block, " for this type");
     if (gem4_panels::is_panel_type(ggml_type)) {
         const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);
         return {ggml_type, gem4_ggml::type_size(ggml_type), QK, P.qb, 0, 0, 0, P.panel_bytes / gem4_panels::PANEL, true};
     }
-    const int64_t q = 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : legacy_high(ggml_type));
+    const int64_t q = ggml_type == MLX_A8 ? 32 : 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : legacy_high(ggml_type));
     const int64_t G = groups_of(k_in);
     const int64_t meta = k ? gem4_kq::meta_bytes(ggml_type) : GROUP * 2 * (legacy_min(ggml_type) ? 2 : 1);
     const int64_t quants_at = (G * meta + 63) / 64 * 64;
@@ -141,6 +164,11 @@ at::Tensor repack(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) 
                 std::memcpy(meta + 2 * lane, blk, 2);                                               // d
                 if (legacy_min(f.type)) std::memcpy(meta + 32 + 2 * lane, blk + 2, 2);              // m
                 const int64_t qh_at = 2 + 2 * legacy_min(f.type), qs_at = qh_at + 4 * legacy_high(f.type);
+                if (f.type == MLX_A8) {
+                    for (int64_t u = 0; u < 8; ++u)
+                        std::memcpy(grp + u * 64 + 4 * lane, blk + qs_at + affine8_elem(u, 0), 4);
+                    continue;
+                }
                 for (int64_t v = 0; v < 4; ++v)
                     std::memcpy(grp + v * 64 + 4 * lane, blk + qs_at + 4 * v, 4);
                 if (legacy_high(f.type)) {                                                          // bit e of qh: weight e
@@ -250,9 +278,10 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
     const int16_t* stream = x.stream;
     const float *dx = x.dx, *xsum = x.xsum;
     const int32_t* corr = x.corr;
-    constexpr bool H5 = legacy_high(TYPE), M = legacy_min(TYPE);
-    constexpr int64_t QB = H5 ? 20 : 16, GB = GROUP * QB;
-    constexpr int NV = 4, steps = 4;          // 64-byte vectors of nibbles; int16 weight vectors per vector
+    constexpr bool H5 = legacy_high(TYPE), M = legacy_min(TYPE), A8 = TYPE == MLX_A8, BF = affine(TYPE);
+    constexpr int64_t QB = H5 ? 20 : A8 ? 32 : 16, GB = GROUP * QB;
+    constexpr int NV = A8 ? 8 : 4, steps = A8 ? 2 : 4;   // 64-byte vectors of nibbles (bytes); int16 weight vectors per vector
+    const __m512i low8 = _mm512_set1_epi16(0x00FF);
     const int64_t G = f.groups;
     const __m512i low4 = _mm512_set1_epi16(0x000F), hmask = _mm512_set1_epi32(0x00100010);
     for (int64_t n = n0; n < n1; ++n) {
@@ -277,10 +306,15 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
                 _mm_prefetch(reinterpret_cast<const char*>(grp + PREFETCH + v * 64), _MM_HINT_T0);
                 const __m512i raw = _mm512_loadu_si512(grp + v * 64);
                 __m512i e[4];
-                e[0] = _mm512_and_si512(raw, low4);                                   // lo nibbles of bytes 0, 2
-                e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);             // lo nibbles of bytes 1, 3
-                e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);             // hi nibbles of bytes 0, 2
-                e[3] = _mm512_srli_epi16(raw, 12);                                    // hi nibbles of bytes 1, 3
+                if constexpr (A8) {
+                    e[0] = _mm512_and_si512(raw, low8);                               // bytes 0, 2
+                    e[1] = _mm512_srli_epi16(raw, 8);                                 // bytes 1, 3
+                } else {
+                    e[0] = _mm512_and_si512(raw, low4);                               // lo nibbles of bytes 0, 2
+                    e[1] = _mm512_and_si512(_mm512_srli_epi16(raw, 8), low4);         // lo nibbles of bytes 1, 3
+                    e[2] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);         // hi nibbles of bytes 0, 2
+                    e[3] = _mm512_srli_epi16(raw, 12);                                // hi nibbles of bytes 1, 3
+                }
 #pragma GCC unroll 4
                 for (int s = 0; s < steps; ++s) {
                     if constexpr (H5)
@@ -289,11 +323,11 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
                         dot[i] = _mm512_dpwssd_epi32(dot[i], e[s], _mm512_load_si512(xs + ((v * steps + s) * MC + i) * 32));
                 }
             }
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
+            const __m512 d = group_scales(meta, BF);
             for (int i = 0; i < MC; ++i)
                 acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_load_ps(dx + at + i * GROUP)), acc[i]);
             if constexpr (M) {
-                const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
+                const __m512 m = group_scales(meta + 32, BF);
                 for (int i = 0; i < MC; ++i) acc[i] = _mm512_fmadd_ps(m, _mm512_load_ps(xsum + at + i * GROUP), acc[i]);
             }
         }
@@ -529,6 +563,8 @@ struct Prepared {
                 case Q4_1: gemv_rows<MC, Q4_1>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case Q5_0: gemv_rows<MC, Q5_0>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case Q5_1: gemv_rows<MC, Q5_1>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case MLX_A4: gemv_rows<MC, MLX_A4>(xc, f, w, y, ldy, n0, n1, sp); break;
+                case MLX_A8: gemv_rows<MC, MLX_A8>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case gem4_kq::Q4_K: gemv_rows_k<MC, gem4_kq::Q4_K>(xc, f, w, y, ldy, n0, n1, sp); break;
                 case gem4_kq::Q5_K: gemv_rows_k<MC, gem4_kq::Q5_K>(xc, f, w, y, ldy, n0, n1, sp); break;
                 default: gemv_rows_k<MC, gem4_kq::Q6_K>(xc, f, w, y, ldy, n0, n1, sp); break;
@@ -772,14 +808,22 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
     }
     const __m512i at_lo = _mm512_load_si512(at), at_hi = _mm512_load_si512(at + 16);
     const __m512i mask4 = _mm512_set1_epi32(0x0F), hbits = _mm512_set1_epi32(ggml_type == gem4_kq::Q6_K ? 3 : 1);
-    alignas(64) uint8_t blocks[GROUP * 16];                 // a group's quant bytes back in block order
+    alignas(64) uint8_t blocks[GROUP * 32];                 // a group's quant bytes back in block order (MLX_A8: by halves)
+    const bool a8 = ggml_type == MLX_A8, bf = affine(ggml_type);
+    // MLX_A8: a block's two transposed halves hold elements [0..3, 16..19, 4..7, 20..23] and [8..11, 24..27, 12..15,
+    // 28..31] (affine8_elem); these indices pick elements 0..15 and 16..31 from the pair
+    const __m512i a8_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i a8_hi = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
     for (int64_t i = n0; i < n1; ++i)
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t n = ids ? ids[i] : i;
             const uint8_t* row = wp + n * f.row_bytes;
             const uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
             const int64_t lane = b % GROUP;
-            if (lane == 0) transpose_group(grp, blocks);     // the group's 4 nibble vectors -> 16 bytes a block
+            if (lane == 0) {                                 // the group's 4 nibble vectors -> 16 bytes a block
+                transpose_group(grp, blocks);
+                if (a8) transpose_group(grp + 256, blocks + GROUP * 16);
+            }
             const uint8_t* q = blocks + 16 * lane;           // the block's quant bytes in GGML order
             __m512 w0, w1;
             if (kq) {                                        // w = (d sc) q - (dmin min), or (d sc) (q - 32): as quants.py
@@ -821,11 +865,14 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                 }
             } else {                                         // w = d (q - 16), (d q) + m: as quants.py
                 const uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
-                uint16_t dbits;
-                std::memcpy(&dbits, meta + 2 * lane, 2);
-                const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
+                const __m512 d = _mm512_set1_ps(scale_at(meta + 2 * lane, bf));
                 const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
                 __m512i lo = _mm512_and_si512(raw, mask4), hi = _mm512_srli_epi32(raw, 4);
+                if (a8) {                                    // bytes, from the block's two halves
+                    const __m512i raw2 = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + GROUP * 16)));
+                    lo = _mm512_permutex2var_epi32(raw, a8_lo, raw2);
+                    hi = _mm512_permutex2var_epi32(raw, a8_hi, raw2);
+                }
                 if (legacy_high(ggml_type)) {
                     uint32_t h0;
                     std::memcpy(&h0, grp + 256 + 4 * lane, 4);
@@ -834,9 +881,7 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                     hi = _mm512_or_si512(hi, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(h, at_hi), hbits), 4));
                 }
                 if (legacy_min(ggml_type)) {             // (d q) + m, two roundings (never one FMA)
-                    uint16_t mbits;
-                    std::memcpy(&mbits, meta + 32 + 2 * lane, 2);
-                    const __m512 m = _mm512_set1_ps(_cvtsh_ss(mbits));
+                    const __m512 m = _mm512_set1_ps(scale_at(meta + 32 + 2 * lane, bf));
                     constexpr int R = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
                     w0 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(lo), R), m, R);
                     w1 = _mm512_add_round_ps(_mm512_mul_round_ps(d, _mm512_cvtepi32_ps(hi), R), m, R);
