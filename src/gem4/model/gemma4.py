@@ -16,7 +16,8 @@ tells its layers beyond the data is the step's `StepLayout` (prefill or decode a
 Precision: the residual stream, norms, RoPE, softmax and router run in float32 in every mode. The
 weight dtype (float32, or bfloat16 in "bfloat16" mode) is what matmul inputs are rounded to (products
 accumulate in float32) and what the KV cache stores unless told otherwise (int8 / fp8: kv_cache/pool.py) --
-the llama.cpp arrangement, which keeps bf16 drift vs the float32 path small (NMSE ~1e-4 on the test fixtures) where bf16 residuals would not.
+the llama.cpp arrangement, which keeps bf16 drift vs the float32 path small (NMSE ~1e-4 on the test fixtures)
+where bf16 residuals would not.
 """
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ void write_kv(at::Tensor& store, const std::optional<at::Tensor>& scales, const 
         store.index_copy_(0, rows, q.to(at::kChar));
         scales->index_copy_(0, rows, scale);
     } else if (store.scalar_type() == at::kFloat8_e4m3fn) {
-        store.index_copy_(0, rows, x.clamp(-448, 448).to(store.scalar_type()));
+        // (index_copy_ has no float8 kernel: the bytes are copied)
+        store.view(at::kByte).index_copy_(0, rows, x.clamp(-448, 448).to(store.scalar_type()).view(at::kByte));
     } else {
         store.index_copy_(0, rows, x.to(store.scalar_type()));
     }
