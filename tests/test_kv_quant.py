@@ -254,3 +254,23 @@ def decode_logits(model, ids, n_prompt, kv):
     cache = model.new_cache(kv)
     model.extend(torch.tensor(ids[:n_prompt]), cache)
     return torch.cat([model.extend(torch.tensor([t]), cache) for t in ids[n_prompt:]])
+
+
+def test_the_engine_sizes_its_pool_by_the_stored_bytes(variants):
+    """The same --kv-cache-memory holds at least about twice the tokens with an 8-bit cache (fp8's blocks are half
+    the bytes, int8's a little more for their scales; the sliding windows' blocks, a fixed count, shrink too and
+    leave more room for the full layers' blocks), and the engine refuses a name it does not know."""
+    from gem4 import Engine
+
+    model = gem4.load(variants["dense_plain"].gguf["q8_0"], dtype="bfloat16")
+    budget = 1 << 20
+    tokens = {kv: Engine(model, kv_cache_bytes=budget, max_model_len=256, kv_cache_dtype=kv).pool_size
+              for kv in ("auto", "int8", "fp8_e4m3")}
+    assert tokens["auto"].total_bytes <= budget and tokens["int8"].total_bytes <= budget
+    assert tokens["fp8_e4m3"].block_bytes * 2 == tokens["auto"].block_bytes
+    assert 2 * tokens["auto"].tokens <= tokens["fp8_e4m3"].tokens
+    assert 1.9 * tokens["auto"].tokens <= tokens["int8"].tokens < tokens["fp8_e4m3"].tokens
+    engine = Engine(model, kv_cache_bytes=budget, max_model_len=256, kv_cache_dtype="int8")
+    assert engine.kv_cache_dtype == torch.int8 and engine._runner.pool.store(0).k.dtype == torch.int8
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        Engine(model, kv_cache_dtype="q8_0")
