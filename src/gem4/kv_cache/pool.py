@@ -27,7 +27,7 @@ and within the window on sliding layers -- are one range [q_lo, q_hi) of that li
 
 The stored dtype (vLLM's --kv-cache-dtype, `kv_cache_dtype`): the model's (float32 or bfloat16, "auto"),
 bfloat16, or one of two 8-bit forms that halve the bytes a token takes and attention reads
-(docs/fast-mode.md §KV cache dtype):
+(docs/fast-mode.md, "KV cache dtype"):
 - int8 (torch.int8): each row of head_dim values -- one KV head at one position -- with a float32 scale
   amax / 127 of its own, the values round(x / scale) in [-127, 127] (GGML's Q8_0, with the row as the block).
   The row is what one query-key dot product reads, so the scale comes out of the sum: q.k = scale * (q.k_int8),
