@@ -12,8 +12,9 @@ and speed, against the bf16 cache, on the same model. Not part of CI.
   agreement, and the agreement where the bf16 run's top two logits are at least 0.1 apart (on random weights
   many positions are near-ties, which any rounding flips). --tiny: the four tiny test variants instead
   (tests/model_fixtures.py, built with transformers, context raised to fit the lengths).
-- speed: one sequence per cache dtype prefilled to --context, then rounds of --tokens greedy-fed decode steps,
-  the dtypes interleaved (bf16, int8, fp8, bf16, ...): decode tok/s per round, median over --rounds.
+- speed: one sequence per cache dtype (--kv; auto = bf16) prefilled to --context, then rounds of --tokens
+  greedy-fed decode steps, the dtypes interleaved (bf16, int8, fp8, bf16, ...): decode tok/s per round, median
+  over --rounds.
 - room: from the file's config alone (engine/pool.py's kv_pool_size with a --kv-cache-memory budget), the most
   sequences of each context length that fit the budget, per cache dtype, and the bytes per token.
 """
@@ -101,16 +102,17 @@ def cmd_speed(a: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (a.context,), generator=gen)
     caches, last = {}, {}
-    for kv in KV:
+    kvs = a.kv
+    for kv in kvs:
         t0 = time.perf_counter()
         caches[kv] = model.new_cache(kv)
         for start in range(0, a.context, a.chunk):
             logits = model.extend(ids[start:start + a.chunk], caches[kv], prefill=True)
         last[kv] = int(logits[-1].argmax())
         print(f"prefill {a.context} tokens, {kv}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    rates: dict[str, list[float]] = {kv: [] for kv in KV}
+    rates: dict[str, list[float]] = {kv: [] for kv in kvs}
     for r in range(a.rounds):
-        for kv in KV:
+        for kv in kvs:
             tok = last[kv]
             t0 = time.perf_counter()
             for _ in range(a.tokens):
@@ -120,12 +122,12 @@ def cmd_speed(a: argparse.Namespace) -> None:
             print(f"round {r} {kv}: {rates[kv][-1]:.2f} tok/s", file=sys.stderr, flush=True)
     print(f"decode at context {a.context} (+{a.rounds * a.tokens}), {a.tokens} tokens a round, {a.rounds} rounds "
           f"interleaved, {torch.get_num_threads()} threads\n")
-    print("| KV cache | decode tok/s, median | min - max | vs bf16 |")
+    print(f"| KV cache | decode tok/s, median | min - max | vs {kvs[0]} |")
     print("|---|---|---|---|")
-    base = statistics.median(rates["auto"])
-    for kv in KV:
+    base = statistics.median(rates[kvs[0]])
+    for kv in kvs:
         med = statistics.median(rates[kv])
-        print(f"| {kv if kv != 'auto' else 'bfloat16'} | {med:.2f} | {min(rates[kv]):.2f} - {max(rates[kv]):.2f} | "
+        print(f"| {kv} | {med:.2f} | {min(rates[kv]):.2f} - {max(rates[kv]):.2f} | "
               f"{med / base:.3f} |")
 
 
@@ -177,6 +179,7 @@ def main() -> None:
     s.add_argument("--chunk", type=int, default=256)
     s.add_argument("--tokens", type=int, default=16)
     s.add_argument("--rounds", type=int, default=3)
+    s.add_argument("--kv", nargs="+", default=list(KV), choices=KV, help="the cache dtypes, the first the baseline")
     s.set_defaults(func=cmd_speed)
     r = sub.add_parser("room")
     r.add_argument("model")
