@@ -86,7 +86,7 @@ def test_an_int8_pool_copies_and_grows_its_scales_with_its_rows():
 # ---- the kernels against their references ----
 
 def stored(x: torch.Tensor, dtype: torch.dtype) -> LayerKV:
-    """A LayerKV holding k = v = x [R, nkv, d] in `dtype` (k and v drawn apart by the caller when it matters)."""
+    """A LayerKV of R rows in `dtype`: k = x [R, nkv, d], v = 3 x with each row reversed (another row, of other scale)."""
     k, ks = quantize(x, dtype)
     v, vs = quantize(x.flip(-1) * 3, dtype)
     return LayerKV(k, v, ks, vs)
