@@ -12,6 +12,7 @@ Ops (their Python wrappers in gem4.model.kernels):
 - gemv_bf16 / linear_bf16: a bf16 weight as stored
 - attend: one decode query row per sequence against a context of --context keys
 - attend_chunk: a prefill chunk of --chunk rows against its keys
+  (both over a KV cache of each --kv dtype: bfloat16, int8, fp8_e4m3)
 
 Each case runs --warmup calls, then --repeats timed rounds of --calls calls; the table gives the median ms a
 call and the min-max of the rounds. AMX: as the machine grants it unless --no-amx. In-cache by default (the
@@ -41,6 +42,8 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=None, help="N:K pairs (default: E2B's)")
     ap.add_argument("--context", type=int, default=512, help="keys an attend query sees")
     ap.add_argument("--chunk", type=int, default=256, help="rows of an attend_chunk call")
+    ap.add_argument("--kv", nargs="+", default=["bfloat16"], choices=["bfloat16", "int8", "fp8_e4m3"],
+                    help="the KV cache dtypes attend / attend_chunk read")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
@@ -109,27 +112,30 @@ def main() -> None:
                     fn = getattr(kernels, op)
                     results.append((op, "bf16", f"{n}x{k}", m, timed(lambda: fn(x, weight()))))
         elif op == "attend":
-            from gem4.kv_cache import Attend
-            for nh, nkv, d in ((8, 1, 256), (8, 1, 512)):          # E2B's sliding and full layers
-                for seqs in (1, 8):
-                    S = args.context
-                    k_store = torch.randn(seqs * S, nkv, d, generator=g).bfloat16()
-                    v_store = torch.randn(seqs * S, nkv, d, generator=g).bfloat16()
-                    a = Attend(torch.arange(seqs * S).view(seqs, S), torch.arange(seqs),
-                               torch.zeros(seqs, dtype=torch.long), torch.full((seqs,), S))
-                    q = torch.randn(seqs, nh, d, generator=g)
-                    results.append((op, "bf16", f"{nh}/{nkv}x{d} ctx {S}", seqs,
-                                    timed(lambda: kernels.attend(q, k_store, v_store, a))))
+            from gem4.kv_cache import Attend, kv_cache_dtype, quantize
+            for kv in args.kv:                                      # the KV cache's stored dtype
+                for nh, nkv, d in ((8, 1, 256), (8, 1, 512)):          # E2B's sliding and full layers
+                    for seqs in (1, 8):
+                        S = args.context
+                        k, ks = quantize(torch.randn(seqs * S, nkv, d, generator=g), kv_cache_dtype(kv, torch.bfloat16))
+                        v, vs = quantize(torch.randn(seqs * S, nkv, d, generator=g), k.dtype)
+                        a = Attend(torch.arange(seqs * S).view(seqs, S), torch.arange(seqs),
+                                   torch.zeros(seqs, dtype=torch.long), torch.full((seqs,), S))
+                        q = torch.randn(seqs, nh, d, generator=g)
+                        results.append((op, kv, f"{nh}/{nkv}x{d} ctx {S}", seqs,
+                                        timed(lambda: kernels.attend(q, k, v, a, ks, vs))))
         elif op == "attend_chunk":
-            for nh, nkv, d in ((8, 1, 256), (8, 1, 512)):
-                T, S = args.chunk, args.context
-                k = torch.randn(S, nkv, d, generator=g).bfloat16()
-                v = torch.randn(S, nkv, d, generator=g).bfloat16()
-                pos = torch.arange(S - T, S)[:, None]
-                mask = torch.arange(S)[None, :] <= pos                 # causal over the last T positions
-                q = torch.randn(T, nh, d, generator=g)
-                results.append((op, "bf16", f"{nh}/{nkv}x{d} ctx {S}", T,
-                                timed(lambda: kernels.attend_chunk(q, k, v, mask))))
+            from gem4.kv_cache import kv_cache_dtype, quantize
+            for kv in args.kv:
+                for nh, nkv, d in ((8, 1, 256), (8, 1, 512)):
+                    T, S = args.chunk, args.context
+                    k, ks = quantize(torch.randn(S, nkv, d, generator=g), kv_cache_dtype(kv, torch.bfloat16))
+                    v, vs = quantize(torch.randn(S, nkv, d, generator=g), k.dtype)
+                    pos = torch.arange(S - T, S)[:, None]
+                    mask = torch.arange(S)[None, :] <= pos                 # causal over the last T positions
+                    q = torch.randn(T, nh, d, generator=g)
+                    results.append((op, kv, f"{nh}/{nkv}x{d} ctx {S}", T,
+                                    timed(lambda: kernels.attend_chunk(q, k, v, mask, ks, vs))))
         else:
             sys.exit(f"unknown op {op!r}")
 

@@ -259,7 +259,7 @@ def test_draft_reads_sliding_blocks_from_p_minus_w_minus_1(variants, assistants)
         hidden = fill(target, seq, fx.ids, p)
         for spec in target.config.layers:
             if spec.is_sliding and spec.owns_kv:
-                for store in seq.pool.store(spec.index):
+                for store in seq.pool.store(spec.index).tensors():
                     store[seq.n * BLOCK_SIZE:] = float("nan")
         view = seq.view(p, sliding_table=[seq.n] + seq.table[1:])
         logits, _ = assistant.forward(target.embed(torch.tensor(fx.ids[p:p + 1])), hidden, view, seq.pool)

@@ -257,6 +257,7 @@ MISTAKES = [
      "argument --chat-template: no such file: {d}/missing.jinja"),
     (["chat", HF, "--chat-template", "{{% if %}}"], "argument --chat-template: chat template syntax error on line 1"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["serve", HF, "--kv-cache-dtype", "fp4"], "argument --kv-cache-dtype: invalid choice: 'fp4'"),
     ([], "the following arguments are required: COMMAND"),
 ]
 
@@ -271,6 +272,13 @@ def test_a_mistake_gets_one_line_naming_its_cause(argv, says, mistakes_dir, vari
     assert len(lines) == 1, proc.stderr                   # one line: no traceback, no usage block, no loading
     assert says.format(**fill) in lines[0], lines[0]
     assert lines[0].startswith("gem4")
+
+
+def test_kv_cache_dtype_choices_are_the_caches_names():
+    from gem4.argtypes import KV_CACHE_DTYPE_CHOICES
+    from gem4.kv_cache import KV_CACHE_DTYPES
+
+    assert KV_CACHE_DTYPE_CHOICES == tuple(KV_CACHE_DTYPES)
 
 
 def test_help_shows_defaults_and_version(tmp_path):

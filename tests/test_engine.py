@@ -555,20 +555,23 @@ def test_scheduler_is_fcfs_with_a_token_budget():
 BATCH_PROMPTS = [(0, 5), (3, 30), (10, 12), (1, 45), (20, 41)]
 
 
-def greedy_alone(model, prompt: list[int], n: int) -> list[int]:
-    return [e.token_id for e in Engine(model, prefill_chunk=8).generate(prompt, SamplingParams(temperature=0, max_tokens=n))]
+def greedy_alone(model, prompt: list[int], n: int, kv: str = "auto") -> list[int]:
+    return [e.token_id for e in Engine(model, prefill_chunk=8, kv_cache_dtype=kv).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=n))]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"),
+                                       ("bfloat16", "fp8_e4m3")])
 @pytest.mark.parametrize("name", ["ple_kvshare", "dense_keqv", "dense_plain", "moe"])
-def test_a_request_decodes_the_same_tokens_in_any_batch(variants, name, dtype):
+def test_a_request_decodes_the_same_tokens_in_any_batch(variants, name, dtype, kv):
     """Greedy tokens equal running alone, with staggered arrivals, different prompt lengths, ring wraps in
-    prefill and decode, a prefill chunk sharing steps with decodes, and an abort in the middle of a batch."""
+    prefill and decode, a prefill chunk sharing steps with decodes, and an abort in the middle of a batch; with
+    the bf16 KV cache and the 8-bit ones (each row quantized on its own, the attention kernels row-invariant)."""
     fx = variants[name]
     model = gem4.load(fx.gguf["q8_0"] if dtype == "bfloat16" else fx.hf_causal, dtype=dtype)
     prompts = [fx.ids[a:b] for a, b in BATCH_PROMPTS]
-    want = [greedy_alone(model, p, 20) for p in prompts]
-    engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_num_batched_tokens=12)
+    want = [greedy_alone(model, p, 20, kv) for p in prompts]
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=4, max_num_batched_tokens=12, kv_cache_dtype=kv)
     params = SamplingParams(temperature=0, max_tokens=20)
     streams = [engine.submit(prompts[0], params), engine.submit(prompts[1], params)]
     got = [[e.token_id for e in itertools.islice(streams[0], 6)]]             # the first decodes alone a while

@@ -85,8 +85,8 @@ def test_two_sequences_in_one_step_see_only_their_own_keys():
 def test_kv_shared_layers_read_their_donor_storage():
     cfg = config(types=(S, F, S, F), shared=2)
     pool = KVPool(cfg, num_blocks=2, num_sliding_blocks=2, dtype=torch.float32)
-    assert pool.store(2)[0] is pool.store(0)[0] and pool.store(3)[1] is pool.store(1)[1]
-    assert sorted(pool._k) == [0, 1]                                   # shared layers own nothing
+    assert pool.store(2).k is pool.store(0).k and pool.store(3).v is pool.store(1).v
+    assert sorted(pool._kv) == [0, 1]                                  # shared layers own nothing
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -108,8 +108,8 @@ def test_one_sequence_cache_grows_keeps_its_rows_and_reuses_sliding_blocks():
     cache = KVCache(cfg, dtype=torch.float32)
     first = cache.pool
     layout = cache.step(2)
-    first.store(0)[0][layout.write[F]] = 7.0
-    first.store(1)[0][layout.write[S]] = 5.0
+    first.store(0).k[layout.write[F]] = 7.0
+    first.store(1).k[layout.write[S]] = 5.0
     cache.commit(2)
     stored: dict[int, int] = dict(zip(layout.write[S].tolist(), [0, 1]))
     for _ in range(40):                                                # past the first pool's 64 rows
@@ -124,7 +124,7 @@ def test_one_sequence_cache_grows_keeps_its_rows_and_reuses_sliding_blocks():
         cache.commit(2)
     assert cache.pool is not first and cache.pool.num_blocks * BLOCK_SIZE >= 82
     assert cache.blocks.num_blocks == cache.pool.num_blocks and len(cache.block_table) == 6
-    assert torch.all(cache.pool.store(0)[0][:2] == 7.0)
+    assert torch.all(cache.pool.store(0).k[:2] == 7.0)
     assert cache.pool.num_sliding_blocks == sliding_blocks_per_seq(3, BLOCK_SIZE)   # the window's blocks, reused
     big = cache.step(60)                                               # a long step: more sliding blocks
     assert big.write[S].unique().numel() == 60 and cache.pool.num_sliding_blocks > 3
@@ -151,14 +151,14 @@ def test_pool_copies_blocks_in_every_owning_layer_of_their_type():
     cfg = config(window=3, types=(S, F, S, F), shared=0)
     pool = KVPool(cfg, num_blocks=4, num_sliding_blocks=3, dtype=torch.float32, block_size=4)
     for layer in range(4):
-        k, v = pool.store(layer)
+        k, v = pool.store(layer).tensors()
         k.copy_(torch.arange(k.numel(), dtype=torch.float32).view_as(k) + 1000 * layer)
         v.copy_(-k)
-    before = {layer: [t.clone() for t in pool.store(layer)] for layer in range(4)}
+    before = {layer: [t.clone() for t in pool.store(layer).tensors()] for layer in range(4)}
     pool.copy_blocks([(1, 3), (3, 0)])                                 # sources are read before any write
     pool.copy_sliding_blocks([(2, 0)])
     for layer in range(4):
-        for new, old in zip(pool.store(layer), before[layer]):
+        for new, old in zip(pool.store(layer).tensors(), before[layer]):
             if cfg.layers[layer].is_sliding:
                 assert torch.equal(new[0:4], old[8:12]) and torch.equal(new[4:], old[4:])
             else:
@@ -209,12 +209,12 @@ def test_block_manager_grows_with_its_pool_and_takes_the_new_ids_last():
 def test_pool_grows_with_its_rows_where_they_are():
     pool = KVPool(config(types=(S, F)), num_blocks=2, num_sliding_blocks=1, dtype=torch.float32, block_size=4)
     for layer in range(2):
-        for store in pool.store(layer):
+        for store in pool.store(layer).tensors():
             store.copy_(torch.rand(store.shape))
     big = pool.grown(4, 3)
     assert (big.num_blocks, big.num_sliding_blocks, big.block_size) == (4, 3, 4)
     for layer, rows, new_rows in ((0, 4, 12), (1, 8, 16)):                # sliding, full
-        for new, old in zip(big.store(layer), pool.store(layer)):
+        for new, old in zip(big.store(layer).tensors(), pool.store(layer).tensors()):
             assert new.shape[0] == new_rows and torch.equal(new[:rows], old)
     with pytest.raises(ValueError, match="cannot shrink"):
         pool.grown(1, 3)

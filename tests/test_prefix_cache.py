@@ -8,6 +8,7 @@ past the window."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -29,11 +30,12 @@ def outputs(events) -> list[tuple[int, float, list]]:
     return [(e.token_id, e.logprob, e.top_logprobs) for e in events]
 
 
-def cold(model, prompt, params=GREEDY):
-    return outputs(Engine(model, prefill_chunk=8, block_size=4, enable_prefix_caching=False).generate(prompt, params))
+def cold(model, prompt, params=GREEDY, kv="auto"):
+    return outputs(Engine(model, prefill_chunk=8, block_size=4, enable_prefix_caching=False,
+                          kv_cache_dtype=kv).generate(prompt, params))
 
 
-def same(got, want, dtype, generated=False):
+def same(got, want, dtype, generated=False, tol=5e-2):
     """Tokens equal; logprobs equal to float32's rounding (a hit computes its rows in other chunks than the
     cold run, and float32 GEMMs of other shapes round differently in the last bits), bit for bit in the fast
     mode (its kernels are row-invariant and each position is computed by the kernels of its kind: runner.py).
@@ -41,13 +43,14 @@ def same(got, want, dtype, generated=False):
     activations on these Q8_0 files) where a cold run computes them as prompt tokens (bf16): every logprob
     within 5e-2, alternatives may trade places where their logprobs are that close, and so may the chosen
     token -- a near-tie (within 5e-2 of the cold run's choice), after which the two paths part and are not
-    compared (which near-ties flip depends on the CPU's kernels: AMX or not)."""
+    compared (which near-ties flip depends on the CPU's kernels: AMX or not). `tol`: that 5e-2, or more where an
+    8-bit cache stores those slightly different K/V (test_a_hit_at_any_split_gives_the_cold_output)."""
     if dtype == "bfloat16" and generated:
         for (t, lp, top), (t0, lp0, top0) in zip(got, want):
             if t != t0:
-                return t in dict(top0) and lp0 - dict(top0)[t] <= 5e-2
-            near = [abs(v - dict(top0)[i]) <= 5e-2 for i, v in top if i in dict(top0)]
-            if abs(lp - lp0) > 5e-2 or not all(near):
+                return t in dict(top0) and lp0 - dict(top0)[t] <= tol
+            near = [abs(v - dict(top0)[i]) <= tol for i, v in top if i in dict(top0)]
+            if abs(lp - lp0) > tol or not all(near):
                 return False
         return len(got) == len(want)
     floats = [x for _, lp, top in got for x in (lp, *(v for _, v in top))]
@@ -62,32 +65,39 @@ def last_event(engine, prompt, params):
     return outputs(events), events[-1]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"),
+                                       ("bfloat16", "fp8_e4m3")])
 @pytest.mark.parametrize("name", ["ple_kvshare", "dense_keqv", "dense_plain", "moe"])
-def test_a_hit_at_any_split_gives_the_cold_output(variants, name, dtype):
+def test_a_hit_at_any_split_gives_the_cold_output(variants, name, dtype, kv):
+    """A hit at any split gives what a cold run with the same KV cache dtype gives (`same`); with an 8-bit cache
+    too: a row is quantized once, when its position is written, so a hit reads the bits a cold run writes."""
     fx = variants[name]
     model = load(fx, dtype)
+    cold_kv = functools.partial(cold, kv=kv)
     base = fx.ids[:40]
     other = prompt_ids(12, seed=99)[1:]
     # 4 seats: sliding blocks for 4 running windows and 4 cached ones, enough to keep every sliding part of
     # the base sequence (12 blocks; with 1 seat the parts of its first blocks would be evicted, see below)
-    engine = Engine(model, prefill_chunk=8, block_size=4, max_num_seqs=4)
+    engine = Engine(model, prefill_chunk=8, block_size=4, max_num_seqs=4, kv_cache_dtype=kv)
     first, end = last_event(engine, base, GREEDY)
-    assert same(first, cold(model, base), dtype) and end.stats.cached_tokens == 0
+    assert same(first, cold_kv(model, base), dtype) and end.stats.cached_tokens == 0
     generated = [t for t, _, _ in first]
     # seeded sampling after a hit draws what a cold start with the same seed draws
     got, end = last_event(engine, base[:30] + other, SEEDED)
-    assert end.stats.cached_tokens == 30 and same(got, cold(model, base[:30] + other, SEEDED), dtype)
+    assert end.stats.cached_tokens == 30 and same(got, cold_kv(model, base[:30] + other, SEEDED), dtype)
     for split in (3, 8, 13, 24, 39):              # in the first window, block boundaries, mid-block, past it
         prompt = base[:split] + other
         got, end = last_event(engine, prompt, GREEDY)
-        assert end.stats.cached_tokens == split and same(got, cold(model, prompt), dtype), split
+        assert end.stats.cached_tokens == split and same(got, cold_kv(model, prompt), dtype), split
     # the whole cached conversation and a new turn: the generated tokens are cached too (but the last,
     # sampled and never computed)
     turn = base + generated + other
     got, end = last_event(engine, turn, GREEDY)
     assert end.stats.cached_tokens == len(base) + len(generated) - 1
-    assert same(got, cold(model, turn), dtype, generated=True)
+    # (an 8-bit cache rounds the generated tokens' slightly different K/V to its own steps, and one value on the
+    # other side of a rounding boundary moves it by a step, ~1/127 of its row's largest: measured up to 0.04 on the
+    # dense variants, 0.4 on MoE, where a routing choice follows; the prompt-only hits above stay bit-exact)
+    assert same(got, cold_kv(model, turn), dtype, generated=True, tol=5e-2 if kv == "auto" else 0.5)
     # the same prompt again: its last token is computed again for its logits
     got, end = last_event(engine, base, GREEDY)
     assert end.stats.cached_tokens == len(base) - 1 and same(got, first, dtype)

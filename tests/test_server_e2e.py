@@ -753,14 +753,16 @@ def test_serve_demo(tmp_path):
 def test_serve_a_gguf_by_its_names_with_a_summary_and_request_log(tiny_dir, tmp_path):
     """A GGUF is served as its file stem and its file name (plus MODEL as typed); one startup summary line
     comes before the ready line and nothing claims readiness earlier; each request gets a log line, and
-    traffic gets a periodic throughput line."""
+    traffic gets a periodic throughput line. The summary names the KV cache's dtype (--kv-cache-dtype int8 here:
+    its prefix cache is reused as a bf16 one is)."""
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.gguf_model import write_gguf
 
     model = tmp_path / "tiny-q8_0.gguf"
     write_gguf(open_checkpoint(tiny_dir), model, "q8_0")
     log = tmp_path / "stderr.txt"
-    with gem4_serve([str(model), "--dtype", "float32", "--log-interval", "0.5", "--max-num-seqs", "2"], log) as url:
+    with gem4_serve([str(model), "--dtype", "float32", "--log-interval", "0.5", "--max-num-seqs", "2",
+                     "--kv-cache-dtype", "int8"], log) as url:
         assert httpx.get(url + "/health").status_code == 200        # ready means ready
         client = client_for(url, key="unused")
         assert [m.id for m in client.models.list().data] == ["tiny-q8_0"]
@@ -774,7 +776,7 @@ def test_serve_a_gguf_by_its_names_with_a_summary_and_request_log(tiny_dir, tmp_
     assert "Uvicorn running on" not in text and "Application startup complete" not in text
     (summary,) = [line for line in text.splitlines() if line.startswith("gem4: model ")]
     assert re.fullmatch(r"gem4: model tiny-q8_0: Gemma 4 dense, \d+ layers, float32, compiled kernels off, \d+ threads, "
-                        r"max_model_len \d+, KV cache [\d.]+ GiB \(\d+ tokens, 2 sequences\), prefix caching on",
+                        r"max_model_len \d+, KV cache [\d.]+ GiB int8 \(\d+ tokens, 2 sequences\), prefix caching on",
                         summary), summary
     requests = re.findall(r"request cmpl-\w+: prompt (\d+) tokens \((\d+) cached\), output (\d+) tokens, "
                           r"TTFT \d+ ms, decode [\d.]+ tok/s, finish length", text)

@@ -51,16 +51,20 @@ def with_drafter(model, drafter, **kw):
     return engine
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8"),
+                                       ("bfloat16", "fp8_e4m3")])
 @pytest.mark.parametrize("name", ["ple_kvshare", "dense_keqv", "dense_plain", "moe"])
-def test_greedy_tokens_equal_plain_decoding(variants, name, dtype):
+def test_greedy_tokens_equal_plain_decoding(variants, name, dtype, kv):
+    """Speculation gives plain decoding's tokens (and in the fast mode its logprobs, bit for bit), with the same KV
+    cache dtype: a rejected draft's K/V rows (quantized, with an 8-bit cache) are overwritten when their positions
+    are computed again."""
     fx = variants[name]
     model = load(fx, dtype)
     params = SamplingParams(temperature=0, max_tokens=30, logprobs=True)
     prompts = [fx.ids[:20] + fx.ids[:20], fx.ids[5:17]]          # a repeated prompt: prompt lookup finds drafts
-    plain = [tokens(Engine(model, prefill_chunk=8), p, params) for p in prompts]
+    plain = [tokens(Engine(model, prefill_chunk=8, kv_cache_dtype=kv), p, params) for p in prompts]
     # prompt lookup, one request after another, then both at once
-    engine = Engine(model, prefill_chunk=8, max_num_seqs=2, speculative_config=NGRAM)
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=2, speculative_config=NGRAM, kv_cache_dtype=kv)
     for p, want in zip(prompts, plain):
         got = tokens(engine, p, params)
         assert [t for t, _ in got] == [t for t, _ in want]
@@ -69,7 +73,7 @@ def test_greedy_tokens_equal_plain_decoding(variants, name, dtype):
     assert engine.spec_drafts > 0 and engine.spec_draft_tokens > engine.spec_accepted_tokens > 0
     # a drafter that is mostly right: whole verified steps accepted, the window wrapping inside them
     oracle = Oracle({tuple(p): [t for t, _ in w] for p, w in zip(prompts, plain)}, k=4, wrong=3)
-    engine = with_drafter(model, oracle)
+    engine = with_drafter(model, oracle, kv_cache_dtype=kv)
     for p, want in zip(prompts, plain):
         got = tokens(engine, p, params)
         assert [t for t, _ in got] == [t for t, _ in want]
@@ -201,15 +205,18 @@ def mtp(assistant_dirs, name, k=3):
     return {"method": "mtp", "model": str(assistant_dirs / name), "num_speculative_tokens": k}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, kv", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
 @pytest.mark.parametrize("name", ["ple_kvshare", "dense_keqv", "dense_plain", "moe"])
-def test_mtp_greedy_tokens_equal_plain_decoding(variants, assistant_dirs, name, dtype):
+def test_mtp_greedy_tokens_equal_plain_decoding(variants, assistant_dirs, name, dtype, kv):
+    """The assistant's drafts, verified, give plain decoding's tokens (the fast mode: and logprobs, bit for bit); also
+    with an int8 cache, whose rows and scales the assistant's attention reads as the target's layers do."""
     fx = variants[name]
     model = load(fx, dtype)
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=True)
     prompts = [fx.ids[:20], fx.ids[7:40]]
-    plain = [tokens(Engine(model, prefill_chunk=8), p, params) for p in prompts]
-    engine = Engine(model, prefill_chunk=8, max_num_seqs=2, speculative_config=mtp(assistant_dirs, name))
+    plain = [tokens(Engine(model, prefill_chunk=8, kv_cache_dtype=kv), p, params) for p in prompts]
+    engine = Engine(model, prefill_chunk=8, max_num_seqs=2, speculative_config=mtp(assistant_dirs, name),
+                    kv_cache_dtype=kv)
     assert engine.speculative_config.method == "mtp"
     streams = [engine.submit(p, params) for p in prompts]             # both drafted in one assistant batch
     got = [[(e.token_id, e.logprob) for e in s] for s in streams]

@@ -118,6 +118,12 @@ CHAT_TEMPLATE_HELP = ("a Jinja chat template file (or the template itself) to us
 SPECULATIVE_HELP = ('speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                     '(prompt lookup; "prompt_lookup_max" / "_min" optional) or \'{"method": "mtp", "model": '
                     'ASSISTANT, "num_speculative_tokens": 4}\' (the Gemma 4 assistant: an HF directory or GGUF)')
+# --kv-cache-dtype's choices: kv_cache.KV_CACHE_DTYPES's names (written here too so that parsing the arguments
+# imports no torch; tests/test_cli.py checks that the two agree)
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "fp8_e4m3", "int8")
+KV_CACHE_DTYPE_HELP = ("what the KV cache stores (vLLM's flag): auto = the model's dtype (bf16 in the fast mode); "
+                       "int8 (a float32 scale per position and KV head) and fp8_e4m3 take half the bytes of bf16, "
+                       "so twice the tokens fit in the same memory, at a small measured drift (docs/fast-mode.md)")
 EXPERT_SLOTS_HELP = ("26B-A4B from a GGUF: keep N routed experts per layer in slots read from the file on demand "
                      "(LFU; N >= the model's top_k) instead of the whole file in memory")
 MEMORY_LIMIT_HELP = ("26B-A4B from a GGUF: keep the process within this many GB (1e9 bytes) -- runtime, resident "

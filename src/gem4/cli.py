@@ -22,7 +22,8 @@ import sys
 import threading
 from pathlib import Path
 
-from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser,
+from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
+                           MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser,
                            chat_template, check_model_or_demo, int_at_least, positive_float, speculative_config)
 
 
@@ -381,6 +382,7 @@ def _generation_options() -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON", help=SPECULATIVE_HELP)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of the longest cached prefix (chat: the conversation so far)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES, help=KV_CACHE_DTYPE_HELP)
     return g
 
 

@@ -10,7 +10,7 @@ def open_engine(args: argparse.Namespace, path: str, log: Callable[[str], None],
     """-> a gem4.Engine over the checkpoint at `path` with a load progress bar on stderr.
 
     From `args`: --tokenizer, --dtype, --device (serve), --chat-template, --expert-cache-slots,
-    --memory-limit, --prefill-chunk, --speculative-config, --enable-prefix-caching. `engine_options` are
+    --memory-limit, --prefill-chunk, --speculative-config, --enable-prefix-caching, --kv-cache-dtype. `engine_options` are
     passed to the Engine as they are (the server's batching and pool sizes). Errors name the real cause
     first (weights.loader.load_with_tokenizer); a checkpoint without a tokenizer says how to give one.
     """
@@ -33,4 +33,5 @@ def open_engine(args: argparse.Namespace, path: str, log: Callable[[str], None],
     if model.expert_cache is not None:
         log(expert_cache_summary(model.expert_cache))
     return Engine(model, tokenizer, prefill_chunk=args.prefill_chunk, speculative_config=args.speculative_config,
-                       enable_prefix_caching=args.enable_prefix_caching, **engine_options)
+                       enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+                       **engine_options)

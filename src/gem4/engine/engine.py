@@ -62,7 +62,7 @@ from gem4.engine.sequence import ABORT, MediaInput, RequestStats, Sequence, Stat
 from gem4.engine.mtp import DRAFT_SLACK, MtpDrafter
 from gem4.engine.pool import kv_pool_size
 from gem4.engine.speculative import SpeculativeConfig
-from gem4.kv_cache import BLOCK_SIZE, BlockManager, KVPool
+from gem4.kv_cache import BLOCK_SIZE, BlockManager, KVPool, kv_cache_dtype as stored_kv_dtype
 from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
 from gem4.structured import GrammarStats, grammar_vocab
 from gem4.weights.assistant import load_assistant
@@ -192,6 +192,10 @@ class Engine:
     exact on sliding layers). On by default, as in vLLM; the pool then keeps twice the sliding-window
     blocks (engine/pool.py's SLIDING_CACHE_FACTOR).
     block_size: positions per KV block (vLLM's --block-size): the unit of paging, sharing and eviction.
+    kv_cache_dtype: what the KV pool stores (vLLM's --kv-cache-dtype): "auto" (the model's dtype: bf16 in the
+    fast mode, float32 in the reference mode), "bfloat16", "int8" (a float32 scale per position and KV head) or
+    "fp8_e4m3" -- the 8-bit forms hold twice the tokens in the same bytes, at a measured drift
+    (docs/fast-mode.md); a torch dtype is taken as well. `kv_pool_size` counts the stored bytes, scales included.
     speculative_config: vLLM's speculative config (`speculative.SpeculativeConfig`: a dict or JSON string,
     e.g. {"method": "ngram", "num_speculative_tokens": 4} or {"method": "mtp", "model": ASSISTANT, ...}):
     each decode step of a request carries up to K drafts -- prompt lookup's, or the Gemma 4 assistant's
@@ -219,6 +223,7 @@ class Engine:
         kv_cache_bytes: int | None = None,
         enable_prefix_caching: bool = True,
         block_size: int = BLOCK_SIZE,
+        kv_cache_dtype: str | torch.dtype = "auto",
         speculative_config=None,
         structured: bool = True,
     ):
@@ -242,13 +247,14 @@ class Engine:
         mtp = self.speculative_config is not None and self.speculative_config.method == "mtp"
         assistant = load_assistant(self.speculative_config.model, target=model) if mtp else None
         slack = DRAFT_SLACK if mtp else 0                # the assistant reads two sliding positions more
-        self.pool_size = kv_pool_size(model.config, model.dtype, max_chunk=prefill_chunk, num_seqs=max_num_seqs,
-                                      max_model_len=self.max_model_len, budget=kv_cache_bytes,
+        self.kv_cache_dtype = stored_kv_dtype(kv_cache_dtype, model.dtype)
+        self.pool_size = kv_pool_size(model.config, self.kv_cache_dtype, max_chunk=prefill_chunk,
+                                      num_seqs=max_num_seqs, max_model_len=self.max_model_len, budget=kv_cache_bytes,
                                       prefix_caching=enable_prefix_caching, block_size=block_size,
                                       window_slack=slack)
         pool = KVPool(model.config, num_blocks=self.pool_size.num_blocks,
-                      num_sliding_blocks=self.pool_size.num_sliding_blocks, dtype=model.dtype, device=model.device,
-                      block_size=block_size)
+                      num_sliding_blocks=self.pool_size.num_sliding_blocks, dtype=self.kv_cache_dtype,
+                      device=model.device, block_size=block_size)
         blocks = BlockManager(pool.num_blocks, pool.block_size, pool.num_sliding_blocks, pool.window + slack,
                               caching=enable_prefix_caching)
         drafter, k = None, 0

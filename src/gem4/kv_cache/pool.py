@@ -18,8 +18,8 @@ step the caller describes each sequence's part with a `SeqStep`, and `KVPool.lay
 `StepLayout` of tensors:
 
     layout = pool.layout([SeqStep(...), ...])     # positions, rows to write, rows each query attends to
-    k_store, v_store = pool.store(layer)          # the layer's KV source: [rows, nkv, d] each
-    k_store[layout.write[type]] = k               # a KV-owning layer writes its new rows (KV-shared: none)
+    kv = pool.store(layer)                        # the layer's KV source (LayerKV): k, v [rows, nkv, d] each
+    kv.write(layout.write[type], k, v)            # a KV-owning layer writes its new rows (KV-shared: none)
     attention over layout.attend[type]            # each query row: a contiguous range of its sequence's keys
 
 A sequence's keys are listed in position order (`Attend.key_rows`), so the keys a query may see -- causal,
@@ -29,6 +29,19 @@ it one range: on sliding layers a query inside the span sees up to the span's en
 the past; full layers stay causal. A step that holds part of a span must hold its end, since a token's output
 depends on the span's later tokens; its start may lie in an earlier step only if that part's K/V were computed
 with the whole span (a prefix-cache hit of the whole image: the engine never splits a span itself).
+
+The stored dtype (vLLM's --kv-cache-dtype, `kv_cache_dtype`): the model's (float32 or bfloat16, "auto"),
+bfloat16, or one of two 8-bit forms that halve the bytes a token takes and attention reads
+(docs/fast-mode.md, "KV cache dtype"):
+- int8 (torch.int8): each row of head_dim values -- one KV head at one position -- with a float32 scale
+  amax / 127 of its own, the values round(x / scale) in [-127, 127] (GGML's Q8_0, with the row as the block).
+  The row is what one query-key dot product reads, so the scale comes out of the sum: q.k = scale * (q.k_int8),
+  and for V it folds into the probability (p * scale) -- one multiply per key, not per value.
+- fp8_e4m3 (torch.float8_e4m3fn): the values themselves, clamped to +-448, no scale (vLLM's fp8 cache
+  without calibrated scales, k_scale = v_scale = 1). A float format's relative step is the same at any
+  magnitude, and K and V here are RMS-normed rows of magnitude ~1, so a scale would add bytes, not precision.
+Either is quantized once, when its position is written (`LayerKV.write`), and dequantized where attention reads
+it (`LayerKV.read` for the reference; the compiled kernels read the 8-bit rows and scales directly).
 
 Sharing (a cached prefix, several choices of one prompt): a block may be in several sequences' tables,
 read-only; the block manager decides when a copy is needed and the pool performs it: `copy_blocks` and
@@ -44,6 +57,80 @@ import torch
 from gem4.config import FULL, SLIDING, ModelConfig
 
 BLOCK_SIZE = 16          # rows per block, both layer types
+
+# --kv-cache-dtype (vLLM's flag and names) -> the stored dtype; "auto": the model's own (kv_cache_dtype)
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+SCALED = torch.int8                        # the stored dtype that carries a float32 scale per row
+FP8_MAX = 448.0                            # the largest finite float8_e4m3fn
+
+
+def kv_cache_dtype(name: str | torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """A --kv-cache-dtype name (KV_CACHE_DTYPES) or a storage dtype -> the dtype a pool stores; "auto": the model's."""
+    if isinstance(name, torch.dtype):
+        dtype = name
+    elif name in KV_CACHE_DTYPES:
+        dtype = KV_CACHE_DTYPES[name] or model_dtype
+    else:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"a KV cache stores float32, bfloat16, float8_e4m3fn or int8, not {dtype}")
+    return dtype
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The --kv-cache-dtype name of a stored dtype (float32: the reference mode's "float32")."""
+    return next((n for n, d in KV_CACHE_DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
+
+
+def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float rows x [..., d] -> (stored [..., d] in `dtype`, int8: the scales [...] float32, else None).
+
+    int8: scale = amax / 127 per row, values round(x / scale) (a row of zeros: scale 0, values 0); fp8_e4m3:
+    clamped to +-FP8_MAX, then rounded to nearest. kernels/decode_ops.cpp's write_kv does the same ops (the fast
+    mode's decode writes), so either path stores the same bits."""
+    if dtype == SCALED:
+        scale = x.abs().amax(dim=-1) / 127
+        q = torch.round(x / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).clamp(-127, 127)
+        return q.to(torch.int8), scale
+    if dtype == torch.float8_e4m3fn:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(dtype), None
+    return x.to(dtype), None
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One KV-owning layer's storage: k, v [R, nkv, d] in the pool's dtype; int8: k_scale, v_scale [R, nkv] float32,
+    the stored value of row r being k[r] * k_scale[r] (module docstring)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Everything stored per row: k, v and (int8) their scales."""
+        return (self.k, self.v) if self.k_scale is None else (self.k, self.v, self.k_scale, self.v_scale)
+
+    def write(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store float K/V [n, nkv, d] at storage rows [n], quantized to the stored dtype (`quantize`)."""
+        for store, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            values, scale = quantize(x, store.dtype)
+            store[rows] = values
+            if scales is not None:
+                scales[rows] = scale
+
+    def gather(self, rows: torch.Tensor) -> "LayerKV":
+        """The storage rows `rows` (any index shape), as stored: a prefill's keys, gathered once per sequence."""
+        if self.k_scale is None:
+            return LayerKV(self.k[rows], self.v[rows])
+        return LayerKV(self.k[rows], self.v[rows], self.k_scale[rows], self.v_scale[rows])
+
+    def read(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of storage rows `rows` (all: None) dequantized to float32 [..., nkv, d]: the reference attention's."""
+        kv = self if rows is None else self.gather(rows)
+        if kv.k_scale is None:
+            return kv.k.float(), kv.v.float()
+        return kv.k.float() * kv.k_scale[..., None], kv.v.float() * kv.v_scale[..., None]
 
 
 @dataclass(frozen=True)
@@ -139,23 +226,23 @@ class KVPool:
         self.num_sliding_blocks = num_sliding_blocks
         self.block_size = block_size
         self.window = config.sliding_window
-        self.dtype = dtype
+        self.dtype = kv_cache_dtype(dtype, dtype)         # what it stores (module docstring)
         self.device = torch.device(device)
-        self._k: dict[int, torch.Tensor] = {}             # owning layer -> [rows, nkv, d]
-        self._v: dict[int, torch.Tensor] = {}
+        self._kv: dict[int, LayerKV] = {}                 # owning layer -> its storage
         for spec in config.layers:
             if spec.owns_kv:
                 rows = (num_sliding_blocks if spec.is_sliding else num_blocks) * block_size
                 shape = (rows, spec.n_kv_heads, spec.head_dim)
                 # uninitialised: a row is only ever read after its sequence wrote it, and untouched pages
                 # cost no memory, so the pool's memory grows with the tokens actually held
-                self._k[spec.index] = torch.empty(shape, dtype=dtype, device=self.device)
-                self._v[spec.index] = torch.empty(shape, dtype=dtype, device=self.device)
+                k, v = (torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2))
+                scales = (torch.empty(shape[:2], dtype=torch.float32, device=self.device) for _ in range(2)) \
+                    if dtype == SCALED else ()
+                self._kv[spec.index] = LayerKV(k, v, *scales)
 
-    def store(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) storage [rows, nkv, d] that `layer` writes (if it owns KV) and reads: its KV source's."""
-        src = self.config.layers[layer].kv_source
-        return self._k[src], self._v[src]
+    def store(self, layer: int) -> LayerKV:
+        """The storage that `layer` writes (if it owns KV) and reads: its KV source's."""
+        return self._kv[self.config.layers[layer].kv_source]
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -168,9 +255,9 @@ class KVPool:
                              f"cannot shrink to {num_blocks} and {num_sliding_blocks}")
         new = KVPool(self.config, num_blocks=num_blocks, num_sliding_blocks=num_sliding_blocks, dtype=self.dtype,
                      device=self.device, block_size=self.block_size)
-        for layer, k in self._k.items():
-            new._k[layer][:k.shape[0]] = k
-            new._v[layer][:k.shape[0]] = self._v[layer]
+        for layer, kv in self._kv.items():
+            for old, grown in zip(kv.tensors(), new._kv[layer].tensors()):
+                grown[:old.shape[0]] = old
         return new
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -198,7 +285,7 @@ class KVPool:
         dst = (torch.tensor(dsts, device=self.device)[:, None] * self.block_size + offsets).flatten()
         for spec in self.config.layers:
             if spec.owns_kv and spec.is_sliding == sliding:
-                for store in (self._k[spec.index], self._v[spec.index]):
+                for store in self._kv[spec.index].tensors():
                     store[dst] = store[src]                         # the gather copies first
 
     def layout(self, seqs: Sequence[SeqStep], prefill: bool = False) -> StepLayout:
@@ -282,13 +369,15 @@ def _pad(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
-    """Cache bytes one token adds, per layer type, counting only layers that own KV (K and V both stored).
+    """Cache bytes one token adds, per layer type, counting only layers that own KV (K and V both stored, and
+    for int8 their float32 scale per KV head).
 
     Sliding layers hold only the positions a query may still see (`sliding_blocks_per_seq`).
     """
     size = torch.empty((), dtype=dtype).element_size()
+    scale = 4 if dtype == SCALED else 0
     out = {SLIDING: 0, FULL: 0}
     for spec in config.layers:
         if spec.owns_kv:
-            out[spec.layer_type] += 2 * spec.n_kv_heads * spec.head_dim * size
+            out[spec.layer_type] += 2 * spec.n_kv_heads * (spec.head_dim * size + scale)
     return out

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from gem4.config import FULL, LAYER_TYPES, SLIDING, ConfigError, ModelConfig
-from gem4.kv_cache import Attend, KVPool, SeqStep
+from gem4.kv_cache import Attend, KVPool, LayerKV, SeqStep
 from gem4.model.gemma4 import MLP
 from gem4.model.layers import QuantLinear, RMSNorm, attend, rope_cos_sin
 
@@ -226,10 +226,10 @@ class AssistantAttention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, config.rms_norm_eps)
         self.o_proj = QuantLinear(spec.n_heads * spec.head_dim, config.hidden_size)
 
-    def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], a: Attend) -> torch.Tensor:
-        return attend(q, kv[0], kv[1], a, prefill=False)
+    def attend(self, q: torch.Tensor, kv: LayerKV, a: Attend) -> torch.Tensor:
+        return attend(q, kv, a, prefill=False)
 
-    def forward(self, h: torch.Tensor, rope, kv: tuple[torch.Tensor, torch.Tensor], a: Attend) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, rope, kv: LayerKV, a: Attend) -> torch.Tensor:
         spec, B = self.spec, h.shape[0]
         q = self.q_norm.with_rope(self.q_proj(h, False).view(B, spec.n_heads, spec.head_dim), *rope)   # [B, nh, d]
         return self.o_proj(self.attend(q, kv, a), False)                                        # [B, Ha]

@@ -1,6 +1,7 @@
 """The CPU backend: gem4's compiled AVX-512 kernels (model/kernels) in place of the reference's torch ops.
 
-The fast mode on CPUs that run the kernels (bfloat16 weights and KV cache). Installed once at load
+The fast mode on CPUs that run the kernels (bfloat16 weights; the KV cache in bf16, int8 or fp8_e4m3, which the
+attention kernels read as stored: kv_cache/pool.py). Installed once at load
 (model/backends.py), in three moves:
 
 - `prepare`, on the module tree before its weights are bound: every module whose class has a kernel
@@ -33,7 +34,7 @@ from gem4.model import kernels
 from gem4.model.assistant import AssistantAttention
 from gem4.model.gemma4 import MLP, Attention, DecoderLayer, Experts, Model
 from gem4.model.layers import GeluMul, QuantLinear, RMSNorm, Softcap, per_sequence
-from gem4.kv_cache import StepLayout
+from gem4.kv_cache import LayerKV, StepLayout
 from gem4.ggml import GGMLType
 
 PACKED_TYPES = kernels.PACKED_TYPES   # the GGML types kept packed (the others are dequantized at load)
@@ -157,33 +158,33 @@ def glu(x: torch.Tensor, gate: QuantLinear, up: QuantLinear, prefill: bool | Non
 
 # ---- blocks ----
 
-def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, first_key: int) -> torch.Tensor:
-    """One sequence's prefill rows through kernels.attend_chunk, with zero keys (masked) in front up to a position
-    that is a multiple of ALIGN_KEYS, so that each row's sums run in an order fixed by positions, whatever the
-    chunk (row-invariant)."""
+def attend_chunk(q: torch.Tensor, kv: LayerKV, mask: torch.Tensor, first_key: int) -> torch.Tensor:
+    """One sequence's prefill rows through kernels.attend_chunk (its keys as stored: bf16, or int8 / fp8, which the
+    kernel dequantizes), with zero keys (masked) in front up to a position that is a multiple of ALIGN_KEYS, so
+    that each row's sums run in an order fixed by positions, whatever the chunk (row-invariant)."""
     pad = first_key % ALIGN_KEYS
     if pad:
-        k, v = (torch.cat([t.new_zeros((pad, *t.shape[1:])), t]) for t in (k, v))
+        kv = LayerKV(*(torch.cat([t.new_zeros((pad, *t.shape[1:])), t]) for t in kv.tensors()))
         mask = torch.cat([mask.new_zeros((mask.shape[0], pad)), mask], dim=1)
-    return kernels.attend_chunk(q, k, v, mask)
+    return kernels.attend_chunk(q, kv.k, kv.v, mask, kv.k_scale, kv.v_scale)
 
 
 class KernelAttention(Attention):
     def project(self, h: torch.Tensor, prefill: bool) -> list[torch.Tensor]:
         return project(h, self.projections(), prefill)
 
-    def attend(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, step: StepLayout) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv: LayerKV, step: StepLayout) -> torch.Tensor:
         """A decode pass's rows in one kernels.attend call that reads the storage rows directly; a prefill pass
         sequence by sequence through kernels.attend_chunk (`attend_chunk`)."""
         a = step.attend[self.spec.layer_type]
         if not step.prefill:
-            return kernels.attend(q, k_store, v_store, a)
-        return per_sequence(q, k_store, v_store, a, attend_chunk)
+            return kernels.attend(q, kv.k, kv.v, a, kv.k_scale, kv.v_scale)
+        return per_sequence(q, kv, a, attend_chunk)
 
 
 class KernelAssistantAttention(AssistantAttention):
-    def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], a) -> torch.Tensor:
-        return kernels.attend(q, kv[0], kv[1], a)
+    def attend(self, q: torch.Tensor, kv: LayerKV, a) -> torch.Tensor:
+        return kernels.attend(q, kv.k, kv.v, a, kv.k_scale, kv.v_scale)
 
 
 class KernelMLP(MLP):
@@ -314,10 +315,10 @@ class KernelDecoderLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, ple: torch.Tensor | None, rope, step: StepLayout, pool) -> torch.Tensor:
         plan, spec = self.plan, self.spec
         if plan is not None and not step.prefill and x.shape[0] <= plan.max_rows:     # a decode pass: one call
-            k_store, v_store = pool.store(spec.index)
+            kv = pool.store(spec.index)
             rows = step.write[spec.layer_type] if spec.owns_kv else None
-            return kernels.decode_layer(x, ple, *rope, k_store, v_store, rows, step.attend[spec.layer_type],
-                                        plan.weights, plan.dims, self.eps)
+            return kernels.decode_layer(x, ple, *rope, kv.k, kv.v, rows, step.attend[spec.layer_type],
+                                        plan.weights, plan.dims, self.eps, kv.k_scale, kv.v_scale)
         return super().forward(x, ple, rope, step, pool)
 
 

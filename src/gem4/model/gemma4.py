@@ -21,8 +21,9 @@ tells its layers beyond the data is the step's `StepLayout` (prefill or decode a
 
 Precision: the residual stream, norms, RoPE, softmax and router run in float32 in every mode. The
 weight dtype (float32, or bfloat16 in "bfloat16" mode) is what matmul inputs are rounded to (products
-accumulate in float32) and what the KV cache stores -- the llama.cpp arrangement, which keeps bf16
-drift vs the float32 path small (NMSE ~1e-4 on the test fixtures) where bf16 residuals would not.
+accumulate in float32) and what the KV cache stores unless told otherwise (int8 / fp8: kv_cache/pool.py) --
+the llama.cpp arrangement, which keeps bf16 drift vs the float32 path small (NMSE ~1e-4 on the test fixtures)
+where bf16 residuals would not.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem4.config import ModelConfig, LayerSpec
-from gem4.kv_cache import KVCache, KVPool, StepLayout
+from gem4.kv_cache import KVCache, KVPool, LayerKV, StepLayout, kv_cache_dtype
 from gem4.model.experts import Resident
 from gem4.model.layers import (
     GeluMul, QuantLinear, RMSNorm, Softcap, attend, embed_scale, experts_forward, rms_norm, rope_cos_sin,
@@ -116,8 +117,8 @@ class Attention(nn.Module):
         """h through Q (and K, V): one output each."""
         return [lin(h, prefill) for lin in self.projections()]
 
-    def attend(self, q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, step: StepLayout) -> torch.Tensor:
-        return attend(q, k_store, v_store, step.attend[self.spec.layer_type], step.prefill)
+    def attend(self, q: torch.Tensor, kv: LayerKV, step: StepLayout) -> torch.Tensor:
+        return attend(q, kv, step.attend[self.spec.layer_type], step.prefill)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], step: StepLayout, pool: KVPool) -> torch.Tensor:
         spec, T = self.spec, h.shape[0]
@@ -129,12 +130,10 @@ class Attention(nn.Module):
             v_raw = k_raw if spec.k_eq_v else qkv[2].view(T, spec.n_kv_heads, spec.head_dim)   # k_eq_v: V = raw K
             k = self.k_norm.with_rope(k_raw, cos, sin)
             v = self.v_norm(v_raw)
-        k_store, v_store = pool.store(spec.index)                                 # [R, nkv, d]: every sequence's rows
+        kv = pool.store(spec.index)                                               # [R, nkv, d]: every sequence's rows
         if spec.owns_kv:                       # E2B/E4B: a KV-shared layer reads what its donor wrote this step
-            rows = step.write[spec.layer_type]                                    # [T]
-            k_store[rows] = k.to(k_store.dtype)
-            v_store[rows] = v.to(v_store.dtype)
-        out = self.attend(q, k_store, v_store, step)                              # [T, nh*d]
+            kv.write(step.write[spec.layer_type], k, v)                          # in the pool's dtype (int8: + scales)
+        out = self.attend(q, kv, step)                                            # [T, nh*d]
         return self.o_proj(out, step.prefill)
 
 
@@ -372,11 +371,13 @@ class Model(nn.Module):
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def new_cache(self) -> KVCache:
-        return KVCache(self.config, dtype=self.dtype, device=self.device)
+    def new_cache(self, kv_dtype: str | torch.dtype = "auto") -> KVCache:
+        """A one-sequence cache storing K/V in `kv_dtype` (a --kv-cache-dtype name or dtype; "auto": the model's)."""
+        return KVCache(self.config, dtype=kv_cache_dtype(kv_dtype, self.dtype), device=self.device)
 
-    def logits(self, token_ids, media: Sequence[MediaItem] = ()) -> torch.Tensor:
-        """Full-sequence logits [len(ids), vocab] float32 with a fresh cache; `media`: soft tokens at positions."""
+    def logits(self, token_ids, media: Sequence[MediaItem] = (), kv_dtype: str | torch.dtype = "auto") -> torch.Tensor:
+        """Full-sequence logits [len(ids), vocab] float32 with a fresh cache (in `kv_dtype`, as `new_cache`);
+        `media`: soft tokens at positions."""
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("token_ids is empty")
@@ -385,4 +386,4 @@ class Model(nn.Module):
         for m in media:
             if not 0 <= m.start <= m.end <= ids.numel():
                 raise ValueError(f"a media item at positions [{m.start}, {m.end}) is outside the {ids.numel()} tokens")
-        return self.extend(ids, self.new_cache(), logits=ids.numel(), media=media)
+        return self.extend(ids, self.new_cache(kv_dtype), logits=ids.numel(), media=media)

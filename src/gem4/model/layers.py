@@ -175,19 +175,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out.reshape(nkv, g, T, d).permute(2, 0, 1, 3).reshape(T, nh * d).to(q.dtype)
 
 
-def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, prefill: bool) -> torch.Tensor:
-    """Attention of a step's query rows q [T, nh, d] over the KV storage [R, nkv, d] of several sequences,
-    each row seeing the keys `a` (kv_cache.Attend) gives it -> [T, nh*d] float32.
+def attend(q: torch.Tensor, kv, a, prefill: bool) -> torch.Tensor:
+    """Attention of a step's query rows q [T, nh, d] over the KV storage of several sequences (kv_cache.LayerKV:
+    [R, nkv, d], in the pool's dtype), each row seeing the keys `a` (kv_cache.Attend) gives it -> [T, nh*d] float32.
 
     A decode pass (a few rows a sequence): every row against its own sequence's keys at once, one batched
     gather (no per-sequence loop, so the decode step compiles as one graph). A prefill pass (many rows of few
-    sequences): sequence by sequence, its keys gathered once (`per_sequence`).
+    sequences): sequence by sequence, its keys gathered once (`per_sequence`). Either reads the gathered rows
+    dequantized to float32 (LayerKV.read).
     """
     if prefill:
-        return per_sequence(q, k_store, v_store, a, lambda q_b, k, v, mask, first_key: attention(q_b, k, v, mask))
+        return per_sequence(q, kv, a, lambda q_b, kv_b, mask, first_key: attention(q_b, *kv_b.read(), mask))
     T, nh, d = q.shape
     keys = a.key_rows[a.q_seq]                                                          # [T, S]
-    k, v = k_store[keys].float(), v_store[keys].float()                                 # [T, S, nkv, d]
+    k, v = kv.read(keys)                                                                # [T, S, nkv, d] float32
     nkv = k.shape[2]
     qg = q.float().reshape(T, nkv, nh // nkv, d)                                        # [T, nkv, g, d]
     scores = torch.einsum("tkgd,tskd->tkgs", qg, k)                                     # [T, nkv, g, S]
@@ -196,9 +197,10 @@ def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, pre
     return out.reshape(T, nh * d)
 
 
-def per_sequence(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, attend_rows) -> torch.Tensor:
-    """A prefill pass's attention, one sequence at a time: attend_rows(q rows [n, nh, d], k, v [S_b, nkv, d] (the
-    sequence's keys it may see, gathered in position order), mask [n, S_b], the position of key 0) -> [n, nh*d]."""
+def per_sequence(q: torch.Tensor, kv, a, attend_rows) -> torch.Tensor:
+    """A prefill pass's attention, one sequence at a time: attend_rows(q rows [n, nh, d], the sequence's keys it may
+    see, gathered in position order as stored (a LayerKV of S_b rows), mask [n, S_b], the position of key 0) ->
+    [n, nh*d]."""
     T = q.shape[0]
     out = q.new_empty((T, q.shape[1] * q.shape[2]), dtype=torch.float32)
     seqs, counts = torch.unique_consecutive(a.q_seq, return_counts=True)
@@ -210,7 +212,7 @@ def per_sequence(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, 
         keys = a.key_rows[b, :seen]
         mask = a.select(torch.arange(rows.start, rows.stop)).mask()[:, :seen]     # [n, S_b]
         first_key = None if a.first_key is None else int(a.first_key[b])
-        out[rows] = attend_rows(q[rows], k_store[keys], v_store[keys], mask, first_key)
+        out[rows] = attend_rows(q[rows], kv.gather(keys), mask, first_key)
     return out
 
 

@@ -19,9 +19,9 @@ import threading
 import time
 from pathlib import Path
 
-from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser,
-                           chat_template, check_model_or_demo, int_at_least, non_negative_float, port, positive_float,
-                           speculative_config)
+from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
+                           MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser, chat_template, check_model_or_demo,
+                           int_at_least, non_negative_float, port, positive_float, speculative_config)
 from gem4.server.store import DEFAULT_RESPONSES_STORE_MB
 
 
@@ -93,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache pool size in GiB (default: room for --max-num-seqs requests of "
                         "--max-model-len, capped at half the available memory); when it is full the newest "
                         "request is preempted and recomputed later")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES, help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of the longest cached prefix of each prompt (finished, aborted and "
                         "running requests'), computing only the rest; exact on every layer")
@@ -235,12 +236,14 @@ def startup_summary(name: str, engine) -> str:
     """One line: model, variant, dtype, kernels, threads, context and the KV pool."""
     import torch
 
+    from gem4.kv_cache import kv_dtype_name
+
     model, config, pool = engine.model, engine.model.config, engine.pool_size
     dtype = str(model.dtype).removeprefix("torch.")
     return (f"gem4: model {name}: Gemma 4 {config.variant}, {config.num_layers} layers, {dtype}, compiled kernels "
             f"{'on' if model.backend == 'cpu' else 'off'}, {torch.get_num_threads()} threads, max_model_len "
-            f"{engine.max_model_len}, KV cache {pool.total_bytes / 2**30:.2f} GiB ({pool.tokens} tokens, "
-            f"{pool.num_seqs} sequences), prefix caching {'on' if engine.prefix_caching else 'off'}"
+            f"{engine.max_model_len}, KV cache {pool.total_bytes / 2**30:.2f} GiB "
+            f"{kv_dtype_name(engine.kv_cache_dtype)} ({pool.tokens} tokens, {pool.num_seqs} sequences), prefix caching {'on' if engine.prefix_caching else 'off'}"
             + ("" if engine.speculative_config is None else
                f", speculative {engine.speculative_config.method} K={engine.speculative_config.num_speculative_tokens}"))
 

@@ -179,16 +179,22 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
     return _ops().rms_norm_rope(x.contiguous(), weight, eps, cos, sin)
 
 
-def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a) -> torch.Tensor:
-    """q [T, nh, d] float32 against the bf16 KV storage [R, nkv, d] of several sequences; `a` (kv_cache.Attend)
-    says which rows each query row sees -> [T, nh*d] float32 (layers.attention)."""
-    return _ops().attend(q.contiguous(), k_store, v_store, a.key_rows, a.q_seq, a.q_lo, a.q_hi)
+def attend(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, a, k_scale: torch.Tensor | None = None,
+           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, nh, d] float32 against the KV storage [R, nkv, d] of several sequences -- bf16, float8_e4m3fn, or int8
+    with its scales [R, nkv] float32 (kv_cache.LayerKV) --; `a` (kv_cache.Attend) says which rows each query row
+    sees -> [T, nh*d] float32 (layers.attention). 8-bit rows are dequantized as they are read: int8 as
+    scale * (q . k_int8) and p * scale for V, fp8 exactly (within float32 rounding of the reference)."""
+    return _ops().attend(q.contiguous(), k_store, v_store, a.key_rows, a.q_seq, a.q_lo, a.q_hi, k_scale, v_scale)
 
 
-def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """attend() for a prefill chunk, on bf16 dot products with float32 sums: q as two bf16 terms (hi + lo),
-    the probabilities rounded to bf16; per block of query rows, the key rows no query of it sees are skipped."""
-    return _ops().attend_chunk(q.contiguous(), k, v, mask.contiguous())
+    the probabilities rounded to bf16; per block of query rows, the key rows no query of it sees are skipped.
+    k / v [S, nkv, d] as attend() takes them: int8 and fp8 values are exact in bf16, an int8 row's scale
+    multiplies its scores (K) and its probabilities before their rounding (V)."""
+    return _ops().attend_chunk(q.contiguous(), k, v, mask.contiguous(), k_scale, v_scale)
 
 
 def decode_layer_schema() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
@@ -199,9 +205,10 @@ def decode_layer_schema() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, 
 
 def decode_layer(x: torch.Tensor, ple: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                  k_store: torch.Tensor, v_store: torch.Tensor, rows: torch.Tensor | None, a,
-                 weights: list[torch.Tensor], dims: list[int], eps: float) -> torch.Tensor:
+                 weights: list[torch.Tensor], dims: list[int], eps: float, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer for a decode-sized x [T, H] float32 (decode_layer.cpp lists the arguments); writes
-    this step's k/v into the storage at `rows` when the layer owns its KV, then attends as `a`
-    (kv_cache.Attend) says."""
+    this step's k/v into the storage at `rows` when the layer owns its KV (quantized as kv_cache.quantize does,
+    bit for bit: int8 with its scales k_scale / v_scale), then attends as `a` (kv_cache.Attend) says."""
     return _ops().decode_layer(x, ple, cos, sin, k_store, v_store, rows, a.key_rows, a.q_seq, a.q_lo, a.q_hi,
-                               weights, dims, eps)
+                               weights, dims, eps, k_scale, v_scale)

@@ -1,6 +1,11 @@
-// Attention of a prefill chunk against the bf16 KV cache, on the CPU's bf16 dot-product instruction.
+// Attention of a prefill chunk against the KV cache, on the CPU's bf16 dot-product instruction.
 //
-//   attend_chunk(q, k, v, mask)    q [T, nh, d] float32, k / v [S, nkv, d] bf16, mask [T, S] bool -> [T, nh * d]
+//   attend_chunk(q, k, v, mask, k_scale?, v_scale?)    q [T, nh, d] float32, k / v [S, nkv, d] bf16, fp8_e4m3 or
+//                                  int8 with k_scale / v_scale [S, nkv] float32, mask [T, S] bool -> [T, nh * d]
+//
+// 8-bit K/V cost no precision here beyond the bf16 cache's: their values are exact in bf16 (int8: integers of
+// at most 7 bits; e4m3: 3 mantissa bits), so they are paired as bf16 like a bf16 cache's, and an int8 row's
+// scale multiplies its column of scores (K) and its probabilities before they are rounded to bf16 (V).
 //
 // The same function as layers.attention (scale 1.0, GQA by query-head groups, a row that sees no key gets
 // zeros), computed per (KV head, block of query tokens):
@@ -29,6 +34,7 @@
 namespace {
 
 using namespace gem4_simd;
+using gem4_ops::KV_BF16, gem4_ops::KV_INT8, gem4_ops::KV_FP8;
 
 constexpr int64_t BLOCK_ROWS = 256;    // query rows (tokens x heads of a group) per task: the scores stay in L2
 constexpr int TILE_ROWS = 8;           // C tile: 8 rows x 32 columns, 16 accumulators
@@ -90,9 +96,38 @@ void matmul_pairs(const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb
     }
 }
 
-// k [S, nkv, d] -> per KV head, pairs along d, each twice (for q_hi, q_lo): [nkv][d][S];
+// The bf16 bits of each byte's value, exact: as an int8 (KV_INT8) or as a float8_e4m3fn (KV_FP8; NaN: 0x7FC0).
+struct ByteToBf16 {
+    uint16_t int8[256], fp8[256];
+    ByteToBf16() {
+        for (int b = 0; b < 256; ++b) {
+            int8[b] = bf16_bits(static_cast<float>(static_cast<int8_t>(b)));
+            const int e = (b >> 3) & 15, m = b & 7;
+            const float mag = e == 15 && m == 7 ? NAN : e == 0 ? std::ldexp(static_cast<float>(m), -9)
+                                                               : std::ldexp(1.0f + m / 8.0f, e - 7);
+            fp8[b] = bf16_bits(b & 0x80 ? -mag : mag);
+        }
+    }
+    static uint16_t bf16_bits(float f) {              // f has at most 8 significant bits: the top half is exact
+        uint32_t u;
+        std::memcpy(&u, &f, sizeof u);
+        return static_cast<uint16_t>(u >> 16);
+    }
+};
+
+// Element i of a storage of KIND as bf16 bits.
+template <int KIND>
+inline uint32_t bf16_at(const uint8_t* base, int64_t i) {
+    static const ByteToBf16 table;
+    if constexpr (KIND == KV_BF16) return reinterpret_cast<const uint16_t*>(base)[i];
+    else if constexpr (KIND == KV_INT8) return table.int8[base[i]];
+    else return table.fp8[base[i]];
+}
+
+// k [S, nkv, d] (elements of KIND) -> per KV head, pairs along d, each twice (for q_hi, q_lo): [nkv][d][S];
 // v -> pairs along S: [nkv][ceil(S / 2)][d].
-void pair_rows(const uint16_t* k, const uint16_t* v, int64_t S, int64_t nkv, int64_t d,
+template <int KIND>
+void pair_rows(const uint8_t* k, const uint8_t* v, int64_t S, int64_t nkv, int64_t d,
                std::vector<uint32_t>& kp, std::vector<uint32_t>& vp) {
     const int64_t S2 = (S + 1) / 2;
     kp.resize(nkv * d * S);
@@ -101,21 +136,22 @@ void pair_rows(const uint16_t* k, const uint16_t* v, int64_t S, int64_t nkv, int
         for (int64_t task = a; task < b; ++task) {
             const int64_t h = task / S2, s2 = task % S2;
             for (int64_t s = 2 * s2; s < std::min(S, 2 * s2 + 2); ++s) {
-                const uint16_t* kr = k + (s * nkv + h) * d;
+                const int64_t kr = (s * nkv + h) * d;
                 uint32_t* kh = kp.data() + h * d * S;
                 for (int64_t p = 0; p < d / 2; ++p)
-                    kh[2 * p * S + s] = kh[(2 * p + 1) * S + s] = kr[2 * p] | (static_cast<uint32_t>(kr[2 * p + 1]) << 16);
+                    kh[2 * p * S + s] = kh[(2 * p + 1) * S + s] = bf16_at<KIND>(k, kr + 2 * p) | (bf16_at<KIND>(k, kr + 2 * p + 1) << 16);
             }
-            const uint16_t* v0 = v + (2 * s2 * nkv + h) * d;
-            const uint16_t* v1 = 2 * s2 + 1 < S ? v0 + nkv * d : nullptr;        // an odd S pairs its last row with 0
+            const int64_t v0 = (2 * s2 * nkv + h) * d;
+            const bool v1 = 2 * s2 + 1 < S;                                       // an odd S pairs its last row with 0
             uint32_t* vr = vp.data() + (h * S2 + s2) * d;
-            for (int64_t c = 0; c < d; ++c) vr[c] = v0[c] | (v1 ? static_cast<uint32_t>(v1[c]) << 16 : 0u);
+            for (int64_t c = 0; c < d; ++c) vr[c] = bf16_at<KIND>(v, v0 + c) | (v1 ? bf16_at<KIND>(v, v0 + nkv * d + c) << 16 : 0u);
         }
     });
 }
 
-// Row r of scores [span] -> softmax over the visible keys (mask row), rounded to bf16 into p [span_pad].
-void softmax_row(float* sr, const bool* mrow, int64_t span, uint16_t* p, int64_t span_pad) {
+// Row r of scores [span] -> softmax over the visible keys (mask row), rounded to bf16 into p [span_pad]; with an
+// int8 V, each probability times its key's scale vs[s * nkv] first.
+void softmax_row(float* sr, const bool* mrow, int64_t span, uint16_t* p, int64_t span_pad, const float* vs, int64_t nkv) {
     std::vector<__mmask16> seen((span + 15) / 16);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     for (int64_t s = 0; s < span; s += 16) {
@@ -137,23 +173,30 @@ void softmax_row(float* sr, const bool* mrow, int64_t span, uint16_t* p, int64_t
         const __mmask16 k = live(s, span);
         _mm512_mask_storeu_ps(sr + s, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + s), inv));
     }
+    if (vs)
+        for (int64_t s = 0; s < span; ++s)
+            if (mrow[s]) sr[s] *= vs[s * nkv];
     to_bf16(sr, p, span);
     if (span_pad > span) p[span] = 0;
 }
 
-// The inputs of attend_chunk: q [T, nh, d] float32, k / v [S, nkv, d] bf16, mask [T, S] bool.
-void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+// The inputs of attend_chunk: q [T, nh, d] float32, k / v [S, nkv, d] bf16 / int8 (+ scales) / fp8, mask [T, S] bool.
+int check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
     TORCH_CHECK(q.dtype() == at::kFloat && q.is_contiguous() && q.dim() == 3, "q must be contiguous float32 [T, heads, d]");
-    TORCH_CHECK(k.dtype() == at::kBFloat16 && v.dtype() == at::kBFloat16 && k.is_contiguous() && v.is_contiguous()
-                && k.dim() == 3 && k.sizes() == v.sizes(), "k, v must be contiguous bf16 [S, kv_heads, d] of one shape");
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.dim() == 3 && k.sizes() == v.sizes(),
+                "k, v must be contiguous bf16 / int8 / fp8 [S, kv_heads, d] of one shape");
+    const int kind = gem4_ops::kv_kind(k, v, k_scale, v_scale);
     const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
     TORCH_CHECK(k.size(2) == d && d % 16 == 0 && nkv > 0 && nh % nkv == 0, "head shapes do not match");
     TORCH_CHECK(mask.dtype() == at::kBool && mask.is_contiguous() && mask.dim() == 2 && mask.size(0) == T && mask.size(1) == S,
                 "mask must be contiguous bool [T, S]");
+    return kind;
 }
 
-at::Tensor attend_chunk(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask) {
-    check_attention_inputs(q, k, v, mask);
+at::Tensor attend_chunk(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mask, std::optional<at::Tensor> k_scale,
+                        std::optional<at::Tensor> v_scale) {
+    const int kind = check_attention_inputs(q, k, v, mask, k_scale, v_scale);
     const int64_t T = q.size(0), nh = q.size(1), d = q.size(2), S = k.size(0), nkv = k.size(1);
     const int64_t g = nh / nkv, S2 = (S + 1) / 2;
     const int64_t tokens_per_block = std::max<int64_t>(1, BLOCK_ROWS / g);
@@ -161,8 +204,12 @@ at::Tensor attend_chunk(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mas
     const bool* mp = mask.data_ptr<bool>();
     const float* qp = q.data_ptr<float>();
     std::vector<uint32_t> kpairs, vpairs;
-    pair_rows(reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
-              reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), S, nkv, d, kpairs, vpairs);
+    const uint8_t *kb = static_cast<const uint8_t*>(k.data_ptr()), *vb = static_cast<const uint8_t*>(v.data_ptr());
+    if (kind == KV_BF16) pair_rows<KV_BF16>(kb, vb, S, nkv, d, kpairs, vpairs);
+    else if (kind == KV_INT8) pair_rows<KV_INT8>(kb, vb, S, nkv, d, kpairs, vpairs);
+    else pair_rows<KV_FP8>(kb, vb, S, nkv, d, kpairs, vpairs);
+    const float* ks = k_scale ? k_scale->data_ptr<float>() : nullptr;     // int8: scores and probabilities scaled
+    const float* vs = v_scale ? v_scale->data_ptr<float>() : nullptr;
     auto out = at::empty({T, nh * d}, q.options());
     float* op = out.data_ptr<float>();
 
@@ -195,9 +242,13 @@ at::Tensor attend_chunk(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mas
                         to_bf16_split(qp + ((t0 + t) * nh + kvh * g) * d, qb.data() + t * g * 2 * d, g * d);
                     scores.resize(rows * span);
                     matmul_pairs(qb.data(), 2 * d, kpairs.data() + kvh * d * S + lo, S, d, scores.data(), span, rows, span);
+                    if (ks)
+                        for (int64_t r = 0; r < rows; ++r)
+                            for (int64_t s = 0; s < span; ++s) scores[r * span + s] *= ks[(lo + s) * nkv + kvh];
                     pb.resize(rows * span_pad);
                     for (int64_t r = 0; r < rows; ++r)
-                        softmax_row(scores.data() + r * span, mp + (t0 + r / g) * S + lo, span, pb.data() + r * span_pad, span_pad);
+                        softmax_row(scores.data() + r * span, mp + (t0 + r / g) * S + lo, span, pb.data() + r * span_pad, span_pad,
+                                    vs ? vs + lo * nkv + kvh : nullptr, nkv);
                     matmul_pairs(pb.data(), span_pad, vpairs.data() + (kvh * S2 + lo / 2) * d, d, span_pad / 2, o.data(), d, rows, d);
                 }
                 for (int64_t t = 0; t < nt; ++t)
@@ -210,5 +261,6 @@ at::Tensor attend_chunk(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor mas
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
-    m.def("attend_chunk(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor", &attend_chunk);
+    m.def("attend_chunk(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor",
+          &attend_chunk);
 }

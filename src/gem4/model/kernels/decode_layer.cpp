@@ -2,11 +2,13 @@
 // the same order on the same values (so the result is bit-identical), without a trip through Python and
 // the dispatcher for each of its ~20 operations.
 //
-//   decode_layer(x, ple, cos, sin, k_store, v_store, rows, key_rows, q_seq, q_lo, q_hi, weights, dims, eps) -> x'
+//   decode_layer(x, ple, cos, sin, k_store, v_store, rows, key_rows, q_seq, q_lo, q_hi, weights, dims, eps,
+//                k_scale?, v_scale?) -> x'
 //
 // x [T, H] float32 (T <= a few rows, of one or several sequences); ple [T, P] (E2B/E4B per-layer input) or
-// None; cos / sin [T, 1, d]. k_store / v_store [R, nkv, d] bf16 are the layer's KV storage: a KV-owning
-// layer first writes its k / v to `rows` [T] (int64), a KV-shared layer (rows None) reads what its donor
+// None; cos / sin [T, 1, d]. k_store / v_store [R, nkv, d] are the layer's KV storage (bf16, fp8_e4m3, or int8
+// with k_scale / v_scale [R, nkv]: kv_cache.LayerKV): a KV-owning layer first writes its k / v to `rows` [T]
+// (int64; quantized as kv_cache.quantize does, `write_kv`), a KV-shared layer (rows None) reads what its donor
 // wrote; then query row t attends to key_rows[q_seq[t], q_lo[t] : q_hi[t]] (kv_cache.Attend, see attend).
 // weights and dims, in the order of the lists below (NORMS, LINEARS; DIMS, then LINEAR_DIMS of each linear), each
 // named as the Python layer names it (model/cpu.py's DecodePlan gives them in its own order, checked against
@@ -24,6 +26,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -153,10 +156,27 @@ struct Layer {
     }
 };
 
+// Float rows x [T, nkv, d] into the storage at `rows`, in its dtype: the ops of kv_cache.quantize, in its order, so
+// that both store the same bits (int8: scale = amax / 127 per row, values round(x / scale); fp8: clamped, rounded).
+void write_kv(at::Tensor& store, const std::optional<at::Tensor>& scales, const at::Tensor& rows, const at::Tensor& x) {
+    if (store.scalar_type() == at::kChar) {
+        const at::Tensor scale = x.abs().amax(-1) / 127;
+        const at::Tensor q = at::round(x / scale.clamp_min(std::numeric_limits<float>::min()).unsqueeze(-1)).clamp(-127, 127);
+        store.index_copy_(0, rows, q.to(at::kChar));
+        scales->index_copy_(0, rows, scale);
+    } else if (store.scalar_type() == at::kFloat8_e4m3fn) {
+        // (index_copy_ has no float8 kernel: the bytes are copied)
+        store.view(at::kByte).index_copy_(0, rows, x.clamp(-448, 448).to(store.scalar_type()).view(at::kByte));
+    } else {
+        store.index_copy_(0, rows, x.to(store.scalar_type()));
+    }
+}
+
 at::Tensor decode_layer(at::Tensor x, std::optional<at::Tensor> ple, at::Tensor cos, at::Tensor sin,
                         at::Tensor k_store, at::Tensor v_store, std::optional<at::Tensor> rows,
                         at::Tensor key_rows, at::Tensor q_seq, at::Tensor q_lo, at::Tensor q_hi,
-                        std::vector<at::Tensor> weights, std::vector<int64_t> dims, double eps) {
+                        std::vector<at::Tensor> weights, std::vector<int64_t> dims, double eps,
+                        std::optional<at::Tensor> k_scale, std::optional<at::Tensor> v_scale) {
     const bool described = (weights.size() == DENSE_WEIGHTS && dims.size() == DENSE_DIMS)
                            || (weights.size() == DENSE_WEIGHTS + N_MOE_WEIGHTS && dims.size() == DENSE_DIMS + N_MOE_DIMS);
     TORCH_CHECK(described, "decode_layer: weights / dims do not describe a decoder layer");
@@ -164,6 +184,7 @@ at::Tensor decode_layer(at::Tensor x, std::optional<at::Tensor> ple, at::Tensor 
     const int64_t T = x.size(0), nh = dims[N_HEADS], nkv = dims[N_KV_HEADS], d = dims[HEAD_DIM];
     const bool owns_kv = dims[OWNS_KV] != 0, k_eq_v = dims[K_EQ_V] != 0;
     TORCH_CHECK(owns_kv == rows.has_value(), "decode_layer: rows are given exactly when the layer owns its KV");
+    kv_kind(k_store, v_store, k_scale, v_scale);                 // checked before anything is written
 
     // attention block
     const at::Tensor h = rms_norm(x, L.norm(IN_NORM), eps, std::nullopt);
@@ -176,10 +197,10 @@ at::Tensor decode_layer(at::Tensor x, std::optional<at::Tensor> ple, at::Tensor 
         const at::Tensor v_raw = k_eq_v ? k_raw : qkv[2].view({T, nkv, d});
         const at::Tensor k = rms_norm_rope(k_raw, L.norm(K_NORM), eps, cos, sin);
         const at::Tensor v = rms_norm(v_raw, std::nullopt, eps, std::nullopt);        // v_norm: no weight, no rope
-        k_store.index_copy_(0, *rows, k.to(k_store.scalar_type()));
-        v_store.index_copy_(0, *rows, v.to(v_store.scalar_type()));
+        write_kv(k_store, k_scale, *rows, k);
+        write_kv(v_store, v_scale, *rows, v);
     }
-    const at::Tensor attn = attend(q, k_store, v_store, key_rows, q_seq, q_lo, q_hi);                    // [T, nh*d]
+    const at::Tensor attn = attend(q, k_store, v_store, key_rows, q_seq, q_lo, q_hi, k_scale, v_scale);   // [T, nh*d]
     x = rms_norm(L.apply(O, attn), L.norm(POST_ATTN), eps, x);
     // feed-forward block
     const at::Tensor f = rms_norm(x, L.norm(PRE_FFN), eps, std::nullopt);
@@ -213,7 +234,7 @@ decode_layer_schema() {
 TORCH_LIBRARY_FRAGMENT(gem4_kernels, m) {
     m.def("decode_layer(Tensor x, Tensor? ple, Tensor cos, Tensor sin, Tensor(a!) k_store, Tensor(b!) v_store, "
           "Tensor? rows, Tensor key_rows, Tensor q_seq, Tensor q_lo, Tensor q_hi, Tensor[] weights, int[] dims, "
-          "float eps) -> Tensor", &decode_layer);
+          "float eps, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor", &decode_layer);
     m.def("decode_layer_schema() -> (str[] weights, str[] dims, str[] moe_weights, str[] moe_dims)",
           &decode_layer_schema);
 }

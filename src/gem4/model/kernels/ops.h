@@ -45,7 +45,13 @@ at::Tensor gemv_bf16(at::Tensor x, at::Tensor w);
 at::Tensor rms_norm(at::Tensor x, std::optional<at::Tensor> w, double eps, std::optional<at::Tensor> residual);
 at::Tensor rms_norm_rope(at::Tensor x, at::Tensor w, double eps, at::Tensor cos, at::Tensor sin);
 at::Tensor attend(at::Tensor q, at::Tensor k_store, at::Tensor v_store, at::Tensor key_rows,
-                  at::Tensor q_seq, at::Tensor q_lo, at::Tensor q_hi);
+                  at::Tensor q_seq, at::Tensor q_lo, at::Tensor q_hi, std::optional<at::Tensor> k_scale,
+                  std::optional<at::Tensor> v_scale);
+// The dtypes a KV storage holds (kv_cache/pool.py): bf16; int8 with a float32 scale per row of head_dim values
+// (k_scale / v_scale [rows, kv_heads]); float8_e4m3fn, plain. kv_kind checks a storage pair and names its kind.
+enum KvKind { KV_BF16, KV_INT8, KV_FP8 };
+int kv_kind(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_scale,
+            const std::optional<at::Tensor>& v_scale);
 at::Tensor gelu_mul(at::Tensor a, at::Tensor b);
 
 }  // namespace gem4_ops
