@@ -265,6 +265,13 @@ class SamplingParams:
         """Temperatures below 1e-5 take the argmax (see the module docstring)."""
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def goes_past_end(self) -> bool:
+        """Whether generation goes on past the model's end-of-generation ids: `ignore_eos`, except under a
+        grammar, which allows an end id only where the output is complete (ignore_eos cannot make it go on
+        past the grammar's end). The engine stops by it, and the server's output parser reads by it."""
+        return self.ignore_eos and self.structured is None
+
 
 @dataclass(frozen=True)
 class SampleOutput:

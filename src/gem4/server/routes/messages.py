@@ -88,7 +88,8 @@ async def messages(request: Request):
                              top_logprobs=0)
     params = await with_grammar(engine, params, prompt)
     out = ChatOutput(engine.tokenizer, prompt.ids, tool_names=prompt.tool_names, stop=chat.stop_list(),
-                     parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0)
+                     parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0,
+                     ignore_eos=params.goes_past_end)
     message_id = f"msg_{uuid.uuid4().hex}"
     gen = ServerRequest(state, message_id, prompt.ids, params, 1, detokenize=False)
     name = config.served_model_name
