@@ -55,28 +55,3 @@ def compiled_kernels():
     from gem4.model import kernels
 
     kernels.available()
-
-
-# ---------------------------------------------------------------------------------------------
-# Exit without the interpreter's finalization
-# ---------------------------------------------------------------------------------------------
-# Known, not yet understood (stop 27's note): under GEM4_NO_KERNELS=1, tests/test_experts.py's process often
-# aborted after every test had passed ("terminate called without an active exception"): while the interpreter
-# finalized, a daemon thread was freeing a graph of objects that holds torch tensors (gdb: THPVariable_clear
-# -> take_gil -> pthread_exit, a forced unwind through libtorch). The test process therefore ends with its exit
-# status as soon as pytest is done, without finalizing; the tests' own results are unaffected.
-
-_exit_status: list[int] = []
-
-
-def pytest_sessionfinish(session, exitstatus):
-    _exit_status.append(int(exitstatus))
-
-
-def pytest_unconfigure(config):
-    if _exit_status and not hasattr(config, "workerinput"):
-        import os
-
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(_exit_status[0])

@@ -319,6 +319,21 @@ def test_feed_after_finish_is_an_error():
         p.feed([1902])
 
 
+def test_with_ignore_eos_nothing_ends_the_output():
+    """An engine run with ignore_eos generates on past its end ids: the parser reads on too (the end tokens
+    and a later <|turn> dropped as stray tokens), where it would otherwise read nothing more."""
+    ids = ids_of("A<turn|>B<eos>C<|tool_response>D<|turn>user\nE<|tool_call>call:f{x:1}<tool_call|>")
+    stopped, _ = run(ids)
+    assert stopped.content == "A" and stopped.stop_token_id == ids[1]
+    result, events = run(ids, ignore_eos=True)
+    assert result.content == "ABCDuser\nE" and result.stop_token_id is None and not result.malformed
+    assert [(c.name, c.arguments) for c in result.tool_calls] == [("f", '{"x":1}')]
+    assert summary(events)[0] == result.content
+    assert summary(run(ids, chunks=[1] * len(ids), ignore_eos=True)[1]) == summary(events)
+    opened, _ = run(ids_of("<|turn>model\nHi<turn|>there"), ignore_eos=True)     # a leading turn header
+    assert opened.content == "Hithere"
+
+
 # ---- where the parser starts ------------------------------------------------------------------------
 
 

@@ -71,6 +71,7 @@ SCRIPTS = {
     "SLOW": "Finally.<turn|>",
     "HOLD": "Released.<turn|>",
     "NEGINF": "Nothing left.<turn|>",   # logprobs of -inf and NaN, as an engine may report them
+    "AGAIN": "Here it is.<|turn>user\nAnd the next question, and the next<turn|>",   # runs on into a new turn
 }
 
 
@@ -451,6 +452,32 @@ def test_a_chat_reply_ended_by_a_stop_string_is_logged_as_stop(fake, caplog):
             [line] = [rec.getMessage() for rec in caplog.records if rid in rec.getMessage()]
             assert line.endswith("finish stop"), line
     assert metric(base, "gem4:request_success_total", finished_reason="stop") == before + 2
+
+
+def test_the_reply_ends_where_the_parser_ends_it(fake):
+    """A reply that runs on into another turn (`<|turn>`, an end of output the engine does not stop at) ends
+    there, as at a stop string: the engine request is stopped, not run on unread. With ignore_eos the engine
+    goes on past every end id, and so does the reply: the text after them is sent (a stream that sent nothing
+    while the engine ran on to max_tokens was issue 34's non-reading client that was not cut)."""
+    engine, base, _ = fake
+    client = client_for(base)
+    ids, first = ids_of(SCRIPTS["AGAIN"]), expected("AGAIN").content         # "Here it is."
+    r = client.chat.completions.create(model="scripted", messages=user("AGAIN"), logprobs=True)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (first, "stop")
+    assert len(r.choices[0].logprobs.content) == r.usage.completion_tokens == ids.index(ids_of("<|turn>")[0]) + 1
+    chunks = list(client.chat.completions.create(model="scripted", messages=user("AGAIN"), stream=True))
+    s = accumulate(chunks)
+    assert (s["content"], s["finish_reason"]) == (first, "stop"), s
+    for rid in (r.id, chunks[0].id):
+        wait_for(lambda: engine.done.get(rid) == "abort")          # stopped there, not run on to the end
+    whole = parse(tiny_tokenizer(), ids, ignore_eos=True).content
+    assert whole.startswith(first) and "question" in whole[len(first):]
+    for stream in (False, True):
+        r = client.chat.completions.create(model="scripted", messages=user("AGAIN"), stream=stream,
+                                           extra_body={"ignore_eos": True})
+        s = accumulate(r) if stream else {"content": r.choices[0].message.content,
+                                          "finish_reason": r.choices[0].finish_reason}
+        assert (s["content"], s["finish_reason"]) == (whole, "stop"), s     # the script's end: the engine's stop
 
 
 def test_stop_limits_are_400_naming_stop_before_any_work(fake):

@@ -72,9 +72,6 @@ def health(base: str) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason="open bug (issue 34, stop 27's note): after the first non-reading stream is cut, the "
-                          "second one's handler often writes nothing until its generation ends, so it is cut only "
-                          "then (finish length, not abort)", strict=False)
 def test_clients_that_do_not_read_are_cut_after_the_write_timeout(tiny_dir, tmp_path):
     """Under --max-connections 2, two streams whose clients never read hold both connections (/health gets
     503) until the write timeout aborts them; their engine requests are aborted (running back to 0, far fewer

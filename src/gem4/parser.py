@@ -40,6 +40,11 @@ Malformed output never raises:
   `<|think|>`, ...) are dropped;
 each sets `ParseResult.malformed` (with a message in `errors`), except dropped stray tokens.
 
+With `ignore_eos` (the engine was asked to generate on past its end ids) nothing ends the output: the
+stop tokens and a `<|turn>` after the first token are dropped like other stray structural tokens and
+the text after them is read on, as vLLM's text goes on past the EOS its detokenizer skips. Otherwise
+the parser would read nothing more of what the engine goes on generating.
+
 Where the parser starts: by default in content, with an optional leading `<|turn>model\\n` skipped.
 Given the prompt ids, it starts in the state the prompt tail implies: if the prompt ends inside an
 open `<|channel>` (thinking, or a continued reasoning prefill), the tail is replayed silently so
@@ -502,6 +507,7 @@ class Gemma4Parser:
     initial_mode: start in this mode instead (CONTENT or REASONING), for callers that know.
     call_id_prefix: tool call ids are `prefix + index`; default `call_<random hex>_`.
     tool_names: if given, a call to another name is malformed (emitted as content).
+    ignore_eos: no token ends the output (see the module docstring).
     """
 
     def __init__(
@@ -512,6 +518,7 @@ class Gemma4Parser:
         initial_mode: Mode | None = None,
         call_id_prefix: str | None = None,
         tool_names: Collection[str] | None = None,
+        ignore_eos: bool = False,
     ):
         sp = tokenizer.special
         self._pieces = tokenizer.piece_table()
@@ -520,6 +527,7 @@ class Gemma4Parser:
         self._stops = sp.end_of_generation
         self._call_prefix = call_id_prefix if call_id_prefix is not None else f"call_{secrets.token_hex(8)}_"
         self._tool_names = None if tool_names is None else frozenset(tool_names)
+        self._ignore_eos = ignore_eos
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
         self.mode = Mode.CONTENT
@@ -678,12 +686,13 @@ class Gemma4Parser:
 
     def _token(self, tid: int) -> None:
         sp, mode = self._sp, self.mode
-        if tid in self._stops or (tid == sp.turn_start and not (self._seen == 1 and mode == Mode.CONTENT)):
+        opening = tid == sp.turn_start and self._seen == 1 and mode == Mode.CONTENT
+        if not self._ignore_eos and (tid in self._stops or (tid == sp.turn_start and not opening)):
             self._end_structures(stopped=True)
             self.stop_token_id = tid
             self.mode = Mode.DONE
             return
-        if tid == sp.turn_start:  # the output opens with <|turn>model\n
+        if opening:  # the output opens with <|turn>model\n
             self.mode = Mode.TURN_HEADER
             self._buf = ""
             return

@@ -273,6 +273,13 @@ class SamplingParams:
         """Whether the engine computes bitmasks for this request (a grammar, a thought budget)."""
         return self.structured is not None or self.thought_budget is not None
 
+    @property
+    def goes_past_end(self) -> bool:
+        """Whether generation goes on past the model's end-of-generation ids: `ignore_eos`, except under a
+        grammar, which allows an end id only where the output is complete (ignore_eos cannot make it go on
+        past the grammar's end). The engine stops by it, and the server's output parser reads by it."""
+        return self.ignore_eos and self.structured is None
+
 
 @dataclass(frozen=True)
 class SampleOutput:

@@ -170,6 +170,14 @@ class Generation:
         self.close()
 
 
+def _build_vocab_if_idle(lock: threading.Lock, busy: threading.Event, vocab) -> None:
+    """The grammar vocabulary timer's work (Engine._schedule_vocab): start the build unless the engine has
+    run or shut down since the timer was set."""
+    with lock:
+        if not busy.is_set():
+            vocab.start()
+
+
 class Engine:
     """Generation over one model: continuous batching of chunked prefills and decodes over one KV pool,
     sampling, stop logic, streaming.
@@ -275,6 +283,7 @@ class Engine:
         self._open: dict[str, int] = {}                 # request id -> choices not finished yet
         self._thread: threading.Thread | None = None
         self._closed = False                            # shutdown() was called: submit refuses
+        self._busy: threading.Event | None = None       # set when the engine stops being idle (see _schedule_vocab)
         self.steps = 0                                  # engine steps run (forward passes)
         self.spec_drafts = 0                            # verification steps with drafts
         self.spec_draft_tokens = 0                      # drafts checked
@@ -328,6 +337,8 @@ class Engine:
                 self.grammar_vocab.start()                # needed now (a thread start: returns at once)
             self._inbox.append(seq)
             if self._thread is None:
+                if self._busy is not None:
+                    self._busy.set()
                 self._thread = threading.Thread(target=self._loop, name="gem4-engine", daemon=True)
                 self._thread.start()
         return stream
@@ -340,6 +351,8 @@ class Engine:
         vocabulary build in progress is waited for too, up to `timeout`)."""
         with self._lock:
             self._closed = True
+            if self._busy is not None:
+                self._busy.set()
             self._aborts.update((request_id, None) for request_id in self._streams)
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -400,18 +413,19 @@ class Engine:
             return len(self._scheduler.running), len(self._scheduler.waiting) + len(self._inbox)
 
     def _schedule_vocab(self) -> None:
-        """Start the grammar vocabulary's build VOCAB_AFTER_S from now if the engine is idle then (construction,
-        and each time the engine runs out of work, until it has started): its GIL hold then delays no request,
-        and a process that ends at once (`gem4 run`) never starts it."""
+        """Start the grammar vocabulary's build VOCAB_AFTER_S from now if the engine has stayed idle until then
+        (construction, and each time the engine runs out of work, until it has started): its GIL hold then
+        delays no request, and a process that ends at once (`gem4 run`) never starts it.
+
+        The timer holds the lock, the vocabulary and an Event set when the engine stops being idle, never the
+        engine: a timer thread holding it would, once it ended after the engine was dropped, drop the last
+        reference and free the model's tensors in that daemon thread, which aborts the process ("terminate
+        called without an active exception") when it happens while the interpreter finalizes."""
         if self.grammar_vocab is not None and not self.grammar_vocab.started:
-            timer = threading.Timer(VOCAB_AFTER_S, self._build_vocab_if_idle)
+            self._busy = threading.Event()
+            timer = threading.Timer(VOCAB_AFTER_S, _build_vocab_if_idle, (self._lock, self._busy, self.grammar_vocab))
             timer.daemon = True
             timer.start()
-
-    def _build_vocab_if_idle(self) -> None:
-        with self._lock:
-            if self._thread is None and not self._closed:
-                self.grammar_vocab.start()
 
     def idle(self) -> bool:
         with self._lock:

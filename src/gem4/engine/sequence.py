@@ -135,10 +135,7 @@ class Sequence:
         self.output_ids: list[int] = []
         self.params = params
         self.max_tokens = max_tokens                  # params.max_tokens, or what the context leaves
-        # a grammar allows an end id only where the output is complete, so a constrained request always
-        # stops at one (ignore_eos cannot make it go on past its grammar's end)
-        ignore_eos = params.ignore_eos and params.structured is None
-        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if ignore_eos else frozenset(end_ids))
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.goes_past_end else frozenset(end_ids))
         self.status = Status.WAITING
         self.num_computed = 0                         # token_ids[:num_computed] are in the KV cache
         self.num_cached_tokens: int | None = None     # prompt tokens the prefix cache held at its first admission

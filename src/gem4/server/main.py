@@ -10,6 +10,7 @@ This module imports nothing heavy at import time: `gem4.cli` builds its parser f
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
@@ -287,8 +288,9 @@ def serve(args: argparse.Namespace) -> int:
     http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                             write_timeout=args.write_timeout, max_connections=max_connections(args))
     server = _uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
-                                            timeout_graceful_shutdown=args.shutdown_timeout, http=http),
-                             app.state.gem4)
+                                            timeout_graceful_shutdown=args.shutdown_timeout + _CANCEL_AFTER_S,
+                                            http=http),
+                             app.state.gem4, args.shutdown_timeout)
     logging.getLogger("uvicorn.error").addFilter(_NoEarlyReadiness())
     _log(f"gem4: loading {path} ...")
     failure: list[BaseException] = []
@@ -323,14 +325,19 @@ def serve(args: argparse.Namespace) -> int:
     return 130 if server.signal == signal.SIGINT else 0
 
 
-def _uvicorn_server(config, state):
+_CANCEL_AFTER_S = 2.0     # after the shutdown timeout: for the handlers of the connections it aborted to end
+
+
+def _uvicorn_server(config, state, shutdown_timeout: float):
     """uvicorn's Server, with gem4's shutdown: on SIGTERM or Ctrl-C every open request ends at once (a stream
     with an error event, then [DONE]; its engine request aborted) instead of uvicorn waiting for it and
-    then cutting it; uvicorn then waits up to `config.timeout_graceful_shutdown` (--shutdown-timeout) for
-    the connections to close, cancels what still runs, and the connections still open (a client that
-    does not read, whose last bytes cannot be flushed) are aborted rather than left to the process's end.
-    The process exits 0 (130 after Ctrl-C) rather than dying of the signal again. `.signal` is the
-    signal that stopped it."""
+    then cutting it; the server then waits up to `shutdown_timeout` (--shutdown-timeout) for the connections
+    to close and aborts the ones still open (a client that does not read, whose last bytes cannot be
+    flushed) rather than leaving them to the process's end. Their handlers see the client gone and end as on
+    any disconnect, a stream's too while it waits to write: uvicorn's own timeout (`config`'s, set
+    `_CANCEL_AFTER_S` later) cancels only a handler that still runs after that, and logs each one it cancels
+    as an exception in the application. The process exits 0 (130 after Ctrl-C) rather than dying of the
+    signal again. `.signal` is the signal that stopped it."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -358,14 +365,19 @@ def _uvicorn_server(config, state):
             stopped = state.shut_down()
             if stopped:
                 _log(f"gem4: stopped {stopped} running request{'s' if stopped != 1 else ''}")
+            cut = asyncio.get_running_loop().call_later(shutdown_timeout, self._abort_open)
             try:
                 await super().shutdown(sockets)
             finally:
-                left = list(self.server_state.connections)
-                for connection in left:
-                    connection.transport.abort()
-                if left:
-                    _log(f"gem4: aborted {len(left)} connection{'s' if len(left) != 1 else ''} that did not "
-                         f"close within {config.timeout_graceful_shutdown:g} s (--shutdown-timeout)")
+                cut.cancel()
+                self._abort_open()
+
+        def _abort_open(self) -> None:
+            left = list(self.server_state.connections)
+            for connection in left:
+                connection.transport.abort()
+            if left:
+                _log(f"gem4: aborted {len(left)} connection{'s' if len(left) != 1 else ''} that did not "
+                     f"close within {shutdown_timeout:g} s (--shutdown-timeout)")
 
     return Server(config)

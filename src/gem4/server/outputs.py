@@ -8,6 +8,13 @@ stop strings (`SamplingParams.stop` is empty) and `ChatOutput` applies them to t
 yields: when one matches, the reply ends there and the engine request is aborted. A completion has no
 such structure; its stop strings go to the engine.
 
+The parser and the engine end a reply at the same tokens: with `ignore_eos` (`SamplingParams.goes_past_end`)
+the parser reads on past the end ids as the engine generates on past them, so the text after them is
+streamed too (as vLLM's is); and where the parser still reads an end the engine does not stop at (a
+`<|turn>` opening another turn), the reply ends there, as at a stop string, and the engine stops it.
+Otherwise every token after it would be generated for nothing, up to max_tokens, and a stream would
+send nothing all that time (its logprobs piling up for the last chunk).
+
 Chat output: the token ids of each event go through `Gemma4Parser` (prompt-aware, so a prompt that
 leaves a thought channel open is read as reasoning). Reasoning goes to `reasoning_content` (and
 `reasoning`), tool calls to `tool_calls` (only calls to declared tools; anything else stays
@@ -32,6 +39,7 @@ from gem4.engine import GenerationEvent
 from gem4.parser import (
     ContentDelta,
     Gemma4Parser,
+    Mode,
     ReasoningDelta,
     ToolCallArgsDelta,
     ToolCallEnd,
@@ -57,14 +65,14 @@ class ChatOutput:
     """Turns one chat request's engine events into OpenAI deltas; keeps the final message.
 
     `feed(event)` returns the deltas the event made certain; `done` is set when the reply is
-    complete (the engine finished, or the server ended it early: a stop string, or the first tool
-    call with parallel_tool_calls=false).
+    complete (the engine finished, or the server ended it early: a stop string, the first tool
+    call with parallel_tool_calls=false, or an end token the engine does not stop at).
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], *, tool_names: frozenset[str], stop: list[str],
-                 parallel_tool_calls: bool, logprobs: bool, top_logprobs: int):
+                 parallel_tool_calls: bool, logprobs: bool, top_logprobs: int, ignore_eos: bool):
         self.tokenizer = tokenizer
-        self.parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids, tool_names=tool_names)
+        self.parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids, tool_names=tool_names, ignore_eos=ignore_eos)
         self.stops = StopStrings(stop)
         self.parallel = parallel_tool_calls
         self.want_logprobs = logprobs
@@ -93,6 +101,8 @@ class ChatOutput:
                                                     event.top_logprobs or [], self.top_logprobs))
                 self._pending += 1
             deltas += self._events(self.parser.feed([event.token_id]))
+            if self._early is None and not event.finished and self.parser.mode is Mode.DONE:
+                self._early = "stop"              # an end the engine does not stop at: the reply ends here
         if self._early is None and event.finished:
             deltas += self._events(self.parser.finish())
         if self._early is not None or event.finished:
@@ -146,7 +156,7 @@ class ChatOutput:
         return [P.ChatDelta(content=text)]
 
     def _flush_content(self) -> list[P.ChatDelta]:
-        return self._content_delta(self.stops.flush()) if self._early != "stop" else []
+        return self._content_delta(self.stops.flush()) if self.stop_sequence is None else []
 
     # ---- output ----
 

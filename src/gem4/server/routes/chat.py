@@ -38,7 +38,7 @@ async def chat_completions(request: Request):
     params = await with_grammar(engine, params, chat)
     outs = [ChatOutput(engine.tokenizer, prompt_ids, tool_names=chat.tool_names, stop=req.stop_list(),
                        parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
-                       top_logprobs=req.top_logprobs or 0) for _ in range(req.n)]
+                       top_logprobs=req.top_logprobs or 0, ignore_eos=params.goes_past_end) for _ in range(req.n)]
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     gen = ServerRequest(state, request_id, prompt_ids, params, req.n, detokenize=False,   # the parser reads the ids
                         media=chat.media)

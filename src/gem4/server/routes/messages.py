@@ -97,7 +97,8 @@ async def messages(request: Request):
         raise M.client_error(req, e) from None
     params = with_thought_budget(engine, params, prompt, M.budget_of(req))
     out = ChatOutput(engine.tokenizer, prompt.ids, tool_names=prompt.tool_names, stop=chat.stop_list(),
-                     parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0)
+                     parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0,
+                     ignore_eos=params.goes_past_end)
     message_id = f"msg_{uuid.uuid4().hex}"
     gen = ServerRequest(state, message_id, prompt.ids, params, 1, detokenize=False)
     name = config.served_model_name

@@ -77,7 +77,7 @@ async def responses(request: Request):
         raise e from None
     chat = ChatOutput(engine.tokenizer, prompt_ids, tool_names=rendered.tool_names, stop=req.stop_list(),
                       parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
-                      top_logprobs=req.top_logprobs or 0)
+                      top_logprobs=req.top_logprobs or 0, ignore_eos=params.goes_past_end)
     out = ResponseOutput(chat, custom, encrypted="reasoning.encrypted_content" in (rreq.include or []))
     gen = ServerRequest(state, shell["id"], prompt_ids, params, 1, detokenize=False)
 
