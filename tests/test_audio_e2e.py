@@ -2,6 +2,8 @@
 clips, and greedy tokens equal to generate()."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,3 +81,120 @@ def test_greedy_tokens_equal_transformers_generate(case):
     while len(got) < len(out):
         got.append(int(model.extend(torch.tensor(got[-1:]), cache)[-1].argmax()))
     assert got == out
+
+
+# ---- through the engine (docs/multimodal.md §5.4) ----
+
+GREEDY = dict(temperature=0, max_tokens=6, logprobs=True)
+AUDIO = TOKEN_IDS["audio_token_id"]
+
+
+def run(engine, ids, media, **params):
+    from gem4 import SamplingParams
+
+    events = list(engine.submit(ids, SamplingParams(**dict(GREEDY, **params)), media=media))
+    return [e.token_id for e in events], [e.logprob for e in events], events[-1].stats
+
+
+def engine_prompt(model, waves, question):
+    from gem4.engine.media import media_prompt
+
+    return media_prompt([2, 17, 33, AUDIO, 40, 41, AUDIO, 40, 41] + question, waves, audio=model.audio.config)
+
+
+def test_media_prompt_expands_each_clip_with_the_checkpoints_ids(case):
+    _, model, waves, ids, media = case
+    got, inputs = engine_prompt(model, waves, [])
+    assert got == ids and [(m.start, m.num_tokens, m.kind, m.bidirectional) for m in inputs] == \
+        [(item.start, item.embeds.shape[0], "audio", False) for item in media]
+
+
+def test_engine_greedy_equals_model_extend_and_transformers(case):
+    """Through the engine in prefill chunks of 16 (each clip is split across chunks: audio is causal): the
+    tokens Model.extend gives, which test_greedy_tokens_equal_transformers_generate holds to generate()."""
+    from gem4 import Engine
+
+    hf, model, waves, ids, media = case
+    cache = model.new_cache()
+    logits = model.extend(torch.tensor(ids), cache, media=media)
+    want = [int(logits[-1].argmax())]
+    while len(want) < 6:
+        want.append(int(model.extend(torch.tensor(want[-1:]), cache)[-1].argmax()))
+    prompt, inputs = engine_prompt(model, waves, [])
+    got, _, stats = run(Engine(model, prefill_chunk=16, block_size=4), prompt, inputs)
+    assert got == want and stats.prompt_tokens == len(ids)
+    with torch.no_grad():
+        assert hf.generate(**hf_inputs(waves, ids), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist() == got
+
+
+def test_engine_prefix_cache_is_keyed_on_the_clip(case):
+    """A second question about the same clips reuses their K/V and answers as a cold run; other clips behind the
+    same placeholders hit only the text before them."""
+    from gem4 import Engine
+
+    _, model, waves, _, _ = case
+    engine = Engine(model, prefill_chunk=64, block_size=4)
+    run(engine, *engine_prompt(model, waves, [30, 31, 32]))
+    ids, media = engine_prompt(model, waves, [50, 51])
+    warm = run(engine, ids, media)
+    cold = run(Engine(model, prefill_chunk=64, block_size=4, enable_prefix_caching=False), ids, media)
+    assert warm[2].cached_tokens >= media[1].end and warm[0] == cold[0]
+    assert warm[1] == pytest.approx(cold[1], rel=1e-5, abs=1e-6)
+    other = [clip(16123, seed=11), clip(7000, seed=12)]
+    ids, media = engine_prompt(model, other, [50, 51])
+    miss = run(engine, ids, media)
+    assert miss[2].cached_tokens <= media[0].start
+    assert miss[0] == run(Engine(model, prefill_chunk=64, block_size=4, enable_prefix_caching=False), ids, media)[0]
+
+
+def test_engine_batches_audio_requests_with_text_ones(case):
+    """Requests with different clips and a text-only one, side by side, each get their tokens alone."""
+    from gem4 import Engine, SamplingParams
+
+    _, model, waves, _, _ = case
+    requests = [engine_prompt(model, waves, [30, 31]), engine_prompt(model, [clip(9000, seed=5), waves[1]], [30]),
+                ([2, 5, 6, 7, 8], [])]
+    alone = [run(Engine(model, prefill_chunk=64, block_size=4), ids, media)[0] for ids, media in requests]
+    engine = Engine(model, prefill_chunk=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=80)
+    streams = [engine.submit(ids, SamplingParams(**GREEDY), media=media) for ids, media in requests]
+    assert [[e.token_id for e in s] for s in streams] == alone
+
+
+def test_preempted_audio_requests_recompute_with_the_same_soft_tokens(case):
+    """A pool too small for three audio requests at once preempts; each still gets the tokens it gets alone."""
+    from gem4 import Engine, SamplingParams
+    from gem4.engine.pool import kv_pool_size
+
+    _, model, _, _, _ = case
+    from gem4.engine.media import media_prompt
+
+    requests = [media_prompt([2, 10, AUDIO, 30, 31], [clip(14000, seed=s)], audio=model.audio.config)
+                for s in (41, 42, 43)]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    want = [[e.token_id for e in Engine(model, prefill_chunk=64).submit(ids, params, media=m)] for ids, m in requests]
+    size = kv_pool_size(model.config, model.dtype, max_chunk=64, num_seqs=3, max_model_len=128, prefix_caching=True)
+    engine = Engine(model, prefill_chunk=64, max_num_seqs=3, max_model_len=128,
+                    kv_cache_bytes=size.num_sliding_blocks * size.sliding_block_bytes + 11 * size.block_bytes)
+    streams = [engine.submit(ids, params, media=m) for ids, m in requests]
+    assert [[e.token_id for e in s] for s in streams] == want and engine.num_preemptions > 0
+
+
+def test_engine_and_media_prompt_refuse_bad_audio(case, variants):
+    from gem4 import Engine
+    from gem4.engine.media import media_prompt
+
+    _, model, waves, _, _ = case
+    ids, media = engine_prompt(model, waves, [30])
+    with pytest.raises(ValueError, match="audio placeholders without an audio"):
+        Engine(model, prefill_chunk=64).submit(ids, media=media[:1])
+    with pytest.raises(ValueError, match="not the audio's placeholders"):
+        Engine(model, prefill_chunk=64).submit([5] + ids[1:], media=[dataclasses.replace(media[0], start=0)])
+    with pytest.raises(ValueError, match="2 audio placeholders for 1 audios"):
+        media_prompt([2, AUDIO, 3, AUDIO], waves[:1], audio=model.audio.config)
+    with pytest.raises(ValueError, match="no audio tower"):
+        media_prompt([2, AUDIO], waves[:1])
+    with pytest.raises(ValueError, match="too short for one soft token"):
+        media_prompt([2, AUDIO], [clip(100, seed=1)], audio=model.audio.config)
+    text_only = gem4.load(variants["dense_plain"].hf_mm, dtype="float32")
+    with pytest.raises(ValueError, match="no tower for media of kind 'audio'"):
+        Engine(text_only, prefill_chunk=64).submit(ids, media=media)
