@@ -1,5 +1,6 @@
 """Audio soft tokens through the text model (E2B-like, causal) against transformers: logits of a prompt with two
-clips, and greedy tokens equal to generate()."""
+clips, and greedy tokens equal to generate(); then through the engine (docs/multimodal.md §5.4): the same tokens,
+the prefix cache keyed on the clips' samples, batch invariance beside text requests, preemption."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,36 +12,14 @@ import gem4
 from gem4.model.audio import encode_audio
 from gem4.model.gemma4 import MediaItem
 
-from model_fixtures import VARIANTS, randomize
-from test_audio_tower import TINY_AUDIO, clip
+from audio_fixtures import build_audio_hf
+from test_audio_tower import clip
 from vision_fixtures import TOKEN_IDS
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
-
-    config = Gemma4Config(text_config=Gemma4TextConfig(**VARIANTS["ple_kvshare"]), vision_config=None,
-                          audio_config=Gemma4AudioConfig(**TINY_AUDIO), **TOKEN_IDS)
-    config._attn_implementation = "eager"
-    hf = Gemma4ForConditionalGeneration(config).eval()
-    randomize(hf.model.language_model, 7)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
-            if "audio" not in name or "inv_timescales" in name or name.endswith("softcap"):
-                continue
-            if name.endswith(("input_min", "output_min")):
-                p.fill_(-(1 + 2 * torch.rand((), generator=gen)).item())
-            elif name.endswith(("input_max", "output_max")):
-                p.fill_((1 + 2 * torch.rand((), generator=gen)).item())
-            elif "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("per_dim_scale"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-    hf.config._attn_implementation = "eager"
+    hf = build_audio_hf()
     path = tmp_path_factory.mktemp("e2e")
     hf.save_pretrained(path)
     model = gem4.load(path, dtype="float32")
