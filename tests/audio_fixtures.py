@@ -1,20 +1,23 @@
 """A tiny random E2B-like `Gemma4ForConditionalGeneration` with an audio tower (no vision), built by transformers at
 test time: the text model of model_fixtures' "ple_kvshare" variant, test_audio_tower's 2-layer D=32 conformer with
 every audio weight randomised (clip bounds finite, +-1..3, so that clamping fires), and vision_fixtures' media
-token ids (504-506: <|audio|>, <|audio>, <audio|>) inside the tiny vocabulary."""
+token ids (504-506: <|audio|>, <|audio>, <audio|>) inside the tiny vocabulary; with `vision`, also vision_fixtures'
+E2B-like vision tower (both towers, as E2B/E4B have)."""
 from __future__ import annotations
 
 import torch
 
 from model_fixtures import VARIANTS, randomize
 from test_audio_tower import TINY_AUDIO
-from vision_fixtures import TOKEN_IDS
+from vision_fixtures import FLAVOURS, TOKEN_IDS, randomize_vision
 
 
-def build_audio_hf(seed: int = 7):
-    from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig
+def build_audio_hf(seed: int = 7, vision: bool = False):
+    from transformers import (Gemma4AudioConfig, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig,
+                              Gemma4VisionConfig)
 
-    config = Gemma4Config(text_config=Gemma4TextConfig(**VARIANTS["ple_kvshare"]), vision_config=None,
+    config = Gemma4Config(text_config=Gemma4TextConfig(**VARIANTS["ple_kvshare"]),
+                          vision_config=Gemma4VisionConfig(**FLAVOURS["e2b"][1]) if vision else None,
                           audio_config=Gemma4AudioConfig(**TINY_AUDIO), **TOKEN_IDS)
     config._attn_implementation = "eager"
     hf = Gemma4ForConditionalGeneration(config).eval()
@@ -34,5 +37,7 @@ def build_audio_hf(seed: int = 7):
                 p.copy_(torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    if vision:
+        randomize_vision(hf, seed + 1)
     hf.config._attn_implementation = "eager"
     return hf

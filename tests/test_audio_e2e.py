@@ -177,3 +177,33 @@ def test_engine_and_media_prompt_refuse_bad_audio(case, variants):
     text_only = gem4.load(variants["dense_plain"].hf_mm, dtype="float32")
     with pytest.raises(ValueError, match="no tower for media of kind 'audio'"):
         Engine(text_only, prefill_chunk=64).submit(ids, media=media)
+
+
+def test_an_image_and_a_clip_in_one_prompt(tmp_path):
+    """Both towers (as E2B/E4B): media_prompt expands an image and a clip in the prompt's order; the engine's
+    greedy tokens equal transformers' generate() with pixel values and audio features together."""
+    from transformers import Gemma4ImageProcessorPil
+
+    from gem4 import Engine
+    from gem4.engine.media import media_prompt
+    from gem4.media.image import preprocess
+    from vision_fixtures import sample_image
+
+    hf = build_audio_hf(seed=9, vision=True)
+    hf.save_pretrained(tmp_path)
+    model = gem4.load(tmp_path, dtype="float32")
+    image, wave = sample_image(96, 144, seed=3), clip(12000, seed=4)
+    image_id = TOKEN_IDS["image_token_id"]
+    ids, media = media_prompt([2, 10, AUDIO, 20, image_id, 30, 31], [wave, preprocess(image, 70, patch_size=16,
+                                                                                         pooling=3)],
+                              vision=model.vision.config, audio=model.audio.config)
+    assert [m.kind for m in media] == ["audio", "image"] and media[1].start > media[0].end
+    got, _, _ = run(Engine(model, prefill_chunk=32, block_size=4), ids, media)
+    pixels = Gemma4ImageProcessorPil()(images=[image], max_soft_tokens=70, return_tensors="pt")
+    inputs = hf_inputs([wave], ids)
+    with torch.no_grad():
+        want = hf.generate(**inputs, pixel_values=pixels["pixel_values"],
+                           image_position_ids=pixels["image_position_ids"],
+                           mm_token_type_ids=(inputs["input_ids"] == image_id).long(), max_new_tokens=6,
+                           do_sample=False)[0, len(ids):].tolist()
+    assert got == want

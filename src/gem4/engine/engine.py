@@ -349,10 +349,10 @@ class Engine:
         self.shutdown()
 
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, n: int = 1) -> Generation:
+                 request_id: str | None = None, n: int = 1, media: Seq[MediaInput] = ()) -> Generation:
         """Submit now (errors raise here) and return an iterator over the events; closing or dropping
         it before the final event aborts the request."""
-        return Generation(self.submit(prompt, params, request_id=request_id, n=n))
+        return Generation(self.submit(prompt, params, request_id=request_id, n=n, media=media))
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Ask the engine to stop a request -- or, with `index`, only that choice of it (the others go on;

@@ -211,8 +211,8 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
             raise ValueError(f"content part {i}: {'images' if kind == 'image_url' else 'audio'} are accepted in "
                              f"user messages only")
         elif kind in _UNSUPPORTED_PARTS:
-            raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input is not supported "
-                             "(this server runs a text-only model)")
+            raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input of type '{kind}' is not supported "
+                             "(images come as 'image_url' parts, audio as 'input_audio' parts, in user messages)")
         else:
             raise ValueError(f"content part {i} has unknown type '{kind}'")
     return parts
