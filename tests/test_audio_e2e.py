@@ -75,6 +75,15 @@ def run(engine, ids, media, **params):
     return [e.token_id for e in events], [e.logprob for e in events], events[-1].stats
 
 
+def greedy_extend(model, ids, media, n=6):
+    cache = model.new_cache()
+    logits = model.extend(torch.tensor(ids), cache, media=media)
+    out = [int(logits[-1].argmax())]
+    while len(out) < n:
+        out.append(int(model.extend(torch.tensor(out[-1:]), cache)[-1].argmax()))
+    return out
+
+
 def engine_prompt(model, waves, question):
     from gem4.engine.media import media_prompt
 
@@ -94,11 +103,7 @@ def test_engine_greedy_equals_model_extend_and_transformers(case):
     from gem4 import Engine
 
     hf, model, waves, ids, media = case
-    cache = model.new_cache()
-    logits = model.extend(torch.tensor(ids), cache, media=media)
-    want = [int(logits[-1].argmax())]
-    while len(want) < 6:
-        want.append(int(model.extend(torch.tensor(want[-1:]), cache)[-1].argmax()))
+    want = greedy_extend(model, ids, media)
     prompt, inputs = engine_prompt(model, waves, [])
     got, _, stats = run(Engine(model, prefill_chunk=16, block_size=4), prompt, inputs)
     assert got == want and stats.prompt_tokens == len(ids)
@@ -207,3 +212,49 @@ def test_an_image_and_a_clip_in_one_prompt(tmp_path):
                            mm_token_type_ids=(inputs["input_ids"] == image_id).long(), max_new_tokens=6,
                            do_sample=False)[0, len(ids):].tolist()
     assert got == want
+
+
+def test_12b_raw_frames_through_the_engine(tmp_path):
+    """The 12B's encoder-free audio: ceil(N / 640) soft tokens a clip, the engine's tokens those of Model.extend
+    with the frames' embeddings."""
+    from transformers import (Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
+                              Gemma4UnifiedTextConfig)
+
+    from gem4 import Engine
+    from gem4.engine.media import media_prompt
+    from model_fixtures import VARIANTS
+
+    hf = Gemma4UnifiedForConditionalGeneration(Gemma4UnifiedConfig(
+        text_config=Gemma4UnifiedTextConfig(**VARIANTS["dense_keqv"]), vision_config=None,
+        audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=640), **TOKEN_IDS)).eval()
+    with torch.no_grad():
+        hf.model.embed_audio.embedding_projection.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+    hf.save_pretrained(tmp_path)
+    model = gem4.load(tmp_path, dtype="float32")
+    wave = clip(5000, seed=7)
+    ids, media = media_prompt([2, 10, AUDIO, 30], [wave], audio=model.audio.config)
+    assert media[0].num_tokens == 8 and ids[media[0].start - 1] == TOKEN_IDS["boa_token_id"]
+    items = [MediaItem(media[0].start, encode_audio(model.audio, wave).embeddings, False)]
+    assert run(Engine(model, prefill_chunk=16, block_size=4), ids, media)[0] == greedy_extend(model, ids, items)
+
+
+def test_fast_mode_audio_requests_are_batch_invariant_and_exact_on_prefix_hits(tmp_path):
+    """The fast mode (bf16, the CPU kernels where they run): a request with clips gets bit-for-bit the same
+    logprobs alone, beside other requests (text and other clips), and after a prefix-cache hit on its clips."""
+    from gem4 import Engine, SamplingParams
+
+    build_audio_hf().save_pretrained(tmp_path)
+    fast = gem4.load(tmp_path, dtype="auto")
+    waves = [clip(16123, seed=1), clip(7000, seed=2)]
+    target = engine_prompt(fast, waves, [30, 31, 32])
+    alone = run(Engine(fast, prefill_chunk=64, block_size=4, enable_prefix_caching=False), *target)
+    engine = Engine(fast, prefill_chunk=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=80)
+    streams = [engine.submit(ids, SamplingParams(**GREEDY), media=media)
+               for ids, media in (engine_prompt(fast, [clip(9000, seed=3), waves[0]], [40]), target,
+                                  ([2, 5, 6, 7, 8, 9], []))]
+    beside = [(e.token_id, e.logprob) for e in streams[1]]
+    for s in streams[0::2]:
+        list(s)
+    assert beside == list(zip(alone[0], alone[1]))
+    hit = run(engine, *engine_prompt(fast, waves, [30, 31, 32]))
+    assert hit[2].cached_tokens >= target[1][1].end and (hit[0], hit[1]) == (alone[0], alone[1])
