@@ -33,10 +33,15 @@ MAX_MODEL_LEN = 1024
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 
 
-def audio_tokenizer_dir(directory):
-    """The tiny real vocabulary with ids 504-506 turned into <|audio|>, <|audio>, <audio|> (CONTROL)."""
+AUDIO_TOKENS = (("audio_token_id", "<|audio|>"), ("boa_token_id", "<|audio>"), ("eoa_token_id", "<audio|>"))
+IMAGE_TOKENS = (("image_token_id", "<|image|>"), ("boi_token_id", "<|image>"), ("eoi_token_id", "<image|>"))
+
+
+def audio_tokenizer_dir(directory, specials=AUDIO_TOKENS):
+    """The tiny real vocabulary with ids 504-506 turned into <|audio|>, <|audio>, <audio|> (CONTROL), and whatever
+    other `specials` say."""
     tokens, types, merges = tiny_vocab()
-    for name, text in (("audio_token_id", "<|audio|>"), ("boa_token_id", "<|audio>"), ("eoa_token_id", "<audio|>")):
+    for name, text in specials:
         tokens[TOKEN_IDS[name]], types[TOKEN_IDS[name]] = text, CONTROL
     present = set(tokens)
     merges = [m for m in merges if all(x in present for x in (*m.split(" ", 1), m.replace(" ", "", 1)))]
@@ -184,3 +189,40 @@ def test_tokenize_counts_the_soft_tokens(audio_server):
     assert r.status_code == 200, r.text
     _, ids, media = oracle(model, tok, ask(data), data, max_tokens=1)
     assert r.json()["tokens"] == ids and r.json()["count"] == len(ids) and media[0].num_tokens == 63   # 2.5 s: 249 frames
+
+
+def test_an_image_and_a_clip_in_one_message(tmp_path):
+    """A model with both towers (as E2B/E4B): an input_audio part, an image_url part and text in one message reach
+    the template in their order and the engine as the same prompt and media; /tokenize counts both blocks."""
+    from gem4.media.image import preprocess
+    from test_vision_server import data_uri
+    from vision_fixtures import sample_image
+
+    d = tmp_path / "model"
+    build_audio_hf(seed=9, vision=True).save_pretrained(d)
+    audio_tokenizer_dir(d, AUDIO_TOKENS + IMAGE_TOKENS)
+    model, tok = gem4.load(d, dtype="float32"), gem4.Tokenizer.from_file(d)
+    engine = gem4.Engine(model, tok, max_model_len=MAX_MODEL_LEN, prefill_chunk=512, block_size=4)
+    app = create_app(ServerConfig(served_model_name="both", api_key=API_KEY,
+                                  default_chat_template_kwargs={"enable_thinking": False}), engine)
+    image, data = sample_image(96, 144, seed=2), encoded(clip(12000, seed=3))
+    messages = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+        {"type": "image_url", "image_url": {"url": data_uri(image)}},
+        {"type": "text", "text": "What do you see and hear?"}]}]
+    ids = encode_prompt(tok, [{"role": "user", "content": [{"type": "audio"}, {"type": "image"}, messages[0][
+        "content"][2]]}], enable_thinking=False)
+    ids, media = media_prompt(ids, [decode_audio(base64.b64decode(data)), preprocess(image, 280, patch_size=16,
+                                                                                     pooling=3)],
+                              vision=model.vision.config, audio=model.audio.config)
+    alone = gem4.Engine(model, tok, max_model_len=MAX_MODEL_LEN, prefill_chunk=512, enable_prefix_caching=False)
+    events = list(alone.submit(ids, SamplingParams(temperature=0, max_tokens=6), media=media))
+    parser = Gemma4Parser(tok, prompt_ids=ids, tool_names=frozenset())
+    parser.feed([e.token_id for e in events if e.token_id is not None])
+    parser.finish()
+    with InProcessServer(app) as base:
+        r = client_for(base).chat.completions.create(model="both", messages=messages, temperature=0, max_tokens=6)
+        assert (r.choices[0].message.content or "") == (parser.result.content or "")
+        assert r.usage.prompt_tokens == len(ids) and [m.kind for m in media] == ["audio", "image"]
+        t = httpx.post(base + "/tokenize", headers=HEADERS, timeout=30, json={"model": "both", "messages": messages})
+        assert t.json()["tokens"] == ids
