@@ -228,8 +228,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     _reconfigure_stdout()
     engine, tokenizer = _open(args)
     params = _params(args, args.max_tokens)
-    items = _media_files(engine.model, args.media)
     with engine:                                       # on the way out the engine thread has ended
+        items = _media_files(engine.model, args.media)
         if args.chat or args.system is not None or items:
             from gem4.engine.media import media_prompt
 
