@@ -11,7 +11,7 @@ import soundfile
 import gem4
 from gem4 import Engine, SamplingParams
 from gem4.chat import encode_prompt
-from gem4.cli import _stream_chat
+from gem4.cli import _stream_chat, assistant_message
 from gem4.engine.media import media_prompt
 from gem4.media.audio import decode_audio
 
@@ -66,3 +66,31 @@ def test_media_the_model_cannot_take_is_a_one_line_error(audio_model, tmp_path):
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 2 and proc.stdout == ""
         assert last.startswith(f"gem4: error: {flag} {path}: ") and says in last, proc.stderr
+
+
+def test_chat_attaches_files_to_the_next_message_and_keeps_them_in_the_history(audio_model, tmp_path):
+    wave = clip(16000, seed=5)
+    path = tmp_path / "q.wav"
+    soundfile.write(path, wave, 16000)
+    script = f"/audio {path}\nWhat is it?\nAnd again?\n/image {path}\n/audio\nBye\n/exit\n"
+    proc = run_cli(["chat", str(audio_model), "-n", "6", "--temperature", "0", "--dtype", "float32"],
+                   tmp_path / "cache", stdin=script)
+    assert proc.returncode == 0, proc.stderr
+
+    tok = gem4.Tokenizer.from_file(audio_model)
+    model = gem4.load(audio_model, dtype="float32")
+    params = SamplingParams(temperature=0, top_k=64, top_p=0.95, max_tokens=6)
+    history, want = [], ""
+    with Engine(model, tok) as engine:
+        for content in ([{"type": "audio"}, {"type": "text", "text": "What is it?"}], "And again?", "Bye"):
+            history.append({"role": "user", "content": content})
+            ids = encode_prompt(tok, history, enable_thinking=False)
+            ids, media = media_prompt(ids, [decode_audio(path.read_bytes())], audio=model.audio.config)
+            out = io.StringIO()
+            result, _, _ = _stream_chat(engine, tok, ids, params, out, media)
+            history.append(assistant_message(result))
+            want += out.getvalue()
+    assert proc.stdout == want
+    assert f"(audio {path} attached to the next message)" in proc.stderr
+    assert f"gem4: error: /image {path}: this model has no vision tower" in proc.stderr
+    assert "gem4: error: /audio needs a PATH" in proc.stderr

@@ -3,7 +3,7 @@
     gem4 run MODEL -p PROMPT [-n N] [sampling] [--chat [--system TEXT] [--think]]   stream a completion
     gem4 run MODEL --image PATH --audio PATH -p PROMPT   the same about images and audio clips (chat)
     gem4 run --demo -p PROMPT                 the same on a tiny random-weight checkpoint (no download)
-    gem4 chat MODEL | --demo                  interactive multi-turn chat (/think, /reset, /exit)
+    gem4 chat MODEL | --demo                  interactive multi-turn chat (/image, /audio, /think, /reset, /exit)
     gem4 inspect MODEL | gem4 convert HF_DIR OUT.gguf | gem4 pull OWNER/NAME[:QUANT]
     gem4 doctor                               which compiled CPU kernels are active, and why
 
@@ -264,9 +264,10 @@ class _MediaFile(argparse.Action):
         setattr(namespace, self.dest, [*getattr(namespace, self.dest), (self.const, value)])
 
 
-def _media_files(model, files: list[tuple[str, str]]) -> list:
-    """`gem4 run`'s --image and --audio files, read and preprocessed as the server does (images at the default
-    budget of 280 soft tokens); ValueError naming the file when one cannot be used or the model lacks its tower."""
+def _media_files(model, files: list[tuple[str, str]], flag: str = "--") -> list:
+    """`gem4 run`'s --image and --audio files (`gem4 chat`'s /image and /audio: flag "/"), read and preprocessed as
+    the server does (images at the default budget of 280 soft tokens); ValueError naming the file when one cannot
+    be used or the model lacks its tower."""
     from gem4.engine.media import check_fits
     from gem4.media.audio import decode_audio
     from gem4.media.image import DEFAULT_BUDGET, decode, preprocess
@@ -275,7 +276,7 @@ def _media_files(model, files: list[tuple[str, str]]) -> list:
     for kind, path in files:
         tower = model.vision if kind == "image" else model.audio
         if tower is None:
-            raise ValueError(f"--{kind} {path}: this model has no {'vision' if kind == 'image' else 'audio'} tower")
+            raise ValueError(f"{flag}{kind} {path}: this model has no {'vision' if kind == 'image' else 'audio'} tower")
         data = Path(path).read_bytes()
         try:
             if kind == "image":
@@ -285,7 +286,7 @@ def _media_files(model, files: list[tuple[str, str]]) -> list:
             else:
                 items.append(decode_audio(data))
         except ValueError as e:
-            raise ValueError(f"--{kind} {path}: {e}") from None
+            raise ValueError(f"{flag}{kind} {path}: {e}") from None
     return items
 
 
@@ -293,7 +294,8 @@ def _media_files(model, files: list[tuple[str, str]]) -> list:
 # chat
 # ---------------------------------------------------------------------------------------------
 
-CHAT_HELP = "commands: /think toggles thinking, /reset clears the history, /exit quits (also Ctrl-D)"
+CHAT_HELP = ("commands: /image PATH and /audio PATH attach a file to the next message, /think toggles thinking, "
+             "/reset clears the history, /exit quits (also Ctrl-D)")
 
 
 def assistant_message(result) -> dict:
@@ -317,10 +319,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
     from gem4.chat import encode_prompt
+    from gem4.engine.media import media_prompt
     from gem4.repl import turn_reader
 
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     history: list[dict] = list(system)
+    items: list = []                                   # the history's images and clips, in order
+    attached: list[tuple[str, object]] = []            # (kind, item) for the next message
     thinking = args.think
     reader = turn_reader()                             # line editor on a terminal, plain lines from a pipe
     log(CHAT_HELP + (f"; {reader.help}" if reader.help else "") + f" (thinking {'on' if thinking else 'off'})")
@@ -334,8 +339,18 @@ def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
         if text in ("/exit", "/quit"):
             return 0
         if text == "/reset":
-            history = list(system)
+            history, items, attached = list(system), [], []
             log("(history cleared)")
+            continue
+        if text.split()[0] in ("/image", "/audio"):
+            kind, _, path = text[1:].partition(" ")
+            try:
+                if not path.strip():
+                    raise ValueError(f"/{kind} needs a PATH")
+                attached += [(kind, item) for item in _media_files(engine.model, [(kind, path.strip())], "/")]
+                log(f"({kind} {path.strip()} attached to the next message)")
+            except (ValueError, OSError) as e:
+                log(f"gem4: error: {e}")
             continue
         if text == "/think":
             thinking = not thinking
@@ -344,16 +359,20 @@ def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
         if text.startswith("/"):
             log(f"unknown command {text.split()[0]!r}; " + CHAT_HELP)
             continue
-        turn = history + [{"role": "user", "content": text}]
+        content = [{"type": kind} for kind, _ in attached] + [{"type": "text", "text": text}]
+        turn = history + [{"role": "user", "content": content if attached else text}]
         try:
             ids = encode_prompt(tokenizer, turn, enable_thinking=thinking)
+            ids, media = media_prompt(ids, items + [item for _, item in attached],
+                                      vision=getattr(engine.model.vision, "config", None),
+                                      audio=getattr(engine.model.audio, "config", None))
             room = engine.max_model_len - len(ids)
             if room < 1:
                 raise ValueError(f"the conversation has {len(ids)} tokens and fills the context of "
                                  f"{engine.max_model_len}: /reset")
             with reader.replying():                    # keys typed during the reply are dropped
                 result, last, interrupted = _stream_chat(engine, tokenizer, ids,
-                                                         _params(args, min(args.max_tokens, room)), sys.stdout)
+                                                         _params(args, min(args.max_tokens, room)), sys.stdout, media)
         except ValueError as e:                        # this turn cannot run; the session goes on
             log(f"gem4: error: {e}")
             continue
@@ -363,6 +382,7 @@ def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
             log("(interrupted)")
             continue
         history = turn + [assistant_message(result)]
+        items, attached = items + [item for _, item in attached], []
         log(_stats_line(last, engine.model.expert_cache))
 
 
