@@ -1,8 +1,9 @@
 """`gem4` command line: parses arguments into calls; the work lives in the rooms it calls.
 
     gem4 run MODEL -p PROMPT [-n N] [sampling] [--chat [--system TEXT] [--think]]   stream a completion
+    gem4 run MODEL --image PATH --audio PATH -p PROMPT   the same about images and audio clips (chat)
     gem4 run --demo -p PROMPT                 the same on a tiny random-weight checkpoint (no download)
-    gem4 chat MODEL | --demo                  interactive multi-turn chat (/think, /reset, /exit)
+    gem4 chat MODEL | --demo                  interactive multi-turn chat (/image, /audio, /think, /reset, /exit)
     gem4 inspect MODEL | gem4 convert HF_DIR OUT.gguf | gem4 pull OWNER/NAME[:QUANT]
     gem4 doctor                               which compiled CPU kernels are active, and why
 
@@ -191,15 +192,15 @@ class ChatPrinter:
         self._newline()
 
 
-def _stream_chat(engine, tokenizer, prompt_ids: list[int], params, out):
-    """Generate from a rendered chat prompt, printing parsed output. -> (ParseResult, final event, whether
-    Ctrl-C stopped it)."""
+def _stream_chat(engine, tokenizer, prompt_ids: list[int], params, out, media=()):
+    """Generate from a rendered chat prompt (and its media, engine/media.py), printing parsed output.
+    -> (ParseResult, final event, whether Ctrl-C stopped it)."""
     from gem4.parser import Gemma4Parser
 
     parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids)
     printer = ChatPrinter(out)
     last = None
-    with engine.generate(prompt_ids, params) as events, _ctrl_c_aborts(events) as interrupted:
+    with engine.generate(prompt_ids, params, media=media) as events, _ctrl_c_aborts(events) as interrupted:
         try:
             for last in events:
                 if last.token_id is not None:
@@ -229,11 +230,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine, tokenizer = _open(args)
     params = _params(args, args.max_tokens)
     with engine:                                       # on the way out the engine thread has ended
-        if args.chat or args.system is not None:
+        items = _media_files(engine.model, args.media)
+        if args.chat or args.system is not None or items:
+            from gem4.engine.media import media_prompt
+
             messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
-            messages.append({"role": "user", "content": args.prompt})
+            content = [{"type": kind} for kind, _ in args.media] + [{"type": "text", "text": args.prompt}]
+            messages.append({"role": "user", "content": content if items else args.prompt})
             ids = encode_prompt(tokenizer, messages, enable_thinking=args.think)
-            _, last, interrupted = _stream_chat(engine, tokenizer, ids, params, sys.stdout)
+            ids, media = media_prompt(ids, items, vision=getattr(engine.model.vision, "config", None),
+                                      audio=getattr(engine.model.audio, "config", None))
+            _, last, interrupted = _stream_chat(engine, tokenizer, ids, params, sys.stdout, media)
         else:
             last = None
             wrote = ""
@@ -251,11 +258,45 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 130 if interrupted else 0                   # 128 + SIGINT, as a shell reports an interrupted command
 
 
+class _MediaFile(argparse.Action):
+    """--image PATH / --audio PATH: (kind, PATH) appended to args.media, in the order given."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, [*getattr(namespace, self.dest), (self.const, value)])
+
+
+def _media_files(model, files: list[tuple[str, str]], flag: str = "--") -> list:
+    """`gem4 run`'s --image and --audio files (`gem4 chat`'s /image and /audio: flag "/"), read and preprocessed as
+    the server does (images at the default budget of 280 soft tokens); ValueError naming the file when one cannot
+    be used or the model lacks its tower."""
+    from gem4.engine.media import check_fits
+    from gem4.media.audio import decode_audio
+    from gem4.media.image import DEFAULT_BUDGET, decode, preprocess
+
+    items = []
+    for kind, path in files:
+        tower = model.vision if kind == "image" else model.audio
+        if tower is None:
+            raise ValueError(f"{flag}{kind} {path}: this model has no {'vision' if kind == 'image' else 'audio'} tower")
+        data = Path(path).read_bytes()
+        try:
+            if kind == "image":
+                items.append(preprocess(decode(data), DEFAULT_BUDGET, patch_size=tower.config.patch_size,
+                                        pooling=tower.config.pooling))
+                check_fits(items[-1], tower.config)
+            else:
+                items.append(decode_audio(data))
+        except ValueError as e:
+            raise ValueError(f"{flag}{kind} {path}: {e}") from None
+    return items
+
+
 # ---------------------------------------------------------------------------------------------
 # chat
 # ---------------------------------------------------------------------------------------------
 
-CHAT_HELP = "commands: /think toggles thinking, /reset clears the history, /exit quits (also Ctrl-D)"
+CHAT_HELP = ("commands: /image PATH and /audio PATH attach a file to the next message, /think toggles thinking, "
+             "/reset clears the history, /exit quits (also Ctrl-D)")
 
 
 def assistant_message(result) -> dict:
@@ -279,10 +320,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
     from gem4.chat import encode_prompt
+    from gem4.engine.media import media_prompt
     from gem4.repl import turn_reader
 
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     history: list[dict] = list(system)
+    items: list = []                                   # the history's images and clips, in order
+    attached: list[tuple[str, object]] = []            # (kind, item) for the next message
     thinking = args.think
     reader = turn_reader()                             # line editor on a terminal, plain lines from a pipe
     log(CHAT_HELP + (f"; {reader.help}" if reader.help else "") + f" (thinking {'on' if thinking else 'off'})")
@@ -296,8 +340,18 @@ def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
         if text in ("/exit", "/quit"):
             return 0
         if text == "/reset":
-            history = list(system)
+            history, items, attached = list(system), [], []
             log("(history cleared)")
+            continue
+        if text.split()[0] in ("/image", "/audio"):
+            kind, _, path = text[1:].partition(" ")
+            try:
+                if not path.strip():
+                    raise ValueError(f"/{kind} needs a PATH")
+                attached += [(kind, item) for item in _media_files(engine.model, [(kind, path.strip())], "/")]
+                log(f"({kind} {path.strip()} attached to the next message)")
+            except (ValueError, OSError) as e:
+                log(f"gem4: error: {e}")
             continue
         if text == "/think":
             thinking = not thinking
@@ -306,16 +360,20 @@ def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
         if text.startswith("/"):
             log(f"unknown command {text.split()[0]!r}; " + CHAT_HELP)
             continue
-        turn = history + [{"role": "user", "content": text}]
+        content = [{"type": kind} for kind, _ in attached] + [{"type": "text", "text": text}]
+        turn = history + [{"role": "user", "content": content if attached else text}]
         try:
             ids = encode_prompt(tokenizer, turn, enable_thinking=thinking)
+            ids, media = media_prompt(ids, items + [item for _, item in attached],
+                                      vision=getattr(engine.model.vision, "config", None),
+                                      audio=getattr(engine.model.audio, "config", None))
             room = engine.max_model_len - len(ids)
             if room < 1:
                 raise ValueError(f"the conversation has {len(ids)} tokens and fills the context of "
                                  f"{engine.max_model_len}: /reset")
             with reader.replying():                    # keys typed during the reply are dropped
                 result, last, interrupted = _stream_chat(engine, tokenizer, ids,
-                                                         _params(args, min(args.max_tokens, room)), sys.stdout)
+                                                         _params(args, min(args.max_tokens, room)), sys.stdout, media)
         except ValueError as e:                        # this turn cannot run; the session goes on
             log(f"gem4: error: {e}")
             continue
@@ -325,6 +383,7 @@ def _chat_loop(args: argparse.Namespace, engine, tokenizer) -> int:
             log("(interrupted)")
             continue
         history = turn + [assistant_message(result)]
+        items, attached = items + [item for _, item in attached], []
         log(_stats_line(last, engine.model.expert_cache))
 
 
@@ -405,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", help="read the prompt from this file")
     p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=256, help="tokens to generate at most")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template; parse the answer")
+    for kind, what in (("image", "an image (any format Pillow reads)"),
+                       ("audio", "an audio clip (WAV, FLAC, OGG, MP3, M4A, WebM, ...)")):
+        p.add_argument(f"--{kind}", dest="media", action=_MediaFile, const=kind, default=[], metavar="PATH",
+                       help=f"{what} before the prompt, in the order given (repeatable; implies --chat)")
     p.set_defaults(func=cmd_run, command_parser=p)
 
     p = sub.add_parser("chat", parents=[gen], help="interactive multi-turn chat on stdin/stdout")

@@ -384,6 +384,7 @@ def build_vision_config(**fields) -> VisionConfig:
 # ---- the audio tower (E2B/E4B; docs/multimodal.md §3.3) ----
 
 AUDIO_ACTIVATIONS = ("silu",)
+AUDIO_TOKEN_FIELDS = (("audio_token_id", 0), ("boa_token_id", 0), ("eoa_token_id", 0))   # (field, least value)
 
 
 @dataclass(frozen=True)
@@ -410,6 +411,9 @@ class AudioConfig:
     gradient_clipping: float             # the residual branches are clamped to +- this
     output_dims: int                     # output_proj's width (with bias)
     text_hidden_size: int                # the text model's H: where embed_audio projects to
+    audio_token_id: int                  # the placeholder one soft token replaces
+    boa_token_id: int                    # <|audio>, before a clip's soft tokens
+    eoa_token_id: int                    # <audio|>, after them
 
     @property
     def head_dim(self) -> int:
@@ -433,7 +437,7 @@ def build_audio_config(**fields) -> AudioConfig:
         v = fields[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"audio {key} must be an integer >= 1, got {v!r}", f"audio.{key}")
-    for key, least in (("context_left", 2), ("context_right", 0)):
+    for key, least in (("context_left", 2), ("context_right", 0), *AUDIO_TOKEN_FIELDS):
         v = fields[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ConfigError(f"audio {key} must be an integer >= {least}, got {v!r}", f"audio.{key}")
@@ -479,14 +483,22 @@ class FrameAudioConfig:
     samples_per_token: int               # 640 = 40 ms: also the projection's input width
     rms_norm_eps: float
     text_hidden_size: int
+    audio_token_id: int                  # as AudioConfig's
+    boa_token_id: int
+    eoa_token_id: int
 
 
-def build_frame_audio_config(samples_per_token, rms_norm_eps, text_hidden_size) -> FrameAudioConfig:
+def build_frame_audio_config(samples_per_token, rms_norm_eps, text_hidden_size, audio_token_id, boa_token_id,
+                             eoa_token_id) -> FrameAudioConfig:
     for key, v in (("samples_per_token", samples_per_token), ("text_hidden_size", text_hidden_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ConfigError(f"audio {key} must be an integer >= 1, got {v!r}", f"audio.{key}")
+    for key, v in (("audio_token_id", audio_token_id), ("boa_token_id", boa_token_id), ("eoa_token_id", eoa_token_id)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"audio {key} must be an integer >= 0, got {v!r}", f"audio.{key}")
     if not (isinstance(rms_norm_eps, float) and math.isfinite(rms_norm_eps) and 0 < rms_norm_eps <= MAX_RMS_NORM_EPS):
         raise ConfigError(f"audio rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {rms_norm_eps!r}",
                           "audio.rms_norm_eps")
     return FrameAudioConfig(samples_per_token=samples_per_token, rms_norm_eps=rms_norm_eps,
-                            text_hidden_size=text_hidden_size)
+                            text_hidden_size=text_hidden_size, audio_token_id=audio_token_id,
+                            boa_token_id=boa_token_id, eoa_token_id=eoa_token_id)

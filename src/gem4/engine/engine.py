@@ -302,8 +302,8 @@ class Engine:
         ValueError for a request that cannot run (`InvalidParameter` for a sampling parameter or n).
         detokenize=False: the events carry token ids only (text ''), for a caller that reads the ids itself
         (the server's chat output parser); stop strings need the text, so they are refused then.
-        media: the prompt's images (engine/media.py `image_prompt` builds both), their soft tokens at the
-        positions of their placeholders."""
+        media: the prompt's images and audio clips (engine/media.py `media_prompt` builds both), their soft
+        tokens at the positions of their placeholders."""
         if not detokenize and params is not None and params.stop:
             raise ValueError("stop strings need the text: submit with detokenize=True")
         params = params if params is not None else SamplingParams()
@@ -368,10 +368,10 @@ class Engine:
         self.shutdown()
 
     def generate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-                 request_id: str | None = None, n: int = 1) -> Generation:
+                 request_id: str | None = None, n: int = 1, media: Seq[MediaInput] = ()) -> Generation:
         """Submit now (errors raise here) and return an iterator over the events; closing or dropping
         it before the final event aborts the request."""
-        return Generation(self.submit(prompt, params, request_id=request_id, n=n))
+        return Generation(self.submit(prompt, params, request_id=request_id, n=n, media=media))
 
     def abort(self, request_id: str, index: int | None = None) -> bool:
         """Ask the engine to stop a request -- or, with `index`, only that choice of it (the others go on;
@@ -449,24 +449,29 @@ class Engine:
 
     def _check_media(self, ids: list[int], media: Seq[MediaInput]) -> None:
         """Every media item on its own placeholders, in order, inside the prompt; a tower for its kind; a
-        bidirectional one no longer than a prefill chunk (it is computed in one); no stray image placeholder."""
-        vision = getattr(self.model, "vision", None)
-        image_id = None if vision is None else vision.config.image_token_id
+        bidirectional one no longer than a prefill chunk (it is computed in one); no stray placeholder."""
+        placeholder = {}                                    # kind -> its placeholder id, for the model's towers
+        vision, audio = getattr(self.model, "vision", None), getattr(self.model, "audio", None)
+        if vision is not None:
+            placeholder["image"] = vision.config.image_token_id
+        if audio is not None:
+            placeholder["audio"] = audio.config.audio_token_id
         end = 0
         for m in media:
-            if m.kind != "image" or vision is None:
+            if m.kind not in placeholder:
                 raise ValueError(f"this model has no tower for media of kind {m.kind!r}")
             if not (end <= m.start and m.num_tokens >= 1 and m.end <= len(ids)):
                 raise ValueError(f"a media item at positions [{m.start}, {m.end}) overlaps another or lies "
                                  f"outside the {len(ids)}-token prompt")
-            if any(t != image_id for t in ids[m.start:m.end]):
-                raise ValueError(f"the prompt's tokens at [{m.start}, {m.end}) are not the image's placeholders")
+            if any(t != placeholder[m.kind] for t in ids[m.start:m.end]):
+                raise ValueError(f"the prompt's tokens at [{m.start}, {m.end}) are not the {m.kind}'s placeholders")
             if m.bidirectional and m.num_tokens > self._scheduler.max_chunk:
-                raise ValueError(f"an image of {m.num_tokens} tokens is longer than the prefill chunk "
+                raise ValueError(f"an {m.kind} of {m.num_tokens} tokens is longer than the prefill chunk "
                                  f"({self._scheduler.max_chunk}), which must hold it whole")
             end = m.end
-        if image_id is not None and ids.count(image_id) != sum(m.num_tokens for m in media):
-            raise ValueError("the prompt has image placeholders without an image")
+        for kind, token_id in placeholder.items():
+            if ids.count(token_id) != sum(m.num_tokens for m in media if m.kind == kind):
+                raise ValueError(f"the prompt has {kind} placeholders without an {kind}")
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the parts that depend on this engine's model."""

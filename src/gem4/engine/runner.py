@@ -30,8 +30,8 @@ sequence emitted. A grammar that fails (it does not compile, a parser limit, a r
 fails its chunk (`Failed`), like non-finite logits. A thought budget (`SamplingParams.thought_budget`) is applied
 by the same masks, where it binds (engine/grammar.py).
 
-Media (docs/multimodal.md §5.4): a sequence's images become soft tokens through the model's tower once, when
-its first prefill piece runs, and are kept (per sequence, like its generator) until it is released, so a
+Media (docs/multimodal.md §5.4): a sequence's images and audio clips become soft tokens through the model's
+towers once, when its first prefill piece runs, and are kept (per sequence, like its generator) until it is released, so a
 preempted sequence recomputes its prompt with the same soft tokens. A forward pass carries the soft tokens of
 its pieces' rows (`StepEmbeds`) and each sequence's bidirectional spans (`SeqStep.bidirectional`).
 
@@ -71,6 +71,7 @@ from gem4.engine.mtp import MtpDrafter
 from gem4.engine.scheduler import Batch, Chunk
 from gem4.engine.speculative import verify
 from gem4.kv_cache import BlockManager, KVPool, SeqStep
+from gem4.model.audio import encode_audio
 from gem4.model.gemma4 import MediaItem, StepEmbeds
 from gem4.sampling import Sampler, SeedStream
 from gem4.structured import GrammarStats, GrammarVocab
@@ -368,6 +369,8 @@ def encode(model, item) -> torch.Tensor:
     if item.kind == "image":
         p = item.data
         out = model.vision.encode(p.patches, p.positions, p.grid)
+    elif item.kind == "audio":
+        out = encode_audio(model.audio, item.data).embeddings
     else:
         raise ValueError(f"no tower for media of kind {item.kind!r}")
     if out.shape[0] != item.num_tokens:

@@ -18,10 +18,11 @@ engine thread touches it. It knows its token ids, how many of them are in the KV
 so the concatenated text deltas of a request equal `tokenizer.decode(output, skip_special=True)`
 cut before the first stop string (and without a final end token).
 
-Media (docs/multimodal.md §5.4): a request's images arrive preprocessed (`MediaInput`: arrays, no tensors) with
-the positions of their soft tokens, whose prompt ids are placeholders. The runner turns them into soft tokens once;
-the prefix cache keys a sequence by `cache_keys`, its ids with each soft-token position replaced by (the item's
-content hash, the token's index in it), so two images behind the same placeholder ids never share K/V.
+Media (docs/multimodal.md §5.4): a request's images and audio clips arrive preprocessed (`MediaInput`: arrays, no
+tensors) with the positions of their soft tokens, whose prompt ids are placeholders. The runner turns them into soft
+tokens once; the prefix cache keys a sequence by `cache_keys`, its ids with each soft-token position replaced by
+(the item's content hash, the token's index in it), so two images (or clips) behind the same placeholder ids never
+share K/V.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class MediaInput:
 
     start: int
     num_tokens: int
-    kind: str                 # "image" (gem4.media.image.ImagePatches in `data`)
+    kind: str                 # "image" (gem4.media.image.ImagePatches in `data`) or "audio" (a 16 kHz waveform)
     data: object
     digest: str               # a hash of its content: its positions' prefix-cache key
     bidirectional: bool       # its tokens see each other both ways on sliding layers (the model's config says)

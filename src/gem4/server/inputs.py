@@ -32,10 +32,11 @@ Bounded work before admission (each limit refuses before the work it bounds):
   chats compete with one of them, and get the GIL within a fraction of a millisecond. Text prompts
   tokenize in the default pool (`Tokenizer.encode` releases the GIL; the character bound caps its work).
 
-Images (chat `image_url` parts, base64 data URIs only: docs/multimodal.md §6) are decoded and preprocessed in
-the default pool before the render (`chat_images`); what decodes them is bounded by the body limit and the
-decoded size by `gem4.media.image.MAX_PIXELS`. Each becomes one `<|image|>` in the rendered prompt, then its
-soft-token block (`gem4.engine.media.image_prompt`); `usage.prompt_tokens` counts the soft tokens.
+Images (chat `image_url` parts, base64 data URIs only) and audio clips (`input_audio` parts, base64:
+docs/multimodal.md §6) are decoded and preprocessed in the default pool before the render (`chat_media`); what
+decodes them is bounded by the body limit, an image's decoded size by `gem4.media.image.MAX_PIXELS` and a clip's
+length by `MAX_AUDIO_SECONDS`. Each becomes one `<|image|>` or `<|audio|>` in the rendered prompt, then its
+soft-token block (`gem4.engine.media.media_prompt`); `usage.prompt_tokens` counts the soft tokens.
 
 Why a budget checked inside the template rather than a process pool: a process can be killed at
 any point and does not hold this process's GIL, but each render would pickle its messages across,
@@ -55,12 +56,14 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
-from gem4.engine.media import check_fits, image_prompt
+from gem4.engine.media import Item, audio_tokens, check_fits, media_prompt
 from gem4.engine.sequence import MediaInput
+from gem4.media.audio import MAX_DECODED_SECONDS, AudioError, decode_audio
 from gem4.media.image import BUDGETS, DEFAULT_BUDGET, ImageError, ImagePatches, decode, preprocess
 from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudget, encode_prompt,
                        is_gemma4_template, min_prompt_tokens)
@@ -99,12 +102,14 @@ def body_limit(state: ServerState) -> int:
     if state.config.max_request_body is not None:
         return state.config.max_request_body
     engine = state.ready_engine()
-    return default_body_limit(engine.max_model_len) + (IMAGE_BODY_BYTES if vision_config(engine) else 0)
+    media = vision_config(engine) is not None or audio_config(engine) is not None
+    return default_body_limit(engine.max_model_len) + (IMAGE_BODY_BYTES if media else 0)
 
 
 IMAGE_BODY_BYTES = 32 * 2**20
-# More room in a body for a model that takes images: they come as base64 data URIs, 4/3 of their bytes (a phone
-# photo is 2-5 MB); llama-server downloads up to 10 MB an image.
+# More room in a body for a model that takes images or audio: they come as base64, 4/3 of their bytes (a phone
+# photo is 2-5 MB, 30 s of 16-bit 16 kHz WAV ~1 MB); llama-server downloads up to 10 MB an image.
+MAX_AUDIO_SECONDS = MAX_DECODED_SECONDS     # longer clips are refused (400) before they are decoded whole
 
 
 def default_body_limit(max_model_len: int) -> int:
@@ -287,7 +292,7 @@ class RenderedChat:
     thinking: bool
     tool_names: frozenset[str]
     plan: Plan | None
-    media: list[MediaInput] = dataclasses.field(default_factory=list)     # its images, at their positions
+    media: list[MediaInput] = dataclasses.field(default_factory=list)     # its images and clips, at their positions
 
 
 async def render_request(request: Request, state: ServerState, engine: EngineLike, req: P.ChatCompletionRequest,
@@ -301,29 +306,36 @@ async def render_request(request: Request, state: ServerState, engine: EngineLik
     thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
     check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
                 where)
-    images = await chat_images(engine, req)
+    items = await chat_media(engine, req)
     ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                             enable_thinking=thinking, kwargs=kwargs, request=request,
                             max_render_s=state.config.max_render_s, continue_final_message=req.continue_final_message)
-    ids, media = expand_images(ids, engine, images, where)
+    ids, media = expand_media(ids, engine, items, where)
     check_length(len(ids), max_tokens, engine.max_model_len, where, max_tokens_name)
     return RenderedChat(ids, thinking, tool_names, plan, media)
 
 
-def expand_images(ids: list[int], engine: EngineLike, images: list[ImagePatches], where: str = "messages"
-                  ) -> tuple[list[int], list[MediaInput]]:
-    """The rendered ids with each image's placeholder expanded into its soft-token block, and the images'
-    MediaInputs; 400 when the prompt does not hold one placeholder per image."""
+def expand_media(ids: list[int], engine: EngineLike, items: list[Item], where: str = "messages"
+                 ) -> tuple[list[int], list[MediaInput]]:
+    """The rendered ids with each image's and clip's placeholder expanded into its soft-token block, and the items'
+    MediaInputs; 400 when the prompt does not hold one placeholder per item."""
     try:
-        return image_prompt(ids, vision_config(engine), images)
-    except ValueError as e:               # a template that drops image parts, or text holding the placeholder
-        raise bad_request(f"The rendered prompt does not hold one image placeholder per image: {e}", where) from None
+        return media_prompt(ids, items, vision=vision_config(engine), audio=audio_config(engine))
+    except ValueError as e:               # a template that drops media parts, or text holding a placeholder
+        raise bad_request(f"The rendered prompt does not hold one placeholder per image and audio clip: {e}",
+                          where) from None
 
 
 def vision_config(engine: EngineLike):
-    """The engine's model's vision tower config, or None (a text-only model)."""
+    """The engine's model's vision tower config, or None (a model without one)."""
     vision = getattr(getattr(engine, "model", None), "vision", None)
     return None if vision is None else vision.config
+
+
+def audio_config(engine: EngineLike):
+    """The engine's model's audio config (a conformer tower or the 12B's raw frames), or None (no audio)."""
+    audio = getattr(getattr(engine, "model", None), "audio", None)
+    return None if audio is None else audio.config
 
 
 def image_budget(req: P.ChatCompletionRequest | P.TokenizeRequest) -> int:
@@ -341,38 +353,59 @@ def image_budget(req: P.ChatCompletionRequest | P.TokenizeRequest) -> int:
     return budget
 
 
-async def chat_images(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest) -> list[ImagePatches]:
-    """The images of the chat's messages, in order, decoded and preprocessed in the thread pool; 400 naming the
-    part (`messages[i].content[j]`) when one cannot be used, or the first when the model takes no images."""
-    where = [(i, j, part["url"]) for i, m in enumerate(req.messages) if isinstance(m.content, list)
-             for j, part in enumerate(m.content) if part["type"] == "image"]
+async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest) -> list[Item]:
+    """The images and audio clips of the chat's messages, in order, decoded and preprocessed in the thread pool;
+    400 naming the part (`messages[i].content[j]`) when one cannot be used (undecodable, too long, too short, too
+    wide) or the model has no tower for it."""
+    where = [(i, j, part) for i, m in enumerate(req.messages) if isinstance(m.content, list)
+             for j, part in enumerate(m.content) if part["type"] in ("image", "audio")]
     if not where:
         return []
-    vision = vision_config(engine)
-    if vision is None:
-        i, j, _ = where[0]
-        raise bad_request("This model does not take images (it has no vision tower).", f"messages[{i}].content[{j}]")
-    budget = image_budget(req)
+    vision, audio = vision_config(engine), audio_config(engine)
+    for i, j, part in where:
+        if part["type"] == "image" and vision is None:
+            raise bad_request("This model does not take images (it has no vision tower).",
+                              f"messages[{i}].content[{j}]")
+        if part["type"] == "audio" and audio is None:
+            raise bad_request("This model does not take audio (it has no audio tower).",
+                              f"messages[{i}].content[{j}]")
+    budget = image_budget(req) if any(part["type"] == "image" for _, _, part in where) else DEFAULT_BUDGET
 
-    def load(url: str) -> ImagePatches:
-        try:
-            data = base64.b64decode(url.partition(",")[2], validate=True)
-        except (binascii.Error, ValueError):
-            raise ImageError("the data URI is not valid base64") from None
-        image = preprocess(decode(data), budget, patch_size=vision.patch_size, pooling=vision.pooling)
+    def load_image(url: str) -> ImagePatches:
+        image = preprocess(decode(_base64(url.partition(",")[2], "the data URI", ImageError)), budget,
+                           patch_size=vision.patch_size, pooling=vision.pooling)
         try:
             check_fits(image, vision)
         except ValueError as e:
             raise ImageError(str(e)) from None
         return image
 
-    out = []
-    for i, j, url in where:
+    def load_audio(data: str) -> np.ndarray:
+        wave = decode_audio(_base64(data, "input_audio.data", lambda m: AudioError(m, "undecodable")),
+                            max_seconds=MAX_AUDIO_SECONDS)
         try:
-            out.append(await asyncio.to_thread(load, url))
-        except ImageError as e:
+            audio_tokens(audio, wave)
+        except ValueError as e:
+            raise AudioError(str(e), "too_short") from None
+        return wave
+
+    out: list[Item] = []
+    for i, j, part in where:
+        try:
+            if part["type"] == "image":
+                out.append(await asyncio.to_thread(load_image, part["url"]))
+            else:
+                out.append(await asyncio.to_thread(load_audio, part["data"]))
+        except (ImageError, AudioError) as e:
             raise bad_request(f"messages[{i}].content[{j}]: {e}", f"messages[{i}].content[{j}]") from None
     return out
+
+
+def _base64(text: str, what: str, error: Callable[[str], Exception]) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise error(f"{what} is not valid base64") from None
 
 
 async def with_grammar(engine: EngineLike, params: SamplingParams, chat: RenderedChat) -> SamplingParams:
@@ -418,8 +451,8 @@ def _message_dict(m) -> dict:
     d: dict[str, Any] = {"role": m.role}
     if m.role in ("system", "developer"):
         d["content"] = P.content_text(m.content)      # the templates expect a string here
-    elif isinstance(m.content, list):                 # an image part renders as its placeholder; the data stays here
-        d["content"] = [{"type": "image"} if p["type"] == "image" else p for p in m.content]
+    elif isinstance(m.content, list):                 # a media part renders as its placeholder; the data stays here
+        d["content"] = [{"type": p["type"]} if p["type"] in ("image", "audio") else p for p in m.content]
     elif m.content is not None:
         d["content"] = m.content
     if m.name is not None:

@@ -178,10 +178,12 @@ _UNSUPPORTED_PARTS = {
 }
 
 
-def check_content(content: Any, *, allow_none: bool = False, images: bool = False) -> Any:
-    """Message content: a string or a list of text parts `{"type": "text", "text": str}` -- and with `images`
+def check_content(content: Any, *, allow_none: bool = False, media: bool = False) -> Any:
+    """Message content: a string or a list of text parts `{"type": "text", "text": str}` -- and with `media`
     (user messages), image parts `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`, kept
-    as `{"type": "image", "url": str}` (decoded later: server/inputs.py `chat_images`).
+    as `{"type": "image", "url": str}`, and audio parts `{"type": "input_audio", "input_audio": {"data": base64,
+    "format": "wav"}}` (OpenAI's), kept as `{"type": "audio", "data": str, "format": str}` (both decoded later:
+    server/inputs.py `chat_media`).
     (Failures are ValueErrors, wrong types included: pydantic turns only those into errors.)"""
     if content is None:
         if allow_none:
@@ -201,13 +203,16 @@ def check_content(content: Any, *, allow_none: bool = False, images: bool = Fals
             if not isinstance(text, str):
                 raise ValueError(f"content part {i} of type '{kind}' needs a string 'text'")
             parts.append({"type": "text", "text": text})
-        elif kind == "image_url" and images:
+        elif kind == "image_url" and media:
             parts.append({"type": "image", "url": _image_url(part.get("image_url"), i)})
-        elif kind == "image_url":
-            raise ValueError(f"content part {i}: images are accepted in user messages only")
+        elif kind == "input_audio" and media:
+            parts.append({"type": "audio", **_input_audio(part.get("input_audio"), i)})
+        elif kind in ("image_url", "input_audio"):
+            raise ValueError(f"content part {i}: {'images' if kind == 'image_url' else 'audio'} are accepted in "
+                             f"user messages only")
         elif kind in _UNSUPPORTED_PARTS:
-            raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input is not supported "
-                             "(this server runs a text-only model)")
+            raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input of type '{kind}' is not supported "
+                             "(images come as 'image_url' parts, audio as 'input_audio' parts, in user messages)")
         else:
             raise ValueError(f"content part {i} has unknown type '{kind}'")
     return parts
@@ -226,13 +231,23 @@ def _image_url(value: Any, i: int) -> str:
     return url
 
 
+def _input_audio(value: Any, i: int) -> dict:
+    """An input_audio part's {"data": base64, "format": str}. The format is the client's word only: the decoder
+    reads what the bytes are (media/audio.py), so any format it reads is taken, whatever the part says."""
+    if not (isinstance(value, dict) and isinstance(value.get("data"), str) and value["data"]
+            and isinstance(value.get("format"), str)):
+        raise ValueError(f"content part {i} of type 'input_audio' needs 'input_audio': "
+                         f"{{'data': base64 string, 'format': string}}")
+    return {"data": value["data"], "format": value["format"]}
+
+
 Content = Annotated[Any, AfterValidator(check_content)]
-UserContent = Annotated[Any, AfterValidator(lambda v: check_content(v, images=True))]
+UserContent = Annotated[Any, AfterValidator(lambda v: check_content(v, media=True))]
 OptionalContent = Annotated[Any, AfterValidator(lambda v: check_content(v, allow_none=True))]
 
 
 def content_text(content: Any) -> str:
-    """A checked content value as one string (text parts joined with newlines; images left out)."""
+    """A checked content value as one string (text parts joined with newlines; images and audio left out)."""
     if content is None:
         return ""
     if isinstance(content, str):

@@ -82,11 +82,25 @@ def audio_config_from_hf(cfg: dict, where: Path | str) -> AudioConfig | FrameAud
         fields["hidden_act"] = audio.get("hidden_act", DEFAULT_HIDDEN_ACT)
         fields["n_mels"] = front_end.N_MELS
         build = build_audio_config
+    fields.update(audio_token_ids(cfg, where))
     try:
         return build(**fields, text_hidden_size=text_hidden)
     except ConfigError as e:
         field = (e.field or "").removeprefix("audio.")
         raise CheckpointError(f"{where}: {e} (config.json audio_config.{keys.get(field, field)})") from None
+
+
+def audio_token_ids(cfg: dict, where: Path | str) -> dict:
+    """The top level's audio token ids: `audio_token_id`, `boa_token_id` and `eoa_token_id` (transformers 5.23 names
+    the last `eoa_token_index`; a config with both must agree)."""
+    ids = {key: int_field(cfg, key, where) for key in ("audio_token_id", "boa_token_id")}
+    named = {key: int_field(cfg, key, where) for key in ("eoa_token_id", "eoa_token_index") if cfg.get(key) is not None}
+    if not named:
+        raise CheckpointError(f"{where}: config.json lacks 'eoa_token_id' (or 'eoa_token_index'), the <audio|> token")
+    if len(set(named.values())) > 1:
+        raise CheckpointError(f"{where}: eoa_token_id {named['eoa_token_id']} and eoa_token_index "
+                              f"{named['eoa_token_index']} disagree")
+    return {**ids, "eoa_token_id": next(iter(named.values()))}
 
 
 def _required(audio: dict, key: str, where):

@@ -16,7 +16,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from gem4 import __version__
 from gem4.server import protocol as P
-from gem4.server.inputs import (chat_chars, chat_images, chat_prompt, check_chars, expand_images, parse,
+from gem4.server.inputs import (chat_chars, chat_media, chat_prompt, check_chars, expand_media, parse,
                                 template_kwargs, text_prompt)
 from gem4.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gem4.server.protocol import bad_request
@@ -77,12 +77,12 @@ async def tokenize(request: Request):
         check_chars(chat_chars(req.messages), token_chars, engine.max_model_len, "messages", room=0)
         thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        images = await chat_images(engine, req)
+        items = await chat_media(engine, req)
         ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                                 enable_thinking=thinking, kwargs=kwargs, request=request,
                                 max_render_s=state.config.max_render_s, room=0,
                                 continue_final_message=req.continue_final_message)
-        ids, _ = expand_images(ids, engine, images)           # each image counts its soft tokens
+        ids, _ = expand_media(ids, engine, items)            # each image and clip counts its soft tokens
 
     def reply() -> dict[str, Any]:
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
