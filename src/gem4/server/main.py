@@ -23,6 +23,11 @@ from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, MEMORY_LIMIT_H
                            chat_template, check_model_or_demo, int_at_least, port, positive_float, speculative_config)
 
 
+# SMG's --policy values that suit replicas of one model (docs/replicas.md)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "least_load", "random", "prefix_hash",
+                   "consistent_hashing")
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -126,6 +131,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections beyond which a new one gets 503 and is closed (default: --max-num-seqs "
                         "+ --max-waiting + 128: every request the engine may hold, plus idle keep-alive "
                         "connections, /health and /metrics)")
+    p.add_argument("--data-parallel-size", "-dp", type=int_at_least(1), default=1, metavar="N",
+                   help="N replicas of the engine, each a process on its own share of the cores (and its own GPU "
+                        "with --device cuda), behind SMG's cache-aware router on --host/--port: pip install "
+                        "'gem4[router]' (docs/replicas.md)")
+    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                   help="with --data-parallel-size: how the router picks a replica (SMG's --policy); cache_aware "
+                        "sends a prompt where its prefix was last seen")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="info: a line per request and a throughput line every --log-interval seconds")
     p.add_argument("--log-interval", type=positive_float, default=10.0,
@@ -241,12 +253,16 @@ def startup_summary(name: str, engine) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted. Returns the process exit code."""
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        _log(f"gem4: warning: serving on {args.host} without --api-key: anyone who can reach it can use it")
+    if args.data_parallel_size > 1:
+        from gem4.server.replicas import serve_replicas
+
+        return serve_replicas(args)
     if getattr(args, "threads", None) is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        _log(f"gem4: warning: serving on {args.host} without --api-key: anyone who can reach it can use it")
     configure_logging(args.log_level)
     sock = bind(args.host, args.port)                  # first: a busy port is said before anything loads
 
