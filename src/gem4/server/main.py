@@ -197,8 +197,35 @@ def max_connections(args: argparse.Namespace) -> int:
     return args.max_num_seqs + args.max_waiting + 128
 
 
-def _load(args: argparse.Namespace, path: str):
-    """-> a gem4.Engine for the checkpoint at `path` (runs in the loader thread)."""
+def model_path(args: argparse.Namespace) -> str:
+    """MODEL as given, or the demo checkpoint's directory (built on first use) with its notice on stderr."""
+    if not args.demo:
+        return args.model
+    from gem4.demo import NOTICE, ensure_demo
+
+    _log(NOTICE)
+    return str(ensure_demo(_log))
+
+
+def server_config(args: argparse.Namespace, names: list[str]):
+    """The app's ServerConfig from `gem4 serve`'s arguments; `names` from model_ids."""
+    from gem4.server.state import ServerConfig
+
+    return ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]),
+                        accept_any_model_name=args.accept_any_model_name, api_key=args.api_key,
+                        metrics_api_key=args.metrics_api_key,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                        heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
+                        max_request_body=None if args.max_request_body_mb is None
+                        else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
+                        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                        web_ui=args.web_ui)
+
+
+def load_engine(args: argparse.Namespace, path: str):
+    """-> a gem4.Engine for the checkpoint at `path` (`gem4 serve` runs it in its loader thread)."""
     from gem4.launch import open_engine
     from gem4.weights.hub import resolve
 
@@ -270,31 +297,17 @@ def serve(args: argparse.Namespace) -> int:
 
     from gem4.server.app import create_app
     from gem4.server.http11 import guarded_protocol
-    from gem4.server.state import ServerConfig
 
-    path = args.model
-    if args.demo:
-        from gem4.demo import NOTICE, ensure_demo
-
-        _log(NOTICE)
-        path = str(ensure_demo(_log))
+    path = model_path(args)
     names = model_ids(args, path)
-    config = ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]),
-                          accept_any_model_name=args.accept_any_model_name, api_key=args.api_key,
-                          metrics_api_key=args.metrics_api_key,
-                          default_chat_template_kwargs=args.default_chat_template_kwargs,
-                          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                          heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
-                          max_request_body=None if args.max_request_body_mb is None
-                          else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
-                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                          web_ui=args.web_ui)
-    app = create_app(config)
+    app = create_app(server_config(args, names))
     http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                             write_timeout=args.write_timeout, max_connections=max_connections(args))
+    # loop="asyncio": the same event loop whatever else is installed (uvicorn's default takes uvloop when it is
+    # there, and the gem4[ray] extra brings it)
     server = _uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
-                                            timeout_graceful_shutdown=args.shutdown_timeout, http=http),
+                                            timeout_graceful_shutdown=args.shutdown_timeout, http=http,
+                                            loop="asyncio"),
                              app.state.gem4)
     logging.getLogger("uvicorn.error").addFilter(_NoEarlyReadiness())
     _log(f"gem4: loading {path} ...")
@@ -303,7 +316,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def loader() -> None:
         try:
-            engine = _load(args, path)
+            engine = load_engine(args, path)
         except BaseException as e:  # noqa: BLE001 - reported, then the server stops
             failure.append(e)
             _log(f"gem4: error: {e}")
