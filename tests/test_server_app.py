@@ -696,9 +696,12 @@ def test_each_app_has_its_own_metrics_and_a_stand_in_engine_gets_the_estimate():
     text = a.render()
     assert 'gem4:num_requests_running{model_name="a"} 2.0' in text           # FCFS: the first max_num_seqs
     assert 'gem4:num_requests_waiting{model_name="a"} 1.0' in text
+    assert 'vllm:num_requests_running{model_name="a"} 2.0' in text           # vLLM's names: the same samples
+    assert 'vllm:num_requests_waiting{model_name="a"} 1.0' in text
     assert 'gem4:prompt_tokens_total{model_name="a"} 15.0' in text
     # a stand-in engine without the engine's counters: the families are declared, with no sample
-    for family in ("gem4:kv_cache_usage_perc", "gem4:num_preemptions_total", "gem4:iteration_tokens_total"):
+    for family in ("gem4:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "gem4:cache_config_info",
+                   "gem4:num_preemptions_total", "gem4:iteration_tokens_total"):
         assert f"# TYPE {family} " in text and not re.search(rf"^{re.escape(family)}(_bucket|_count)?\{{", text, re.M)
     assert "_created" not in text
     assert Metrics("c", 1).render().count("gem4:num_requests_running{") == 1   # no engine yet: estimate 0

@@ -595,7 +595,9 @@ def test_metrics(served):
                    "gem4:generation_tokens_total", "gem4:time_to_first_token_seconds_bucket",
                    "gem4:inter_token_latency_seconds_count", "gem4:e2e_request_latency_seconds_sum",
                    "gem4:kv_cache_usage_perc", "gem4:num_preemptions_total", "gem4:iteration_tokens_total_bucket",
-                   "gem4:iteration_seqs_total_count", "gem4:request_success_total", "gem4:request_rejected_total"):
+                   "gem4:iteration_seqs_total_count", "gem4:request_success_total", "gem4:request_rejected_total",
+                   "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                   "vllm:cache_config_info"):
         assert re.search(rf"^{re.escape(family)}\{{", text, re.MULTILINE), family
     assert "_created" not in text
     assert metric(served, "gem4:prompt_tokens_total") > 0 and metric(served, "gem4:generation_tokens_total") > 0
@@ -694,6 +696,8 @@ def test_engine_metrics_with_a_pool_small_enough_to_preempt(tiny_dir):
         m = scrape(base)
         assert (m["gem4:kv_cache_usage_perc"], m["gem4:num_preemptions_total"], m["gem4:iteration_tokens_total_count"],
                 m["gem4:iteration_seqs_total_count"]) == (0, 0, 0, 0)
+        for prefix in ("gem4", "vllm"):        # the block size llm-d's endpoint picker reads
+            assert m[f'{prefix}:cache_config_info{{block_size="16",enable_prefix_caching="True",num_gpu_blocks="6"}}'] == 1
         threads = [threading.Thread(target=complete, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
@@ -709,6 +713,8 @@ def test_engine_metrics_with_a_pool_small_enough_to_preempt(tiny_dir):
                 m = scrape(base)
                 assert (m["gem4:num_requests_running"], m["gem4:num_requests_waiting"]) == engine.request_counts()
                 assert m["gem4:kv_cache_usage_perc"] == engine.kv_cache_usage
+                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+                    assert m["vllm:" + name] == m["gem4:" + name], name      # vLLM's names, the same values
                 assert m["gem4:iteration_seqs_total_count"] == m["gem4:iteration_tokens_total_count"] == engine.steps
                 seen_usage = max(seen_usage, m["gem4:kv_cache_usage_perc"])
             assert 0 < seen_usage <= 1

@@ -552,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         if extra:                                     # named by the command they were given to
             args.command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
         _check_arguments(args, args.command_parser)
+        args.argv = list(sys.argv[1:] if argv is None else argv)   # `serve --data-parallel-size` passes it on
     except SystemExit as e:                           # --help, --version, or a one-line argument error
         return e.code
     if args.threads is not None:

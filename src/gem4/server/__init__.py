@@ -30,6 +30,7 @@ goes to inputs.py):
     store.py      the Responses API's stored responses (previous_response_id), bounded, LRU
     http11.py     connection guards: header and body timeouts, a connection cap, no draining of unread bodies
     main.py       `gem4 serve` arguments, loading, uvicorn
+    replicas.py   `gem4 serve --data-parallel-size N`: N `gem4 serve` processes behind SMG's router (docs/replicas.md)
 
 ServerConfig and ServerState live in state.py rather than in app.py because the handlers and helpers
 take the state and app.py imports them all: with the state in a module of its own that imports none of

@@ -26,6 +26,11 @@ from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, KV_CACHE_DTYPE
 from gem4.server.store import DEFAULT_RESPONSES_STORE_MB
 
 
+# SMG's --policy values that suit replicas of one model (docs/replicas.md)
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "least_load", "random", "prefix_hash",
+                   "consistent_hashing")
+
+
 def _json_object(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -134,6 +139,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="open connections beyond which a new one gets 503 and is closed (default: --max-num-seqs "
                         "+ --max-waiting + 128: every request the engine may hold, plus idle keep-alive "
                         "connections, /health and /metrics)")
+    p.add_argument("--data-parallel-size", "-dp", type=int_at_least(1), default=1, metavar="N",
+                   help="N replicas of the engine, each a process on its own share of the cores (and its own GPU "
+                        "with --device cuda), behind SMG's cache-aware router on --host/--port: pip install "
+                        "'gem4[router]' (docs/replicas.md)")
+    p.add_argument("--router-policy", default="cache_aware", choices=ROUTER_POLICIES,
+                   help="with --data-parallel-size: how the router picks a replica (SMG's --policy); cache_aware "
+                        "sends a prompt where its prefix was last seen")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="info: a line per request and a throughput line every --log-interval seconds")
     p.add_argument("--log-interval", type=positive_float, default=10.0,
@@ -193,8 +205,35 @@ def max_connections(args: argparse.Namespace) -> int:
     return args.max_num_seqs + args.max_waiting + 128
 
 
-def _load(args: argparse.Namespace, path: str):
-    """-> a gem4.Engine for the checkpoint at `path` (runs in the loader thread)."""
+def model_path(args: argparse.Namespace) -> str:
+    """MODEL as given, or the demo checkpoint's directory (built on first use) with its notice on stderr."""
+    if not args.demo:
+        return args.model
+    from gem4.demo import NOTICE, ensure_demo
+
+    _log(NOTICE)
+    return str(ensure_demo(_log))
+
+
+def server_config(args: argparse.Namespace, names: list[str]):
+    """The app's ServerConfig from `gem4 serve`'s arguments; `names` from model_ids."""
+    from gem4.server.state import ServerConfig
+
+    return ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]),
+                        accept_any_model_name=args.accept_any_model_name, api_key=args.api_key,
+                        metrics_api_key=args.metrics_api_key,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs,
+                        max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
+                        heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
+                        max_request_body=None if args.max_request_body_mb is None
+                        else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
+                        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                        web_ui=args.web_ui, responses_store_bytes=int(args.responses_store_mb * 2**20))
+
+
+def load_engine(args: argparse.Namespace, path: str):
+    """-> a gem4.Engine for the checkpoint at `path` (`gem4 serve` runs it in its loader thread)."""
     from gem4.launch import open_engine
     from gem4.weights.hub import resolve
 
@@ -251,12 +290,16 @@ def startup_summary(name: str, engine) -> str:
 
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted. Returns the process exit code."""
+    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        _log(f"gem4: warning: serving on {args.host} without --api-key: anyone who can reach it can use it")
+    if args.data_parallel_size > 1:
+        from gem4.server.replicas import serve_replicas
+
+        return serve_replicas(args)
     if getattr(args, "threads", None) is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        _log(f"gem4: warning: serving on {args.host} without --api-key: anyone who can reach it can use it")
     configure_logging(args.log_level)
     sock = bind(args.host, args.port)                  # first: a busy port is said before anything loads
 
@@ -264,32 +307,17 @@ def serve(args: argparse.Namespace) -> int:
 
     from gem4.server.app import create_app
     from gem4.server.http11 import guarded_protocol
-    from gem4.server.state import ServerConfig
 
-    path = args.model
-    if args.demo:
-        from gem4.demo import NOTICE, ensure_demo
-
-        _log(NOTICE)
-        path = str(ensure_demo(_log))
+    path = model_path(args)
     names = model_ids(args, path)
-    config = ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]),
-                          accept_any_model_name=args.accept_any_model_name, api_key=args.api_key,
-                          metrics_api_key=args.metrics_api_key,
-                          default_chat_template_kwargs=args.default_chat_template_kwargs,
-                          max_num_seqs=args.max_num_seqs, max_waiting=args.max_waiting,
-                          heartbeat_s=args.heartbeat_interval, log_interval_s=args.log_interval,
-                          max_request_body=None if args.max_request_body_mb is None
-                          else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
-                          allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
-                          allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                          web_ui=args.web_ui, responses_store_bytes=int(args.responses_store_mb * 2**20))
-    app = create_app(config)
+    app = create_app(server_config(args, names))
     http = guarded_protocol(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
                             write_timeout=args.write_timeout, max_connections=max_connections(args))
+    # loop="asyncio": the same event loop whatever else is installed (uvicorn's default takes uvloop when it is
+    # there, and the gem4[ray] extra brings it)
     server = _uvicorn_server(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level == "debug",
                                             timeout_graceful_shutdown=args.shutdown_timeout + _CANCEL_AFTER_S,
-                                            http=http),
+                                            http=http, loop="asyncio"),
                              app.state.gem4, args.shutdown_timeout)
     logging.getLogger("uvicorn.error").addFilter(_NoEarlyReadiness())
     _log(f"gem4: loading {path} ...")
@@ -298,7 +326,7 @@ def serve(args: argparse.Namespace) -> int:
 
     def loader() -> None:
         try:
-            engine = _load(args, path)
+            engine = load_engine(args, path)
         except BaseException as e:  # noqa: BLE001 - reported, then the server stops
             failure.append(e)
             _log(f"gem4: error: {e}")

@@ -6,6 +6,8 @@ Every family has the label `model_name`. Families:
     gem4:num_requests_running            gauge      sequences in the engine's running batch (1)
     gem4:num_requests_waiting            gauge      sequences queued behind them (1)
     gem4:kv_cache_usage_perc             gauge      fraction (0..1) of the KV pool's full-attention blocks in use (2)
+    gem4:cache_config_info               gauge      1, the KV pool's shape in labels: block_size, num_gpu_blocks (its
+                                                    full-attention blocks), enable_prefix_caching (2)
     gem4:num_preemptions_total           counter    sequences preempted (KV freed, recomputed later) (2)
     gem4:prefix_cache_queries_total      counter    prompt tokens looked up in the prefix cache (2)
     gem4:prefix_cache_hits_total         counter    ... and found there (2)
@@ -171,6 +173,9 @@ class _LiveCollector:
                                          labels=("model_name",)),
             "kv": GaugeMetricFamily("gem4:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                     labels=("model_name",)),
+            "cache_config": GaugeMetricFamily("gem4:cache_config_info", "The KV cache's configuration.",
+                                              labels=("model_name", "block_size", "num_gpu_blocks",
+                                                      "enable_prefix_caching")),
             "preempt": CounterMetricFamily("gem4:num_preemptions", "Cumulative number of preemptions from the engine.",
                                            labels=("model_name",)),
             "queries": CounterMetricFamily("gem4:prefix_cache_queries",
@@ -210,6 +215,8 @@ class _LiveCollector:
                                                  labels=("model_name",)),
             "expert_bytes": CounterMetricFamily("gem4:expert_cache_bytes_read", "Bytes of streamed experts read.",
                                                 labels=("model_name",)),
+            **{alias: GaugeMetricFamily(name, "The same as gem4:" + name.removeprefix("vllm:") + " (vLLM's name).",
+                                        labels=()) for alias, (_, name) in _VLLM_NAMES.items()},
         }
 
     def collect(self) -> Iterator[Metric]:
@@ -224,6 +231,10 @@ class _LiveCollector:
         if engine is not None:
             if hasattr(engine, "kv_cache_usage"):
                 fam["kv"].add_metric(label, engine.kv_cache_usage)
+            size = getattr(engine, "pool_size", None)
+            if size is not None:
+                fam["cache_config"].add_metric([*label, str(size.block_size), str(size.num_blocks),
+                                                str(bool(engine.prefix_caching))], 1)
             if hasattr(engine, "num_preemptions"):
                 fam["preempt"].add_metric(label, engine.num_preemptions)
             if getattr(engine, "speculative_config", None) is not None:
@@ -257,7 +268,18 @@ class _LiveCollector:
                 if counts is not None:
                     buckets, total = _buckets(dict(counts), bounds)   # dict(): one C-level copy, atomic
                     fam[key].add_metric(label, buckets, total)
+        for alias, (key, name) in _VLLM_NAMES.items():
+            fam[alias].samples = [sample._replace(name=name) for sample in fam[key].samples]
         yield from fam.values()
+
+
+# the families also shown under vLLM's name (see the module's docstring): alias key -> (gem4 key, vLLM name)
+_VLLM_NAMES = {
+    "vllm_running": ("running", "vllm:num_requests_running"),
+    "vllm_waiting": ("waiting", "vllm:num_requests_waiting"),
+    "vllm_kv": ("kv", "vllm:kv_cache_usage_perc"),
+    "vllm_cache_config": ("cache_config", "vllm:cache_config_info"),
+}
 
 
 def _buckets(steps: Mapping[int, int], bounds: tuple[int, ...]) -> tuple[list[tuple[str, int]], int]:
