@@ -4,6 +4,8 @@ Expected outputs are computed in-process with the same engine and parser, greedy
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import os
 import re
@@ -21,6 +23,8 @@ from gem4 import Engine, SamplingParams
 from gem4.chat import encode_prompt
 from gem4.cli import _stream_chat, assistant_message, main
 from gem4.demo import DEMO_VERSION, write_tokenizer
+from gem4.engine.engine import GenerationEvent
+from gem4.engine.sequence import RequestStats
 from gem4.parser import ParseResult, ToolCall
 from gem4.ggml import GGMLType
 
@@ -371,3 +375,52 @@ def test_a_closed_pipe_ends_quietly(demo_run):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "error" not in err and "Broken pipe" not in err, err
+
+
+class _ScriptedEngine:
+    """What _stream_chat uses of an Engine, replying with fixed ids: `generate` and `abort`."""
+
+    def __init__(self, ids: list[int]):
+        self.ids, self.aborted = ids, []
+
+    @contextlib.contextmanager
+    def generate(self, prompt_ids, params, media=()):
+        engine = self
+
+        class Events:
+            request_id = "req-1"
+
+            def __iter__(self):
+                stats = RequestStats(len(prompt_ids), 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0)
+                for n, tid in enumerate(engine.ids, 1):
+                    if engine.aborted:
+                        yield GenerationEvent("req-1", None, "", "abort", None, len(prompt_ids), n - 1,
+                                              stats=dataclasses.replace(stats, completion_tokens=n - 1))
+                        return
+                    last = n == len(engine.ids)
+                    yield GenerationEvent("req-1", tid, "", "length" if last else None, None, len(prompt_ids), n,
+                                          stats=dataclasses.replace(stats, completion_tokens=n) if last else None)
+
+        yield Events()
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+        return True
+
+
+def test_chat_stops_the_engine_where_the_reply_runs_into_a_new_turn(demo_run):
+    """A reply that runs on into a new turn (`<|turn>`, which the engine does not stop at) ends there: the
+    engine's request is aborted at once instead of generating unread to max_tokens, and the finish says stop;
+    with ignore_eos the parser reads on, as the server's output does."""
+    cache, _ = demo_run
+    tok = gem4.Tokenizer.from_file(cache / f"demo-{DEMO_VERSION}")
+    ids = tok.encode("Here it is.", add_bos=False) + [105] + tok.encode("user\nAnd more text here", add_bos=False)
+    engine = _ScriptedEngine(ids)
+    out = io.StringIO()
+    result, last, interrupted = _stream_chat(engine, tok, [2], SamplingParams(max_tokens=64), out)
+    assert (result.content, out.getvalue().strip(), last.finish_reason, interrupted) == \
+        ("Here it is.", "Here it is.", "stop", False)
+    assert engine.aborted == ["req-1"] and last.completion_tokens < len(ids)
+    engine = _ScriptedEngine(ids)
+    result, last, _ = _stream_chat(engine, tok, [2], SamplingParams(max_tokens=64, ignore_eos=True), io.StringIO())
+    assert not engine.aborted and last.finish_reason == "length" and "And more text" in result.content

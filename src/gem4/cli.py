@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -195,19 +196,24 @@ class ChatPrinter:
 def _stream_chat(engine, tokenizer, prompt_ids: list[int], params, out, media=()):
     """Generate from a rendered chat prompt (and its media, engine/media.py), printing parsed output.
     -> (ParseResult, final event, whether Ctrl-C stopped it)."""
-    from gem4.parser import Gemma4Parser
+    from gem4.parser import Gemma4Parser, Mode
 
-    parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids)
+    parser = Gemma4Parser(tokenizer, prompt_ids=prompt_ids, ignore_eos=params.goes_past_end)
     printer = ChatPrinter(out)
-    last = None
+    last, ended = None, False
     with engine.generate(prompt_ids, params, media=media) as events, _ctrl_c_aborts(events) as interrupted:
         try:
             for last in events:
-                if last.token_id is not None:
+                if last.token_id is not None and not ended:
                     printer.events(parser.feed([last.token_id]))
+                    if parser.mode is Mode.DONE and not last.finished:
+                        ended = True                  # an end the engine does not stop at (a new turn): stop it
+                        engine.abort(events.request_id)
         finally:
             printer.events(parser.finish())
             printer.close()
+    if ended and last is not None and last.finish_reason == "abort" and not interrupted():
+        last = dataclasses.replace(last, finish_reason="stop")     # the reply ended, as the server says
     return parser.result, last, interrupted()
 
 
