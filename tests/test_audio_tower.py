@@ -23,13 +23,12 @@ from gem4.model import audio as tower
 from gem4.weights.audio import load_audio
 from gem4.weights.checkpoint import CheckpointError
 
+from audio_fixtures import TINY_AUDIO, randomize_audio
 from model_fixtures import VARIANTS, randomize
 
 TOL = 1e-5          # float32 HF vs gem4, relative to the embeddings' scale (~1-10)
 MOVED = 1e-3        # a mistake must move some embedding by at least this (100x the tolerance)
 
-TINY_AUDIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[128, 8],
-                  output_proj_dims=48, conv_kernel_size=5)
 TOWERS = {
     "e2b-like": {},                                                       # chunk 12, left 13, right 0, clipped
     "short chunks": dict(attention_chunk_size=4, attention_context_left=6),
@@ -47,21 +46,7 @@ def build_hf(seed: int = 0, **audio_overrides):
     model = Gemma4ForConditionalGeneration(Gemma4Config(
         text_config=Gemma4TextConfig(**VARIANTS["ple_kvshare"]), audio_config=audio, vision_config=None)).eval()
     randomize(model.model.language_model, seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
-            if "audio" not in name or "inv_timescales" in name or name.endswith("softcap"):
-                continue
-            if name.endswith(("input_min", "output_min")):
-                p.fill_(-(1 + 2 * torch.rand((), generator=gen)).item())
-            elif name.endswith(("input_max", "output_max")):
-                p.fill_((1 + 2 * torch.rand((), generator=gen)).item())
-            elif "norm" in name:
-                p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("per_dim_scale"):
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    randomize_audio(model, seed)
     return model
 
 
