@@ -166,8 +166,8 @@ class ServerRequest:
         """The server is stopping: end the request here with ServerShuttingDown (the handler's next read
         raises it), before the engine has, and stop its engine request now (not when the engine shuts down)."""
         if not self.finished:
+            self._deliver(ServerShuttingDown("the server is shutting down"))   # first: read before the abort's event
             self.state.engine.abort(self.request_id)
-            self._deliver(ServerShuttingDown("the server is shutting down"))
 
     def end_choice(self, index: int, reason: str) -> None:
         """The server ended choice `index` before the engine did, for `reason` (a stop string: "stop", a
