@@ -1,12 +1,19 @@
 """llama.cpp's mmproj GGUF (weights/mmproj.py, docs/multimodal.md §2.4): a tiny HF multimodal checkpoint converted by
 `gem4 convert` into a text GGUF and an mmproj, loaded with `gem4.load(gguf, mmproj=...)`, gives the image embeddings
 and the logits of a prompt with an image that the HF checkpoint gives; a mismatched or corrupt mmproj is refused by
-name."""
+name. Where llama.cpp's own converter is at hand (GEM4_LLAMA_CPP: its source directory, with convert_hf_to_gguf.py
+and gguf-py; .ci/run fetches it from llama-cpp-python's sdist), its mmproj files are the same tensors, types and
+bytes as gem4's and load to the same tower."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +31,9 @@ from vision_fixtures import TOKEN_IDS, build_vision_hf, sample_image
 
 BUDGET = 70
 EXACT = 1e-6          # float32 both ways: the same values, the same operations
+LLAMA_CPP = os.environ.get("GEM4_LLAMA_CPP")
+needs_llama_cpp = pytest.mark.skipif(not LLAMA_CPP, reason="GEM4_LLAMA_CPP (llama.cpp's source, with its converter) "
+                                                           "is not set; .ci/run sets it")
 
 
 def tokenizer_with_image_tokens(directory) -> None:
@@ -158,3 +168,45 @@ def test_text_gguf_without_image_tokens_is_refused(pairs, tmp_path):
     assert main(["convert", str(tmp_path / "plain"), str(tmp_path / "plain.gguf"), "--type", "f32"]) == 0
     with pytest.raises(CheckpointError, match=re.escape("vocabulary has no '<|image|>' token")):
         gem4.load(tmp_path / "plain.gguf", dtype="float32", mmproj=p.mmproj)
+
+
+def llama_cpp_mmproj(pair: Pair, tmp_path: Path, outtype: str) -> Path:
+    """llama.cpp's `convert_hf_to_gguf.py --mmproj` on the pair's checkpoint (it wants image_mean/std from a processor
+    config; gem4 needs none)."""
+    src = tmp_path / "hf"
+    shutil.copytree(pair.dir, src)
+    (src / "processor_config.json").write_text(json.dumps(
+        {"image_processor": {"image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0]}}))
+    out = tmp_path / f"lc-mmproj-{outtype}.gguf"
+    env = dict(os.environ, PYTHONPATH=str(Path(LLAMA_CPP) / "gguf-py"), PYTHONDONTWRITEBYTECODE="1")
+    done = subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(src), "--mmproj",
+                           "--outtype", outtype, "--outfile", str(out)], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("flavour, outtype", [("e2b", "f32"), ("31b", "f32"), ("e2b", "f16"), ("31b", "q8_0"),
+                                              ("31b", "bf16")])
+def test_llama_cpps_mmproj_is_gem4s(pairs, tmp_path, flavour, outtype):
+    p = pairs[flavour]
+    theirs = llama_cpp_mmproj(p, tmp_path, outtype)
+    ours = tmp_path / "ours.gguf"
+    assert main(["convert", str(p.dir), str(tmp_path / "t.gguf"), "--type", outtype, "--mmproj", str(ours)]) == 0
+    with GGUFReader(theirs) as a, GGUFReader(ours) as b:
+        assert set(a.tensors) == set(b.tensors)
+        for name, info in a.tensors.items():
+            assert (info.shape, info.ggml_type) == (b.tensors[name].shape, b.tensors[name].ggml_type), name
+            assert np.array_equal(a.tensor_data(name), b.tensor_data(name)), name
+        for key in ("general.architecture", "general.type", "general.file_type", "clip.has_vision_encoder",
+                    "clip.vision.projector_type", "clip.vision.projection_dim", "clip.vision.patch_size",
+                    "clip.vision.embedding_length", "clip.vision.feed_forward_length", "clip.vision.block_count",
+                    "clip.vision.attention.head_count", "clip.vision.attention.layer_norm_epsilon"):
+            assert a.metadata[key] == b.metadata[key], key
+    model = gem4.load(p.gguf, dtype="float32", mmproj=theirs)
+    got = p.encode(model)
+    err = float((got - p.want).abs().max())
+    print(f"{flavour} {outtype}: image embeddings through llama.cpp's mmproj, max |diff| {err:.1e}")
+    if outtype == "f32":
+        assert err <= EXACT
+        assert model.vision.config == gem4.load(p.gguf, dtype="float32", mmproj=p.mmproj).vision.config

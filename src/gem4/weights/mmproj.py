@@ -244,7 +244,8 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
     """Write the vision tower of `ckpt` (an HF checkpoint) as llama.cpp's mmproj GGUF. Returns tensor counts by type.
 
     Matrices take `out_type` (f32, f16, bf16, q8_0; rows that are not whole Q8_0 blocks: F16); vectors, clip bounds
-    and the position table stay F32, the patch kernel F16 or F32, as llama.cpp's converter stores them."""
+    and the position table stay F32, the patch kernel F16 in an f16 file and F32 otherwise, as llama.cpp's converter
+    stores them (the same types, names, shapes and bytes: tests/test_mmproj.py)."""
     vision = ckpt.tower_configs.get("vision")
     if vision is None:
         raise CheckpointError(f"{ckpt.path}: the checkpoint has no vision tower to write as an mmproj")
@@ -255,8 +256,8 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
     w.add("general.name", name or ckpt.path.name)
     w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 7, GGMLType.BF16: 32}[qtype],
           _VT.UINT32)
+    w.add("general.quantization_version", 2, _VT.UINT32)
     w.add("clip.has_vision_encoder", True)
-    w.add("clip.has_audio_encoder", False)
     w.add("clip.vision.projector_type", PROJECTOR)
     w.add("clip.vision.image_size", 224, _VT.UINT32)          # a placeholder llama.cpp's converter writes too
     for key, value in (("projection_dim", vision.text_hidden_size), ("patch_size", vision.patch_size),
@@ -274,7 +275,7 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
         if canonical == _PATCH:                     # (D, p·p·3) linear -> (D, 3, p, p) conv kernel
             p = vision.patch_size
             t = t.reshape(shape[0], p, p, 3).permute(0, 3, 1, 2)
-            ggml = GGMLType.F32 if qtype == GGMLType.F32 else GGMLType.F16
+            ggml = GGMLType.F16 if qtype == GGMLType.F16 else GGMLType.F32
         elif len(shape) == 2:
             ggml = qtype if shape[1] % 32 == 0 or qtype != GGMLType.Q8_0 else GGMLType.F16
         else:
