@@ -210,3 +210,19 @@ def test_llama_cpps_mmproj_is_gem4s(pairs, tmp_path, flavour, outtype):
     if outtype == "f32":
         assert err <= EXACT
         assert model.vision.config == gem4.load(p.gguf, dtype="float32", mmproj=p.mmproj).vision.config
+
+
+def test_run_takes_mmproj_as_llama_server_does(pairs, tmp_path, capsys):
+    """`gem4 run MODEL.gguf --mmproj FILE --image PATH` answers as `gem4 run HF_DIR --image PATH` (greedy, float32)."""
+    p = pairs["31b"]
+    image = tmp_path / "a.png"
+    sample_image(96, 144, seed=3).save(image)
+    args = ["--image", str(image), "-p", "what is this?", "--temperature", "0", "-n", "6", "--dtype", "float32",
+            "--prefill-chunk", "512"]
+    answers = []
+    for model in ([str(p.dir)], [str(p.gguf), "--mmproj", str(p.mmproj)]):
+        assert main(["run", *model, *args]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and answers[0].strip()
+    assert main(["run", str(p.gguf), *args]) == 2          # the GGUF alone has no tower: the image is refused
+    assert "this model has no vision tower" in capsys.readouterr().err
