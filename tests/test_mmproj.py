@@ -21,6 +21,7 @@ import torch
 
 import gem4
 from gem4.cli import main
+from gem4.ggml import GGMLType
 from gem4.gguf import GGUFReader, GGUFWriter
 from gem4.media.image import preprocess
 from gem4.model.gemma4 import MediaItem
@@ -112,13 +113,16 @@ def test_q8_0_mmproj_dequantizes_to_the_towers_dtype(pairs, tmp_path):
     assert 0 < err < 0.05
 
 
-def rewrite(src, dst, drop=(), meta=None, tensor=None):
-    """A copy of the GGUF at src with tensors dropped, metadata changed, or one tensor's data replaced."""
+def rewrite(src, dst, drop=(), meta=None, tensor=None, extra=None):
+    """A copy of the GGUF at src with tensors dropped, metadata changed or added, one tensor's data replaced, or
+    `extra` tensors ({name: float32 array}) added."""
     with GGUFReader(src) as r:
         w = GGUFWriter(dst)
-        for key, value in r.metadata.items():
+        for key, value in {**r.metadata, **(meta or {})}.items():
             if key != "GGUF.version":
-                w.add(key, (meta or {}).get(key, value))
+                w.add(key, value)
+        for name, data in (extra or {}).items():
+            w.add_tensor(name, data, data.shape, GGMLType.F32)
         for name, info in r.tensors.items():
             if name in drop:
                 continue
@@ -158,6 +162,20 @@ def test_mmproj_of_another_model_is_refused(pairs, tmp_path):
         gem4.load(big.dir, dtype="float32", mmproj=big.mmproj)
     with pytest.raises(CheckpointError, match="general.architecture is 'gemma4'"):
         gem4.load(big.gguf, dtype="float32", mmproj=big.gguf)
+
+
+def test_an_audio_encoder_in_the_mmproj_is_left_out_with_a_warning(pairs, tmp_path):
+    """llama.cpp writes E2B/E4B's audio tower into the same file; gem4 does not read it yet and says so."""
+    p = pairs["e2b"]
+    both = rewrite(p.mmproj, tmp_path / "both.gguf", meta={"clip.has_audio_encoder": True},
+                   extra={"a.blk.0.attn_q.weight": np.zeros((32, 32), np.float32),
+                          "mm.a.input_projection.weight": np.zeros((64, 32), np.float32)})
+    with pytest.warns(UserWarning, match="audio encoder .* is not read yet"):
+        model = gem4.load(p.gguf, dtype="float32", mmproj=both)
+    assert model.audio is None and float((p.encode(model) - p.want).abs().max()) <= EXACT
+    stray = rewrite(p.mmproj, tmp_path / "stray.gguf", extra={"a.blk.0.attn_q.weight": np.zeros((32, 32), np.float32)})
+    with pytest.raises(CheckpointError, match="unexpected tensor 'a.blk.0.attn_q.weight'"):
+        gem4.load(p.gguf, dtype="float32", mmproj=stray)
 
 
 def test_text_gguf_without_image_tokens_is_refused(pairs, tmp_path):
