@@ -244,3 +244,24 @@ def test_run_takes_mmproj_as_llama_server_does(pairs, tmp_path, capsys):
     assert answers[0] == answers[1] and answers[0].strip()
     assert main(["run", str(p.gguf), *args]) == 2          # the GGUF alone has no tower: the image is refused
     assert "this model has no vision tower" in capsys.readouterr().err
+
+
+@needs_llama_cpp
+def test_llama_cpps_mmproj_with_both_towers_gives_the_vision_tower(tmp_path):
+    """E2B/E4B: llama.cpp writes the audio tower into the same file; gem4 binds the vision tower from it exactly."""
+    from audio_fixtures import build_audio_hf
+
+    pair = Pair.__new__(Pair)
+    pair.dir = tmp_path / "av"
+    build_audio_hf(vision=True).save_pretrained(pair.dir)
+    tokenizer_with_image_tokens(pair.dir)
+    theirs = llama_cpp_mmproj(pair, tmp_path, "f32")
+    assert main(["convert", str(pair.dir), str(tmp_path / "av.gguf"), "--type", "f32"]) == 0
+    with GGUFReader(theirs) as r:
+        assert r.metadata["clip.has_audio_encoder"] is True and "a.blk.0.per_dim_scale.weight" in r.tensors
+    with pytest.warns(UserWarning, match="audio encoder"):
+        model = gem4.load(tmp_path / "av.gguf", dtype="float32", mmproj=theirs)
+    ref = gem4.load(pair.dir, dtype="float32")
+    assert not model.vision.config.bidirectional                 # per-layer embeddings: causal over images
+    mine, want = model.vision.state_dict(), ref.vision.state_dict()
+    assert all(torch.equal(mine[k], want[k]) for k in want)
