@@ -593,12 +593,14 @@ def test_choices_of_an_image_request_are_its_seeded_runs(cases):
     assert [[e.token_id for e in events if e.index == i] for i in range(2)] == runs
 
 
-def test_convert_says_the_tower_stays_behind(cases, tmp_path, capsys):
+def test_convert_writes_the_tower_beside_the_text_gguf(cases, tmp_path, capsys):
+    """The text GGUF holds the text model only; the tower goes to llama.cpp's mmproj beside it (tests/test_mmproj.py
+    loads the pair)."""
     from gem4.cli import main as cli_main
 
     out = tmp_path / "text.gguf"
     assert cli_main(["convert", str(cases["e2b"].dir), str(out), "--type", "f32"]) == 0
-    assert "vision tower is not in" in capsys.readouterr().err
+    assert f"wrote {tmp_path / 'mmproj-text.gguf'} (f32)" in capsys.readouterr().out
     assert gem4.load(out, dtype="float32").vision is None
 
 

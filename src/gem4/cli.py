@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 
 from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
-                           MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser,
+                           MEMORY_LIMIT_HELP, MMPROJ_HELP, SPECULATIVE_HELP, ArgParser,
                            chat_template, check_model_or_demo, int_at_least, positive_float, speculative_config)
 
 
@@ -54,9 +54,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.hf_dir)
     counts = write_gguf(ckpt, Path(args.out), args.type)
     print(f"wrote {args.out}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
-    if ckpt.tower_configs:
-        log(f"note: the checkpoint's {' and '.join(sorted(ckpt.tower_configs))} tower is not in {args.out}: the GGUF "
-            f"holds the text model (mmproj files are not written yet); load the HF directory to use it")
+    if "vision" in ckpt.tower_configs:          # llama.cpp's layout: the towers in a second file (weights/mmproj.py)
+        from gem4.weights.mmproj import mmproj_type, write_mmproj
+
+        out = Path(args.mmproj) if args.mmproj else Path(args.out).with_name(f"mmproj-{Path(args.out).name}")
+        counts = write_mmproj(ckpt, out, args.type)
+        print(f"wrote {out} ({mmproj_type(args.type)}): " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
+    elif args.mmproj:
+        raise ValueError(f"--mmproj {args.mmproj}: {args.hf_dir} has no vision tower to write")
+    if "audio" in ckpt.tower_configs:
+        log(f"note: the checkpoint's audio tower is not written: gem4's mmproj files hold the vision tower only; "
+            f"load the HF directory to use it")
     return 0
 
 
@@ -427,6 +435,7 @@ def _model_arguments(p: argparse.ArgumentParser) -> None:
 def _generation_options() -> argparse.ArgumentParser:
     g = ArgParser(add_help=False)
     g.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
+    g.add_argument("--mmproj", metavar="FILE", help=MMPROJ_HELP)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto = bfloat16, the fast mode; float32 is the reference mode")
     g.add_argument("--threads", type=int_at_least(1), default=argparse.SUPPRESS,
@@ -498,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="bf16",
                    choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"],
                    help="tensor type; q4_k_m / q5_k_m: llama.cpp's mixes (token tables, some attn_v and ffn_down in Q6_K)")
+    p.add_argument("--mmproj", metavar="OUT", default=None,
+                   help="where the vision tower goes, as llama.cpp's mmproj GGUF (default: mmproj-<OUT's name> beside "
+                        "OUT; its type is --type, q8_0 for the 4- to 6-bit types)")
     p.set_defaults(func=cmd_convert, command_parser=p)
 
     p = sub.add_parser("pull", help="download a model from a Hugging Face hub; print its local path")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 def open_engine(args: argparse.Namespace, path: str, log: Callable[[str], None], **engine_options):
     """-> a gem4.Engine over the checkpoint at `path` with a load progress bar on stderr.
 
-    From `args`: --tokenizer, --dtype, --device (serve), --chat-template, --expert-cache-slots,
+    From `args`: --tokenizer, --mmproj, --dtype, --device (serve), --chat-template, --expert-cache-slots,
     --memory-limit, --prefill-chunk, --speculative-config, --enable-prefix-caching, --kv-cache-dtype. `engine_options` are
     passed to the Engine as they are (the server's batching and pool sizes). Errors name the real cause
     first (weights.loader.load_with_tokenizer); a checkpoint without a tokenizer says how to give one.
@@ -23,7 +23,7 @@ def open_engine(args: argparse.Namespace, path: str, log: Callable[[str], None],
         model, tokenizer = load_with_tokenizer(path, args.tokenizer, dtype=args.dtype,
                                                device=getattr(args, "device", "cpu"), progress=True,
                                                expert_cache_slots=args.expert_cache_slots,
-                                               memory_limit=args.memory_limit)
+                                               memory_limit=args.memory_limit, mmproj=args.mmproj)
     except TokenizerError as e:
         hint = "" if args.tokenizer else " (MODEL carries no usable tokenizer: pass --tokenizer PATH, a GGUF " \
                                          "file, an HF directory or a tokenizer.json)"

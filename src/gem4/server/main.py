@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
-                           MEMORY_LIMIT_HELP, SPECULATIVE_HELP, ArgParser, chat_template, check_model_or_demo,
+                           MEMORY_LIMIT_HELP, MMPROJ_HELP, SPECULATIVE_HELP, ArgParser, chat_template, check_model_or_demo,
                            int_at_least, non_negative_float, port, positive_float, speculative_config)
 from gem4.server.store import DEFAULT_RESPONSES_STORE_MB
 
@@ -57,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="a .gguf file, an HF checkpoint directory or a hub id owner/name[:QUANT]")
     p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo checkpoint")
     p.add_argument("--tokenizer", help="tokenizer file or directory, if MODEL does not carry one")
+    p.add_argument("--mmproj", metavar="FILE", help=MMPROJ_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=port, default=8000, help="port (0: pick a free one)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (not for /health, "

@@ -54,13 +54,24 @@ class Checkpoint:
     close: Callable[[], None] = lambda: None
 
 
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """A `.gguf` file or an HF directory (config.json + *.safetensors)."""
+def open_checkpoint(path: str | Path, mmproj: str | Path | None = None) -> Checkpoint:
+    """A `.gguf` file or an HF directory (config.json + *.safetensors); `mmproj`: llama.cpp's tower file beside a
+    `.gguf` (weights/mmproj.py)."""
     p = Path(path)
     if p.is_dir():
         from gem4.weights.hf import open_hf
-        return open_hf(p)
-    if p.is_file():
+        ckpt = open_hf(p)
+    elif p.is_file():
         from gem4.weights.gguf_model import open_gguf
-        return open_gguf(p)
-    raise CheckpointError(f"{p}: no such file or directory (expected a .gguf file or an HF checkpoint directory)")
+        ckpt = open_gguf(p)
+    else:
+        raise CheckpointError(f"{p}: no such file or directory (expected a .gguf file or an HF checkpoint directory)")
+    if mmproj is not None:
+        from gem4.weights.mmproj import attach_mmproj
+        try:
+            attach_mmproj(ckpt, mmproj)
+        except BaseException:
+            ckpt.close()
+            raise
+    return ckpt
+

@@ -97,9 +97,9 @@ def _check_streamable(ckpt: Checkpoint, device: str, slots, memory_limit) -> Non
 
 def load_with_tokenizer(path: str | Path, tokenizer: str | Path | None = None, dtype: str = "auto",
                         device: str = "cpu", progress: bool = False, expert_cache_slots: int | None = None,
-                        memory_limit: float | None = None):
+                        memory_limit: float | None = None, mmproj: str | Path | None = None):
     """-> (Model, Tokenizer) of the checkpoint at `path`, the tokenizer read from `tokenizer` (a file or
-    directory) or from the checkpoint itself.
+    directory) or from the checkpoint itself; `mmproj`: llama.cpp's tower file for a GGUF text model.
 
     The checkpoint is opened before the tokenizer is read, so the first error names the real cause: no
     such file, not a model file, an unsupported architecture, and only then a missing tokenizer
@@ -107,7 +107,7 @@ def load_with_tokenizer(path: str | Path, tokenizer: str | Path | None = None, d
     """
     from gem4.tokenizer import Tokenizer
 
-    ckpt = open_checkpoint(path)
+    ckpt = open_checkpoint(path, mmproj)
     try:
         tok = Tokenizer.from_file(tokenizer or path)
     except BaseException:
@@ -198,9 +198,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: bool = False,
-         expert_cache_slots: int | None = None, memory_limit: float | None = None) -> Model:
+         expert_cache_slots: int | None = None, memory_limit: float | None = None,
+         mmproj: str | Path | None = None) -> Model:
     """Load a Gemma 4 text model from a `.gguf` file or an HF checkpoint directory; an HF checkpoint's vision tower
-    comes with it (`model.vision`, model/vision.py).
+    comes with it (`model.vision`, model/vision.py), a GGUF's from llama.cpp's mmproj file `mmproj`
+    (weights/mmproj.py).
 
     dtype "auto" (the default) is the fast mode, "bfloat16": bf16 weights and matmul inputs, compiled
     kernels on CPUs that run them. "float32" is the reference mode (matches transformers to ~1e-5).
@@ -215,7 +217,7 @@ def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: b
     paused = gc.isenabled()
     gc.disable()
     try:
-        ckpt = open_checkpoint(path)
+        ckpt = open_checkpoint(path, mmproj)
         return bind(ckpt, dtype=dtype, device=device, progress=progress, expert_cache_slots=expert_cache_slots,
                     memory_limit=memory_limit)
     finally:

@@ -1,0 +1,287 @@
+"""llama.cpp's mmproj GGUF: the vision tower beside a GGUF text model (docs/multimodal.md §2.4).
+
+llama.cpp keeps a Gemma 4 checkpoint's towers out of the text GGUF, in a second file (`general.architecture`
+"clip", `general.type` "mmproj") that `llama-server --mmproj FILE` takes; `gem4.load(path, mmproj=FILE)` and
+`--mmproj FILE` on run, chat and serve take the same file. `read_mmproj` turns it into the canonical tower tensors
+and `VisionConfig` an HF checkpoint gives (weights/towers.py), so `bind_vision` binds it unchanged:
+
+- names: `v.*` / `mm.*` <-> the HF names without `model.` (MMPROJ_NAMES); the one transform, the patch embedder
+  written as a conv kernel (D, 3, p, p), is undone to the (D, p·p·3) linear (row in patch, column, channel);
+  clip bounds stored as [1] become scalars;
+- config: every value the file states (`clip.vision.*`), the rest from the tensors as llama.cpp infers them
+  (head_dim from `attn_q_norm`, kv heads from `attn_k`, the position table size, clipping by `….input_min`,
+  standardisation by `v.std_bias`); pooling from `clip.vision.projector.scale_factor`, else 3, and RoPE theta 100,
+  the two values llama.cpp hard-codes. `image_mean` must be 0 and `image_std` 1 (the tower maps pixels to
+  [-1, 1] itself); the projection must map into the text model's width; the image token ids come from the text
+  GGUF's vocabulary by their strings;
+- bidirectional attention, which neither file records: causal when the text model has per-layer embeddings (the
+  E2B/E4B family), image tokens both ways on sliding layers otherwise (26B-A4B, 31B).
+
+The audio encoder (`clip.has_audio_encoder`, `a.*`) is not read yet: a file with one loads its vision tower and
+says, once, that its audio tower is left out. `write_mmproj` (gem4 convert) writes an HF checkpoint's vision tower
+in the same layout.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gem4.config import ConfigError, VisionConfig, build_vision_config
+from gem4.ggml import GGMLType, quantize
+from gem4.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
+from gem4.model.vision import VisionModel
+from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
+from gem4.weights.gguf_model import tensor_entry
+
+ARCH = "clip"
+PROJECTOR = "gemma4v"
+ROPE_THETA = 100.0                # not in the file: llama.cpp hard-codes it for gemma4v
+POOLING = 3                       # n_merge, unless clip.vision.projector.scale_factor says otherwise
+# the image placeholders, found in the text model's vocabulary as llama.cpp's mtmd finds them
+IMAGE_TOKENS = {"image_token_id": "<|image|>", "boi_token_id": "<|image>", "eoi_token_id": "<image|>"}
+
+_LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down"}
+_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "input_layernorm": "ln1",
+          "post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ln2",
+          "post_feedforward_layernorm": "ffn_post_norm"}
+_BOUNDS = ("input_min", "input_max", "output_min", "output_max")
+_GLOBAL = {"vision_tower.patch_embedder.input_proj.weight": "v.patch_embd.weight",
+           "vision_tower.patch_embedder.position_embedding_table": "v.position_embd.weight",
+           "vision_tower.std_bias": "v.std_bias", "vision_tower.std_scale": "v.std_scale",
+           "embed_vision.embedding_projection.weight": "mm.input_projection.weight"}
+_PATCH = "vision_tower.patch_embedder.input_proj.weight"
+
+
+def mmproj_name(canonical: str) -> str:
+    """gem4's (HF without `model.`) vision tensor name -> llama.cpp's mmproj name."""
+    if canonical in _GLOBAL:
+        return _GLOBAL[canonical]
+    head, sep, rest = canonical.partition("vision_tower.encoder.layers.")
+    if head or not sep:
+        raise KeyError(canonical)
+    n, part = rest.split(".", 1)
+    for hf, gg in _LINEARS.items():
+        if part == f"{hf}.linear.weight":
+            return f"v.blk.{n}.{gg}.weight"
+        for bound in _BOUNDS:
+            if part == f"{hf}.{bound}":
+                return f"v.blk.{n}.{gg}.{bound}"
+    for hf, gg in _NORMS.items():
+        if part == f"{hf}.weight":
+            return f"v.blk.{n}.{gg}.weight"
+    raise KeyError(canonical)
+
+
+def _expected(config: VisionConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = VisionModel(config, torch.float32)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _stored_shape(canonical: str, shape: tuple[int, ...], patch_size: int) -> tuple[int, ...]:
+    """The shape llama.cpp stores a tensor of gem4's `shape` in."""
+    if canonical == _PATCH:
+        return (shape[0], 3, patch_size, patch_size)
+    return (1,) if shape == () else shape
+
+
+def _patch_linear(kernel: torch.Tensor) -> torch.Tensor:
+    """(D, 3, p, p) conv kernel -> (D, p·p·3) linear over (row, column, channel) patch vectors."""
+    return kernel.permute(0, 2, 3, 1).reshape(kernel.shape[0], -1)
+
+
+def _entry(reader: GGUFReader, name: str, canonical: str, shape: tuple[int, ...]) -> TensorEntry:
+    base = tensor_entry(reader, name, canonical)
+    if canonical == _PATCH:
+        return TensorEntry(name=canonical, shape=shape, stored=base.stored, nbytes=base.nbytes,
+                           dense=lambda: _patch_linear(base.dense().float()), release=base.release)
+    if shape == ():
+        return TensorEntry(name=canonical, shape=(), stored=base.stored, nbytes=base.nbytes,
+                           dense=lambda: base.dense().reshape(()), release=base.release)
+    return base
+
+
+def _get(reader: GGUFReader, key: str, where: str, kind=int):
+    if key not in reader.metadata:
+        raise CheckpointError(f"{where}: missing required metadata key {key!r}")
+    value = reader.metadata[key]
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) if kind is float else \
+        (isinstance(value, int) and not isinstance(value, bool)) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise CheckpointError(f"{where}: metadata {key} must be {kind.__name__}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEntry], VisionConfig, GGUFReader]:
+    """An mmproj GGUF for the text model `text` -> (canonical tower tensors, the VisionConfig, the open reader)."""
+    path = Path(path)
+    where = f"mmproj {path}"
+    if not path.is_file():
+        raise CheckpointError(f"{where}: no such file")
+    try:
+        reader = GGUFReader(path)
+    except GGUFError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    try:
+        return (*_read(reader, where, text), reader)
+    except BaseException:
+        reader.close()
+        raise
+
+
+def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, TensorEntry], VisionConfig]:
+    arch = reader.metadata.get("general.architecture")
+    if arch != ARCH:
+        raise CheckpointError(f"{where}: general.architecture is {arch!r}, an mmproj file says {ARCH!r}")
+    if reader.metadata.get("clip.has_vision_encoder") is not True:
+        raise CheckpointError(f"{where}: clip.has_vision_encoder is not true: the file has no vision tower")
+    projector = reader.metadata.get("clip.vision.projector_type", reader.metadata.get("clip.projector_type"))
+    if projector != PROJECTOR:
+        raise CheckpointError(f"{where}: clip.vision.projector_type {projector!r} is not Gemma 4's {PROJECTOR!r}")
+    for key, want in (("clip.vision.image_mean", 0.0), ("clip.vision.image_std", 1.0)):
+        value = reader.metadata.get(key)
+        if value is not None and [float(x) for x in value] != [want] * 3:
+            raise CheckpointError(f"{where}: {key} {list(value)} is not [{want:g}, {want:g}, {want:g}]: the Gemma 4 "
+                                  f"tower maps pixels to [-1, 1] itself")
+    if text.format != "gguf":
+        raise CheckpointError(f"{where}: an mmproj file goes with a GGUF text model; {text.path} is an HF checkpoint "
+                              f"(its towers load with it)")
+    tensors = {n: reader.tensors[n] for n in reader.tensors}
+    if reader.metadata.get("clip.has_audio_encoder") is True:
+        warnings.warn(f"{where}: its audio encoder (clip.audio.*, a.*) is not read yet; only the vision tower loads",
+                      stacklevel=3)
+        tensors = {n: t for n, t in tensors.items() if not n.startswith(("a.", "mm.a."))}
+    shape = {n: t.shape for n, t in tensors.items()}
+    for name in ("v.blk.0.attn_q_norm.weight", "v.blk.0.attn_k.weight", "v.position_embd.weight"):
+        if name not in shape:
+            raise CheckpointError(f"{where}: missing required tensor {name!r}")
+    vocab = text.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(vocab, list):
+        raise CheckpointError(f"{where}: the text model {text.path} has no vocabulary (tokenizer.ggml.tokens) to "
+                              f"find the image tokens {sorted(IMAGE_TOKENS.values())} in")
+    ids = {}
+    for field, token in IMAGE_TOKENS.items():
+        if token not in vocab:
+            raise CheckpointError(f"{where}: the text model's vocabulary has no {token!r} token")
+        ids[field] = vocab.index(token)
+    D = _get(reader, "clip.vision.embedding_length", where)
+    heads = _get(reader, "clip.vision.attention.head_count", where)
+    head_dim = shape["v.blk.0.attn_q_norm.weight"][0]
+    kv_rows = shape["v.blk.0.attn_k.weight"][0]
+    if kv_rows % head_dim:
+        raise CheckpointError(f"{where}: v.blk.0.attn_k.weight has {kv_rows} rows, not a multiple of head_dim "
+                              f"{head_dim} (v.blk.0.attn_q_norm.weight)")
+    table = shape["v.position_embd.weight"]
+    if len(table) != 3 or table[0] != 2:
+        raise CheckpointError(f"{where}: v.position_embd.weight has shape {table}, expected (2, P, {D})")
+    projection = _get(reader, "clip.vision.projection_dim", where)
+    config = text.config
+    if projection != config.hidden_size:
+        raise CheckpointError(f"{where}: clip.vision.projection_dim {projection} is not the text model's width "
+                              f"{config.hidden_size} ({text.path}): the mmproj belongs to another model")
+    try:
+        vision = build_vision_config(
+            hidden_size=D, intermediate_size=_get(reader, "clip.vision.feed_forward_length", where),
+            num_layers=_get(reader, "clip.vision.block_count", where), num_heads=heads,
+            num_kv_heads=kv_rows // head_dim, head_dim=head_dim, patch_size=_get(reader, "clip.vision.patch_size", where),
+            pooling=_get(reader, "clip.vision.projector.scale_factor", where) if
+            "clip.vision.projector.scale_factor" in reader.metadata else POOLING,
+            position_embedding_size=table[1], rope_theta=ROPE_THETA,
+            rms_norm_eps=_get(reader, "clip.vision.attention.layer_norm_epsilon", where, float),
+            clipped_linears="v.blk.0.attn_q.input_min" in shape, standardize="v.std_bias" in shape,
+            text_hidden_size=projection, bidirectional=not config.ple_dim, **ids)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}" + (f" ({e.field})" if e.field else "")) from None
+    entries, known = {}, set()
+    for canonical, want in _expected(vision).items():
+        name = mmproj_name(canonical)
+        stored = _stored_shape(canonical, want, vision.patch_size)
+        if name not in shape:
+            raise CheckpointError(f"{where}: missing required tensor {name!r} (expected shape {stored})")
+        if shape[name] != stored:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {shape[name]}, the clip.vision.* keys need "
+                                  f"{stored}")
+        entries[canonical] = _entry(reader, name, canonical, want)
+        known.add(name)
+    unexpected = sorted(set(shape) - known)
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    return entries, vision
+
+
+def attach_mmproj(ckpt: Checkpoint, path: str | Path) -> None:
+    """Give the GGUF text checkpoint `ckpt` the vision tower of the mmproj at `path` (bound by `bind_vision`)."""
+    entries, vision, reader = read_mmproj(path, ckpt)
+    ckpt.towers.update(entries)
+    ckpt.tower_configs["vision"] = vision
+    close_text = ckpt.close
+
+    def close() -> None:
+        reader.close()
+        close_text()
+
+    ckpt.close = close
+
+
+# ---- writing (gem4 convert) ----
+
+_VT = GGUFValueType
+_TYPES = {"f32": GGMLType.F32, "f16": GGMLType.F16, "bf16": GGMLType.BF16, "q8_0": GGMLType.Q8_0}
+
+
+def mmproj_type(out_type: str) -> str:
+    """The text file's --type -> the mmproj's: llama.cpp keeps towers at 8 bits or more (q4/q5 text: q8_0)."""
+    return out_type if out_type in _TYPES else "q8_0"
+
+
+def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
+    """Write the vision tower of `ckpt` (an HF checkpoint) as llama.cpp's mmproj GGUF. Returns tensor counts by type.
+
+    Matrices take `out_type` (f32, f16, bf16, q8_0; rows that are not whole Q8_0 blocks: F16); vectors, clip bounds
+    and the position table stay F32, the patch kernel F16 in an f16 file and F32 otherwise, as llama.cpp's converter
+    stores them (the same types, names, shapes and bytes: tests/test_mmproj.py)."""
+    vision = ckpt.tower_configs.get("vision")
+    if vision is None:
+        raise CheckpointError(f"{ckpt.path}: the checkpoint has no vision tower to write as an mmproj")
+    qtype = _TYPES[mmproj_type(out_type)]
+    w = GGUFWriter(out)
+    w.add("general.architecture", ARCH)
+    w.add("general.type", "mmproj")
+    w.add("general.name", name or ckpt.path.name)
+    w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 7, GGMLType.BF16: 32}[qtype],
+          _VT.UINT32)
+    w.add("general.quantization_version", 2, _VT.UINT32)
+    w.add("clip.has_vision_encoder", True)
+    w.add("clip.vision.projector_type", PROJECTOR)
+    w.add("clip.vision.image_size", 224, _VT.UINT32)          # a placeholder llama.cpp's converter writes too
+    for key, value in (("projection_dim", vision.text_hidden_size), ("patch_size", vision.patch_size),
+                       ("embedding_length", vision.hidden_size), ("feed_forward_length", vision.intermediate_size),
+                       ("block_count", vision.num_layers), ("attention.head_count", vision.num_heads)):
+        w.add(f"clip.vision.{key}", value, _VT.UINT32)
+    w.add("clip.vision.image_mean", np.zeros(3, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
+    w.add("clip.vision.image_std", np.ones(3, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
+    w.add("clip.vision.attention.layer_norm_epsilon", vision.rms_norm_eps, _VT.FLOAT32)
+    if vision.pooling != POOLING:
+        w.add("clip.vision.projector.scale_factor", vision.pooling, _VT.UINT32)
+    counts: dict[str, int] = {}
+    for canonical, shape in _expected(vision).items():
+        t = ckpt.towers[canonical].dense().float()
+        if canonical == _PATCH:                     # (D, p·p·3) linear -> (D, 3, p, p) conv kernel
+            p = vision.patch_size
+            t = t.reshape(shape[0], p, p, 3).permute(0, 3, 1, 2)
+            ggml = GGMLType.F16 if qtype == GGMLType.F16 else GGMLType.F32
+        elif len(shape) == 2:
+            ggml = qtype if shape[1] % 32 == 0 or qtype != GGMLType.Q8_0 else GGMLType.F16
+        else:
+            ggml = GGMLType.F32
+        stored = _stored_shape(canonical, shape, vision.patch_size)
+        w.add_tensor(mmproj_name(canonical), quantize(t.contiguous().reshape(stored), ggml).numpy(), stored, ggml)
+        counts[ggml.name] = counts.get(ggml.name, 0) + 1
+    w.write()
+    return counts
