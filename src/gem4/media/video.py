@@ -1,0 +1,120 @@
+"""A video file -> up to 32 frames, each the vision tower's input at a budget of 70 tokens, with its timestamp
+(docs/multimodal.md §4).
+
+What transformers' Gemma 4 video processor (`Gemma4VideoProcessor`, its default PyAV backend) computes:
+- decode with PyAV (FFmpeg, bundled in its wheel): the first video stream, every frame as RGB uint8.
+- choose `FRAMES` frames uniformly: indices `arange(32) * total // 32`. transformers refuses a video of fewer
+  than 32 frames; gem4 takes every frame of such a video (indices 0 .. total - 1) instead.
+- fps from the stream's `average_rate` (24 when the container does not say); a frame's time is index / fps,
+  written `mm:ss` (whole seconds, rounded down) in the prompt.
+- each frame resized to the image rule's size for budget 70 (`image.target_size`) with torchvision's resize as
+  transformers calls it: bicubic with antialias, computed in float32 on the uint8 frame, clamped to [0, 255],
+  rounded and back to uint8 -- `torch.nn.functional.interpolate(mode="bicubic", antialias=True)`, which is what
+  torchvision runs for it. (Images go through Pillow's bicubic instead, as transformers' PIL image processor.)
+- rescaled by 1/255 in float32 (transformers folds the 1/255 into a mean 0 / std 255 normalisation), patchified
+  as an image (`image.patchify`).
+No audio track is read.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gem4.media.image import ImagePatches, patchify, target_size
+
+FRAMES = 32                 # the most frames a video gives (transformers' num_frames)
+BUDGET = 70                 # soft tokens per frame (transformers' video max_soft_tokens)
+DEFAULT_FPS = 24.0          # when the stream has no average rate (transformers' fallback)
+MAX_FRAMES = 36_000         # the most frames a file may have (20 minutes at 30 fps): frames are decoded in turn to
+                            # reach the chosen ones, so a longer file is refused rather than decoded whole
+MAX_PIXELS = 16 * 2**20     # the most pixels a frame may have
+
+
+class VideoError(ValueError):
+    """The video cannot be used; `cause` is "undecodable" or "too_long"."""
+
+    def __init__(self, message: str, cause: str = "undecodable"):
+        super().__init__(message)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One chosen frame as the tower reads it, and when it is shown."""
+
+    patches: ImagePatches
+    seconds: float
+
+    @property
+    def timestamp(self) -> str:
+        """`mm:ss` as the prompt writes it (transformers' format)."""
+        return f"{int(self.seconds // 60):02d}:{int(self.seconds % 60):02d}"
+
+
+@dataclass(frozen=True)
+class Video:
+    """A video's chosen frames, in order."""
+
+    frames: tuple[Frame, ...]
+    fps: float
+    total_frames: int
+
+
+def frame_indices(total: int, frames: int = FRAMES) -> list[int]:
+    """The frames chosen from `total`: `arange(frames) * total // frames` (transformers' uniform choice); every
+    frame when there are fewer."""
+    if total < 1:
+        raise VideoError("the video has no frames")
+    if total < frames:
+        return list(range(total))
+    return [i * total // frames for i in range(frames)]
+
+
+def decode(data: bytes, *, patch_size: int, pooling: int, max_frames: int = MAX_FRAMES) -> Video:
+    """Video file bytes (any container and codec PyAV's FFmpeg reads) -> its chosen frames preprocessed.
+    `patch_size` and `pooling` are the checkpoint's (VisionConfig)."""
+    import av                                        # only a request with a video pays for importing FFmpeg
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise VideoError("the file has no video stream")
+            stream = container.streams.video[0]
+            if stream.width * stream.height > MAX_PIXELS:
+                raise VideoError(f"the video's frames have {stream.width}x{stream.height} pixels, more than the "
+                                 f"{MAX_PIXELS} allowed")
+            fps = float(stream.average_rate) if stream.average_rate else DEFAULT_FPS
+            if stream.frames and stream.frames > max_frames:
+                raise VideoError(f"the video has {stream.frames} frames, more than the {max_frames} allowed",
+                                 "too_long")
+            # the chosen indices depend on the count, which not every container states: decode all frames once
+            # (as transformers' PyAV reader does), keeping only RGB arrays
+            decoded = []
+            for frame in container.decode(stream):
+                decoded.append(frame.to_ndarray(format="rgb24"))
+                if len(decoded) > max_frames:
+                    raise VideoError(f"the video has more than the {max_frames} frames allowed", "too_long")
+    except VideoError:
+        raise
+    except (av.error.FFmpegError, ValueError, OSError, EOFError) as e:
+        raise VideoError(f"the video cannot be decoded ({e})") from None
+    chosen = frame_indices(len(decoded))
+    frames = tuple(Frame(preprocess_frame(decoded[i], patch_size=patch_size, pooling=pooling), i / fps)
+                   for i in chosen)
+    return Video(frames, fps, len(decoded))
+
+
+def preprocess_frame(rgb: np.ndarray, budget: int = BUDGET, *, patch_size: int, pooling: int) -> ImagePatches:
+    """One RGB uint8 frame [h, w, 3] -> its patches at `budget` (module docstring: torchvision's bicubic)."""
+    h, w = rgb.shape[:2]
+    th, tw = target_size(h, w, budget, patch_size, pooling)
+    frame = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]        # [1, 3, h, w] uint8
+    if (th, tw) != (h, w):
+        frame = torch.nn.functional.interpolate(frame.float(), size=(th, tw), mode="bicubic", align_corners=False,
+                                                antialias=True)
+        frame = frame.clamp_(0, 255).round_().to(torch.uint8)
+    pixels = (frame[0].permute(1, 2, 0).float() / 255.0).numpy()                        # [th, tw, 3] float32
+    return patchify(pixels, patch_size, pooling)
