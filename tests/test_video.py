@@ -77,6 +77,28 @@ def test_decode_gives_frames_timestamps_and_budget_70():
     assert np.array_equal(preprocess_frame(first, patch_size=16, pooling=3).patches, video.frames[0].patches.patches)
 
 
+def test_frames_resize_as_torchvision_calls_torch():
+    """transformers' video processor resizes uint8 frames with torchvision's bicubic + antialias, which on the CPU is
+    torch's native uint8 kernel (not Pillow's bicubic, not a float resize rounded back); a frame already at its
+    budget's size is left as is."""
+    from PIL import Image
+
+    from gem4.media.video import preprocess_frame
+
+    rng = np.random.default_rng(5)
+    rgb = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    got = preprocess_frame(rgb, patch_size=16, pooling=3)
+    t = torch.from_numpy(rgb).permute(2, 0, 1)[None]
+    want = torch.nn.functional.interpolate(t, size=(336, 432), mode="bicubic", antialias=True)[0].permute(1, 2, 0)
+    assert np.array_equal(got.patches.reshape(21, 27, 16, 16, 3).transpose(0, 2, 1, 3, 4).reshape(336, 432, 3),
+                          want.numpy().astype(np.float32) / np.float32(255))
+    pil = np.asarray(Image.fromarray(rgb).resize((432, 336), Image.Resampling.BICUBIC))
+    assert not np.array_equal(pil, want.numpy())
+    exact = rng.integers(0, 256, (336, 432, 3), dtype=np.uint8)
+    same = preprocess_frame(exact, patch_size=16, pooling=3)
+    assert np.array_equal(same.patches[0].reshape(16, 16, 3), exact[:16, :16].astype(np.float32) / np.float32(255))
+
+
 def test_short_and_bad_videos():
     video = decode(make_clip(frames=5, fps=25), patch_size=16, pooling=3)
     assert len(video.frames) == 5 and [f.timestamp for f in video.frames] == ["00:00"] * 5
@@ -180,3 +202,22 @@ def test_greedy_tokens_equal_transformers_generate(cases, flavour):
         got.append(int(logits[-1].argmax()))
         logits = c.model.extend(torch.tensor(got[-1:]), cache)
     assert got == want
+
+
+def test_timestamps_tokenized_in_pieces_equal_the_whole_on_the_real_vocabulary():
+    """media_prompt tokenizes each timestamp piece alone; on Gemma 4's real vocabulary (digits split one by one)
+    that equals transformers' tokenizing the expanded text whole, whatever text precedes the video."""
+    from gem4.tokenizer import Tokenizer
+    from text_fixtures import vocab_gguf
+
+    tok = Tokenizer.from_file(vocab_gguf())
+
+    def enc(text):
+        return tok.encode(text, add_bos=False, parse_special=True)
+
+    block = "<|image><|video|><image|>"
+    for before in ("<|turn>user\n", "Describe", "look: ", "12"):
+        whole = enc(f"{before}00:00 {block} 00:01 {block} 01:59 {block}what")
+        parts = (enc(before) + enc("00:00 ") + enc(block) + enc(" 00:01 ") + enc(block) + enc(" 01:59 ") + enc(block)
+                 + enc("what"))
+        assert whole == parts, before

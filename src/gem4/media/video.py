@@ -8,9 +8,11 @@ What transformers' Gemma 4 video processor (`Gemma4VideoProcessor`, its default 
 - fps from the stream's `average_rate` (24 when the container does not say); a frame's time is index / fps,
   written `mm:ss` (whole seconds, rounded down) in the prompt.
 - each frame resized to the image rule's size for budget 70 (`image.target_size`) with torchvision's resize as
-  transformers calls it: bicubic with antialias, computed in float32 on the uint8 frame, clamped to [0, 255],
-  rounded and back to uint8 -- `torch.nn.functional.interpolate(mode="bicubic", antialias=True)`, which is what
-  torchvision runs for it. (Images go through Pillow's bicubic instead, as transformers' PIL image processor.)
+  transformers calls it (`tvF.resize(bicubic, antialias=True)` on the uint8 frames): on the CPU torchvision 0.28
+  and 0.29 hand a uint8 tensor to `torch.nn.functional.interpolate(mode="bicubic", antialias=True)` as is (torch's
+  native uint8 kernel), and so does gem4 -- not a float32 resize rounded back, which differs by up to 21 levels
+  on a sharp upscale. Images go through Pillow's bicubic instead, as transformers' PIL image processor; a frame
+  is not resized by Pillow because transformers' video processor does not.
 - rescaled by 1/255 in float32 (transformers folds the 1/255 into a mean 0 / std 255 normalisation), patchified
   as an image (`image.patchify`).
 No audio track is read.
@@ -113,8 +115,7 @@ def preprocess_frame(rgb: np.ndarray, budget: int = BUDGET, *, patch_size: int, 
     th, tw = target_size(h, w, budget, patch_size, pooling)
     frame = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]        # [1, 3, h, w] uint8
     if (th, tw) != (h, w):
-        frame = torch.nn.functional.interpolate(frame.float(), size=(th, tw), mode="bicubic", align_corners=False,
-                                                antialias=True)
-        frame = frame.clamp_(0, 255).round_().to(torch.uint8)
+        frame = torch.nn.functional.interpolate(frame, size=(th, tw), mode="bicubic", align_corners=False,
+                                                antialias=True)                 # uint8 in, uint8 out
     pixels = (frame[0].permute(1, 2, 0).float() / 255.0).numpy()                        # [th, tw, 3] float32
     return patchify(pixels, patch_size, pooling)
