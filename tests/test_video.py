@@ -19,8 +19,9 @@ from vision_fixtures import build_vision_hf
 LOGIT_TOL = 1e-4          # relative to the largest |logit|
 
 
-def make_clip(frames: int = 40, width: int = 64, height: int = 48, fps: int = 10, codec: str = "mpeg4") -> bytes:
-    """A small clip of coloured shapes moving over a gradient, encoded with PyAV."""
+def make_clip(frames: int = 40, width: int = 64, height: int = 48, fps: int = 10, codec: str = "mpeg4",
+              shift: int = 0) -> bytes:
+    """A small clip of coloured shapes moving over a gradient, encoded with PyAV (`shift` moves the shapes)."""
     import av
 
     buf = io.BytesIO()
@@ -32,7 +33,7 @@ def make_clip(frames: int = 40, width: int = 64, height: int = 48, fps: int = 10
             img = np.zeros((height, width, 3), np.uint8)
             img[..., 0] = (x * 255 // width).astype(np.uint8)
             img[..., 2] = (y * 255 // height).astype(np.uint8)
-            cx, cy = (5 + 2 * t) % width, (10 + t) % height
+            cx, cy = (5 + 2 * t + shift) % width, (10 + t + shift) % height
             img[(x - cx) ** 2 + (y - cy) ** 2 < 64] = (250, 220, 30)
             img[max(0, cy - 6):cy + 6, max(0, width - cx - 8):width - cx] = (30, 200, 90)
             for packet in stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")):
@@ -112,6 +113,21 @@ def test_short_and_bad_videos():
 
 # ---- the text model with a video, against transformers ----
 
+def hf_inputs(video, ids: list[int], video_token_id: int) -> dict:
+    """transformers' inputs for a prompt with one video: pixel_values_videos as its video processor lays them out
+    (each frame's patches padded to 70 x 9 with positions (-1, -1)), mm_token_type_ids 2 on the video tokens."""
+    frames = [f.patches for f in video.frames]
+    width = 70 * 9
+    pixels = torch.zeros(len(frames), width, frames[0].patches.shape[1])
+    positions = torch.full((len(frames), width, 2), -1, dtype=torch.long)
+    for i, p in enumerate(frames):
+        pixels[i, :p.patches.shape[0]] = torch.from_numpy(p.patches)
+        positions[i, :p.patches.shape[0]] = torch.from_numpy(p.positions)
+    t = torch.tensor([ids])
+    return dict(input_ids=t, pixel_values_videos=pixels, video_position_ids=positions,
+                num_frames_per_video=torch.tensor([len(frames)]), mm_token_type_ids=(t == video_token_id).long() * 2)
+
+
 class Case:
     def __init__(self, flavour: str, root):
         self.hf = build_vision_hf(flavour)
@@ -138,19 +154,7 @@ class Case:
         return [2, 10, 11] + out + [20, 21, 22]
 
     def hf_inputs(self) -> dict:
-        """pixel_values_videos as transformers' video processor lays them out: each frame's patches padded to
-        70 x 9 with positions (-1, -1)."""
-        frames = [f.patches for f in self.video.frames]
-        width = 70 * 9
-        pixels = torch.zeros(len(frames), width, frames[0].patches.shape[1])
-        positions = torch.full((len(frames), width, 2), -1, dtype=torch.long)
-        for i, p in enumerate(frames):
-            pixels[i, :p.patches.shape[0]] = torch.from_numpy(p.patches)
-            positions[i, :p.patches.shape[0]] = torch.from_numpy(p.positions)
-        ids = torch.tensor([self.ids])
-        return dict(input_ids=ids, pixel_values_videos=pixels, video_position_ids=positions,
-                    num_frames_per_video=torch.tensor([len(frames)]),
-                    mm_token_type_ids=(ids == self.model.vision.config.video_token_id).long() * 2)
+        return hf_inputs(self.video, self.ids, self.model.vision.config.video_token_id)
 
     def media(self, bidirectional=None) -> list[MediaItem]:
         bidi = self.model.vision.config.bidirectional if bidirectional is None else bidirectional
@@ -221,3 +225,45 @@ def test_timestamps_tokenized_in_pieces_equal_the_whole_on_the_real_vocabulary()
         parts = (enc(before) + enc("00:00 ") + enc(block) + enc(" 00:01 ") + enc(block) + enc(" 01:59 ") + enc(block)
                  + enc("what"))
         assert whole == parts, before
+
+
+# ---- through the engine (docs/multimodal.md §5.4) ----
+
+def run(engine, ids, media, max_tokens=5):
+    from gem4 import SamplingParams
+
+    events = list(engine.submit(ids, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=True),
+                                media=media))
+    return [e.token_id for e in events], [e.logprob for e in events], events[-1].stats
+
+
+def test_engine_with_a_video_equals_generate_and_hits_the_prefix_cache(cases):
+    """Through the engine in prefill chunks of 100 (a chunk ends before a frame it cannot hold whole): the tokens
+    transformers' generate() gives; a second question about the same video reuses the frames' K/V and answers as a
+    cold run; another video behind the same placeholders hits only the text before it."""
+    from gem4 import Engine
+
+    c = cases["31b"]
+    vc = c.model.vision.config
+    video = decode(make_clip(frames=8, fps=4), patch_size=16, pooling=3)
+    ids, media = media_prompt([2, 10, 11, vc.video_token_id, 20, 21], [video], vision=vc, tokenize=tokenize)
+    engine = Engine(c.model, prefill_chunk=100, block_size=4)
+    got, _, stats = run(engine, ids, media)
+    with torch.no_grad():
+        want = c.hf.generate(**hf_inputs(video, ids, vc.video_token_id), max_new_tokens=5,
+                             do_sample=False)[0, len(ids):].tolist()
+    assert got == want and stats.prompt_tokens == len(ids) and len(media) == 8
+
+    ids2, media2 = media_prompt([2, 10, 11, vc.video_token_id, 30, 31, 32], [video], vision=vc, tokenize=tokenize)
+    warm = run(engine, ids2, media2)
+    cold = run(Engine(c.model, prefill_chunk=100, block_size=4, enable_prefix_caching=False), ids2, media2)
+    assert warm[2].cached_tokens >= media2[-1].end and warm[0] == cold[0]
+    assert warm[1] == pytest.approx(cold[1], rel=1e-5, abs=1e-6)
+
+    other = decode(make_clip(frames=8, fps=4, shift=17), patch_size=16, pooling=3)
+    ids3, media3 = media_prompt([2, 10, 11, vc.video_token_id, 30, 31, 32], [other], vision=vc, tokenize=tokenize)
+    assert ids3 == ids2                               # the same ids: only the frames' content tells them apart
+    miss = run(engine, ids3, media3)
+    assert miss[2].cached_tokens <= media3[0].start
+    assert miss[0] == run(Engine(c.model, prefill_chunk=100, block_size=4, enable_prefix_caching=False),
+                          ids3, media3)[0]
