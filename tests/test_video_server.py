@@ -119,3 +119,13 @@ def test_a_model_without_video_refuses_it(tmp_path):
                        timeout=30)
         err = assert_openai_error(r, 400, param="messages[0].content[0]")
         assert "does not take videos" in err["message"]
+
+
+def test_tokenize_counts_the_frames_and_timestamps(video_server):
+    base, model, tok = video_server
+    clip = make_clip(frames=3, fps=1)
+    r = httpx.post(base + "/tokenize", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30,
+                   json={"model": "vision", "messages": ask(data_uri(clip))})
+    assert r.status_code == 200, r.text
+    _, ids, media = oracle(model, tok, ask(data_uri(clip)), clip, max_tokens=1)
+    assert r.json()["tokens"] == ids and r.json()["count"] == len(ids) and len(media) == 3
