@@ -95,11 +95,14 @@ def test_chat_with_a_video_matches_the_engine(video_server):
     ("data:video/mp4;base64,@@@", "not valid base64", "messages[0].content[0]"),
     ("https://example.com/clip.mp4", "does not fetch URLs", "any"),
     ("data:image/png;base64,AAAA", "only base64 data URIs of videos", "any"),
+    (None, "needs 'input_video'", "any"),
 ])
 def test_bad_videos_are_400s_naming_the_part(video_server, url, fragment, param):
     base, _, _ = video_server
+    messages = ask(url) if url is not None else [{"role": "user", "content": [{"type": "input_video",
+                                                                                "input_video": {"url": "x"}}]}]
     r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                   json={"model": "vision", "messages": ask(url), "max_tokens": 2}, timeout=30)
+                   json={"model": "vision", "messages": messages, "max_tokens": 2}, timeout=30)
     err = assert_openai_error(r, 400, param=param)
     assert fragment in err["message"]
     assert httpx.get(base + "/health", timeout=10).status_code == 200
@@ -119,6 +122,22 @@ def test_a_model_without_video_refuses_it(tmp_path):
                        timeout=30)
         err = assert_openai_error(r, 400, param="messages[0].content[0]")
         assert "does not take videos" in err["message"]
+
+
+def test_llama_servers_input_video_is_the_same_video(video_server):
+    base, model, tok = video_server
+    clip = make_clip(frames=4, fps=2, shift=5)
+    client = client_for(base)
+    answers = [client.chat.completions.create(model="vision", messages=m, temperature=0, max_tokens=6, logprobs=True)
+               for m in (ask(data_uri(clip)),
+                         [{"role": "user", "content": [
+                             {"type": "input_video", "input_video": {"data": base64.b64encode(clip).decode()}},
+                             {"type": "text", "text": "What happens?"}]}])]
+    assert answers[0].usage.prompt_tokens == answers[1].usage.prompt_tokens
+    # the second is served from the prefix cache the first filled: the same tokens, logprobs within float32 noise
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+    assert [t.logprob for t in answers[1].choices[0].logprobs.content] == pytest.approx(
+        [t.logprob for t in answers[0].choices[0].logprobs.content], rel=1e-5, abs=1e-6)
 
 
 def test_tokenize_counts_the_frames_and_timestamps(video_server):

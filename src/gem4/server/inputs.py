@@ -37,7 +37,7 @@ docs/multimodal.md §6) are decoded and preprocessed in the default pool before 
 decodes them is bounded by the body limit, an image's decoded size by `gem4.media.image.MAX_PIXELS` and a clip's
 length by `MAX_AUDIO_SECONDS`. Each becomes one `<|image|>` or `<|audio|>` in the rendered prompt, then its
 soft-token block (`gem4.engine.media.media_prompt`); `usage.prompt_tokens` counts the soft tokens. Videos
-(`video_url` parts, vLLM's shape, base64 data URIs only) become one `<|video|>`, then up to 32 timestamped
+(`video_url` parts, vLLM's shape, base64 data URIs only; llama-server's `input_video` with base64 data) become one `<|video|>`, then up to 32 timestamped
 frames (`gem4.media.video`, its frame count bounded by `MAX_FRAMES`).
 
 Why a budget checked inside the template rather than a process pool: a process can be killed at
@@ -396,8 +396,8 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
             raise AudioError(str(e), "too_short") from None
         return wave
 
-    def load_video(url: str) -> Video:
-        video = decode_video(_base64(url.partition(",")[2], "the data URI", VideoError),
+    def load_video(data: str) -> Video:
+        video = decode_video(_base64(data, "the video's base64", VideoError),
                              patch_size=vision.patch_size, pooling=vision.pooling)
         try:
             for frame in video.frames:
@@ -412,7 +412,7 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
             if part["type"] == "image":
                 out.append(await asyncio.to_thread(load_image, part["url"]))
             elif part["type"] == "video":
-                out.append(await asyncio.to_thread(load_video, part["url"]))
+                out.append(await asyncio.to_thread(load_video, part["data"]))
             else:
                 out.append(await asyncio.to_thread(load_audio, part["data"]))
         except (ImageError, AudioError, VideoError) as e:

@@ -181,8 +181,10 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
     """Message content: a string or a list of text parts `{"type": "text", "text": str}` -- and with `media`
     (user messages), image parts `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`, kept
     as `{"type": "image", "url": str}`, and audio parts `{"type": "input_audio", "input_audio": {"data": base64,
-    "format": "wav"}}` (OpenAI's), kept as `{"type": "audio", "data": str, "format": str}` (both decoded later:
-    server/inputs.py `chat_media`).
+    "format": "wav"}}` (OpenAI's), kept as `{"type": "audio", "data": str, "format": str}`, and video parts
+    `{"type": "video_url", "video_url": {"url": "data:video/...;base64,..."}}` (vLLM's) or `{"type": "input_video",
+    "input_video": {"data": base64}}` (llama-server's), kept as `{"type": "video", "data": base64}` (all decoded
+    later: server/inputs.py `chat_media`).
     (Failures are ValueErrors, wrong types included: pydantic turns only those into errors.)"""
     if content is None:
         if allow_none:
@@ -207,9 +209,11 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
         elif kind == "input_audio" and media:
             parts.append({"type": "audio", **_input_audio(part.get("input_audio"), i)})
         elif kind == "video_url" and media:
-            parts.append({"type": "video", "url": _data_url(part.get("video_url"), i, "video")})
-        elif kind in ("image_url", "input_audio", "video_url"):
-            what = {"image_url": "images", "input_audio": "audio", "video_url": "videos"}[kind]
+            parts.append({"type": "video", "data": _data_url(part.get("video_url"), i, "video").partition(",")[2]})
+        elif kind == "input_video" and media:
+            parts.append({"type": "video", "data": _input_video(part.get("input_video"), i)})
+        elif kind in ("image_url", "input_audio", "video_url", "input_video"):
+            what = {"image_url": "images", "input_audio": "audio", "video_url": "videos", "input_video": "videos"}[kind]
             raise ValueError(f"content part {i}: {what} are accepted in user messages only")
         elif kind in _UNSUPPORTED_PARTS:
             raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input of type '{kind}' is not supported "
@@ -237,6 +241,13 @@ def _data_url(value: Any, i: int, kind: str) -> str:
         raise ValueError(f"content part {i}: only base64 data URIs of {kind}s (data:{kind}/...;base64,...) are "
                          f"accepted; this server does not fetch URLs")
     return url
+
+
+def _input_video(value: Any, i: int) -> str:
+    """llama-server's input_video part: {"data": base64} (the bytes decide the format, as for audio)."""
+    if not (isinstance(value, dict) and isinstance(value.get("data"), str) and value["data"]):
+        raise ValueError(f"content part {i} of type 'input_video' needs 'input_video': {{'data': base64 string}}")
+    return value["data"]
 
 
 def _input_audio(value: Any, i: int) -> dict:
