@@ -20,12 +20,12 @@ LOGIT_TOL = 1e-4          # relative to the largest |logit|
 
 
 def make_clip(frames: int = 40, width: int = 64, height: int = 48, fps: int = 10, codec: str = "mpeg4",
-              shift: int = 0) -> bytes:
+              shift: int = 0, container: str = "mp4") -> bytes:
     """A small clip of coloured shapes moving over a gradient, encoded with PyAV (`shift` moves the shapes)."""
     import av
 
     buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as out:
+    with av.open(buf, mode="w", format=container) as out:
         stream = out.add_stream(codec, rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         y, x = np.mgrid[0:height, 0:width]
@@ -98,6 +98,21 @@ def test_frames_resize_as_torchvision_calls_torch():
     exact = rng.integers(0, 256, (336, 432, 3), dtype=np.uint8)
     same = preprocess_frame(exact, patch_size=16, pooling=3)
     assert np.array_equal(same.patches[0].reshape(16, 16, 3), exact[:16, :16].astype(np.float32) / np.float32(255))
+
+
+def test_a_container_without_a_frame_count_is_counted():
+    """Matroska/WebM headers do not state the frame count: the frames are counted by decoding, and the choice is
+    the same as for the same frames in MP4 (whose header states it)."""
+    import av
+
+    mkv = make_clip(frames=40, fps=10, codec="libvpx", container="matroska")
+    with av.open(io.BytesIO(mkv)) as c:
+        assert c.streams.video[0].frames == 0
+    video = decode(mkv, patch_size=16, pooling=3)
+    assert video.total_frames == 40 and [f.seconds for f in video.frames] == [i * 40 // 32 / 10 for i in range(32)]
+    with pytest.raises(VideoError, match="more than the 30") as e:
+        decode(mkv, patch_size=16, pooling=3, max_frames=30)
+    assert e.value.cause == "too_long"
 
 
 def test_short_and_bad_videos():

@@ -2,7 +2,7 @@
 (docs/multimodal.md §4).
 
 What transformers' Gemma 4 video processor (`Gemma4VideoProcessor`, its default PyAV backend) computes:
-- decode with PyAV (FFmpeg, bundled in its wheel): the first video stream, every frame as RGB uint8.
+- decode with PyAV (FFmpeg, bundled in its wheel): the first video stream, the chosen frames as RGB uint8.
 - choose `FRAMES` frames uniformly: indices `arange(32) * total // 32`. transformers refuses a video of fewer
   than 32 frames; gem4 takes every frame of such a video (indices 0 .. total - 1) instead.
 - fps from the stream's `average_rate` (24 when the container does not say); a frame's time is index / fps,
@@ -31,7 +31,7 @@ FRAMES = 32                 # the most frames a video gives (transformers' num_f
 BUDGET = 70                 # soft tokens per frame (transformers' video max_soft_tokens)
 DEFAULT_FPS = 24.0          # when the stream has no average rate (transformers' fallback)
 MAX_FRAMES = 36_000         # the most frames a file may have (20 minutes at 30 fps): frames are decoded in turn to
-                            # reach the chosen ones, so a longer file is refused rather than decoded whole
+                            # reach the chosen ones, so a longer file is refused before it is decoded
 MAX_PIXELS = 16 * 2**20     # the most pixels a frame may have
 
 
@@ -77,36 +77,55 @@ def frame_indices(total: int, frames: int = FRAMES) -> list[int]:
 
 def decode(data: bytes, *, patch_size: int, pooling: int, max_frames: int = MAX_FRAMES) -> Video:
     """Video file bytes (any container and codec PyAV's FFmpeg reads) -> its chosen frames preprocessed.
-    `patch_size` and `pooling` are the checkpoint's (VisionConfig)."""
+    `patch_size` and `pooling` are the checkpoint's (VisionConfig).
+
+    The frame count is the stream header's (`stream.frames`, what transformers' PyAV reader takes); a container
+    that does not state it (WebM, Matroska) is decoded once to count. Only the chosen frames are kept, each
+    preprocessed as it is decoded, so memory stays at 32 budget-70 frames whatever the file; a chosen index past
+    the frames actually decoded (a header that overstates) is dropped, as transformers drops it."""
     import av                                        # only a request with a video pays for importing FFmpeg
 
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise VideoError("the file has no video stream")
-            stream = container.streams.video[0]
-            if stream.width * stream.height > MAX_PIXELS:
-                raise VideoError(f"the video's frames have {stream.width}x{stream.height} pixels, more than the "
-                                 f"{MAX_PIXELS} allowed")
+            stream = first_stream(container)
+            total = stream.frames
+            if total <= 0:
+                total = 0
+                for _ in container.decode(stream):
+                    total += 1
+                    if total > max_frames:
+                        break
+        if total > max_frames:
+            raise VideoError(f"the video has more than the {max_frames} frames allowed", "too_long")
+        chosen = frame_indices(total)
+        wanted, frames = set(chosen), {}
+        with av.open(io.BytesIO(data), mode="r") as container:
+            stream = first_stream(container)
             fps = float(stream.average_rate) if stream.average_rate else DEFAULT_FPS
-            if stream.frames and stream.frames > max_frames:
-                raise VideoError(f"the video has {stream.frames} frames, more than the {max_frames} allowed",
-                                 "too_long")
-            # the chosen indices depend on the count, which not every container states: decode all frames once
-            # (as transformers' PyAV reader does), keeping only RGB arrays
-            decoded = []
-            for frame in container.decode(stream):
-                decoded.append(frame.to_ndarray(format="rgb24"))
-                if len(decoded) > max_frames:
-                    raise VideoError(f"the video has more than the {max_frames} frames allowed", "too_long")
+            for i, frame in enumerate(container.decode(stream)):
+                if i > chosen[-1]:
+                    break
+                if i in wanted:
+                    frames[i] = preprocess_frame(frame.to_ndarray(format="rgb24"), patch_size=patch_size,
+                                                 pooling=pooling)
     except VideoError:
         raise
     except (av.error.FFmpegError, ValueError, OSError, EOFError) as e:
         raise VideoError(f"the video cannot be decoded ({e})") from None
-    chosen = frame_indices(len(decoded))
-    frames = tuple(Frame(preprocess_frame(decoded[i], patch_size=patch_size, pooling=pooling), i / fps)
-                   for i in chosen)
-    return Video(frames, fps, len(decoded))
+    if not frames:
+        raise VideoError("the video has no frames that decode")
+    return Video(tuple(Frame(frames[i], i / fps) for i in chosen if i in frames), fps, total)
+
+
+def first_stream(container):
+    """The container's first video stream; VideoError without one or with frames too large."""
+    if not container.streams.video:
+        raise VideoError("the file has no video stream")
+    stream = container.streams.video[0]
+    if stream.width * stream.height > MAX_PIXELS:
+        raise VideoError(f"the video's frames have {stream.width}x{stream.height} pixels, more than the "
+                         f"{MAX_PIXELS} allowed")
+    return stream
 
 
 def preprocess_frame(rgb: np.ndarray, budget: int = BUDGET, *, patch_size: int, pooling: int) -> ImagePatches:
