@@ -37,8 +37,9 @@ docs/multimodal.md §6) are decoded and preprocessed in the default pool before 
 decodes them is bounded by the body limit, an image's decoded size by `gem4.media.image.MAX_PIXELS` and a clip's
 length by `MAX_AUDIO_SECONDS`. Each becomes one `<|image|>` or `<|audio|>` in the rendered prompt, then its
 soft-token block (`gem4.engine.media.media_prompt`); `usage.prompt_tokens` counts the soft tokens. Videos
-(`video_url` parts, vLLM's shape, base64 data URIs only; llama-server's `input_video` with base64 data) become one `<|video|>`, then up to 32 timestamped
-frames (`gem4.media.video`, its frame count bounded by `MAX_FRAMES`).
+(`video_url` parts, vLLM's shape, base64 data URIs only; llama-server's `input_video` with base64 data) become
+one `<|video|>`, then up to 32 timestamped frames (`gem4.media.video`, its frame count bounded by
+`MAX_FRAMES`).
 
 Why a budget checked inside the template rather than a process pool: a process can be killed at
 any point and does not hold this process's GIL, but each render would pickle its messages across,

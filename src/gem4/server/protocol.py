@@ -217,8 +217,8 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
             raise ValueError(f"content part {i}: {what} are accepted in user messages only")
         elif kind in _UNSUPPORTED_PARTS:
             raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input of type '{kind}' is not supported "
-                             "(images come as 'image_url' parts, audio as 'input_audio' parts, videos as 'video_url' parts, in user "
-                             "messages)")
+                             "(images come as 'image_url' parts, audio as 'input_audio' parts, videos as "
+                             "'video_url' or 'input_video' parts, in user messages)")
         else:
             raise ValueError(f"content part {i} has unknown type '{kind}'")
     return parts
