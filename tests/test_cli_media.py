@@ -94,3 +94,37 @@ def test_chat_attaches_files_to_the_next_message_and_keeps_them_in_the_history(a
     assert f"(audio {path} attached to the next message)" in proc.stderr
     assert f"gem4: error: /image {path}: this model has no vision tower" in proc.stderr
     assert "gem4: error: /audio needs a PATH" in proc.stderr
+
+
+def test_run_with_a_video_prints_the_engines_answer(tmp_path):
+    from gem4.media.video import decode as decode_video
+    from test_video import make_clip
+    from test_video_server import video_tokenizer_dir
+    from vision_fixtures import build_vision_hf
+
+    d = tmp_path / "model"
+    build_vision_hf("31b").save_pretrained(d)
+    video_tokenizer_dir(d)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(make_clip(frames=4, fps=2))
+    proc = run_cli(["run", str(d), "--video", str(path), "-p", "What moves?", "-n", "6", "--temperature", "0",
+                    "--dtype", "float32"], tmp_path / "cache")
+    assert proc.returncode == 0, proc.stderr
+
+    tok = gem4.Tokenizer.from_file(d)
+    model = gem4.load(d, dtype="float32")
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}]
+    ids = encode_prompt(tok, messages, enable_thinking=False)
+    ids, media = media_prompt(ids, [decode_video(path.read_bytes(), patch_size=16, pooling=3)],
+                              vision=model.vision.config, tokenize=lambda t: tok.encode(t, add_bos=False))
+    out = io.StringIO()
+    with Engine(model, tok) as engine:
+        _stream_chat(engine, tok, ids, SamplingParams(temperature=0, top_k=64, top_p=0.95, max_tokens=6), out, media)
+    assert proc.stdout == out.getvalue() and len(media) == 4
+    m = STATS.search(proc.stderr)
+    assert m and int(m.group(1)) == len(ids)
+
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"no video here")
+    proc = run_cli(["run", str(d), "--video", str(broken), "-p", "x", "-n", "2"], tmp_path / "cache")
+    assert proc.returncode == 2 and f"--video {broken}: the video cannot be decoded" in proc.stderr

@@ -1,7 +1,7 @@
 """`gem4` command line: parses arguments into calls; the work lives in the rooms it calls.
 
     gem4 run MODEL -p PROMPT [-n N] [sampling] [--chat [--system TEXT] [--think]]   stream a completion
-    gem4 run MODEL --image PATH --audio PATH -p PROMPT   the same about images and audio clips (chat)
+    gem4 run MODEL --image PATH --audio PATH --video PATH -p PROMPT   the same about images, clips, videos (chat)
     gem4 run --demo -p PROMPT                 the same on a tiny random-weight checkpoint (no download)
     gem4 chat MODEL | --demo                  interactive multi-turn chat (/image, /audio, /think, /reset, /exit)
     gem4 inspect MODEL | gem4 convert HF_DIR OUT.gguf | gem4 pull OWNER/NAME[:QUANT]
@@ -253,7 +253,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             messages.append({"role": "user", "content": content if items else args.prompt})
             ids = encode_prompt(tokenizer, messages, enable_thinking=args.think)
             ids, media = media_prompt(ids, items, vision=getattr(engine.model.vision, "config", None),
-                                      audio=getattr(engine.model.audio, "config", None))
+                                      audio=getattr(engine.model.audio, "config", None),
+                                      tokenize=lambda text: tokenizer.encode(text, add_bos=False))
             _, last, interrupted = _stream_chat(engine, tokenizer, ids, params, sys.stdout, media)
         else:
             last = None
@@ -273,31 +274,38 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 class _MediaFile(argparse.Action):
-    """--image PATH / --audio PATH: (kind, PATH) appended to args.media, in the order given."""
+    """--image PATH / --audio PATH / --video PATH: (kind, PATH) appended to args.media, in the order given."""
 
     def __call__(self, parser, namespace, value, option_string=None):
         setattr(namespace, self.dest, [*getattr(namespace, self.dest), (self.const, value)])
 
 
 def _media_files(model, files: list[tuple[str, str]], flag: str = "--") -> list:
-    """`gem4 run`'s --image and --audio files (`gem4 chat`'s /image and /audio: flag "/"), read and preprocessed as
-    the server does (images at the default budget of 280 soft tokens); ValueError naming the file when one cannot
-    be used or the model lacks its tower."""
+    """`gem4 run`'s --image, --audio and --video files (`gem4 chat`'s /image and /audio: flag "/"), read and
+    preprocessed as the server does (images at the default budget of 280 soft tokens, video frames at 70);
+    ValueError naming the file when one cannot be used or the model lacks its tower."""
     from gem4.engine.media import check_fits
     from gem4.media.audio import decode_audio
     from gem4.media.image import DEFAULT_BUDGET, decode, preprocess
+    from gem4.media.video import decode as decode_video
 
     items = []
     for kind, path in files:
-        tower = model.vision if kind == "image" else model.audio
+        tower = model.audio if kind == "audio" else model.vision
         if tower is None:
-            raise ValueError(f"{flag}{kind} {path}: this model has no {'vision' if kind == 'image' else 'audio'} tower")
+            raise ValueError(f"{flag}{kind} {path}: this model has no {'audio' if kind == 'audio' else 'vision'} tower")
+        if kind == "video" and tower.config.video_token_id is None:
+            raise ValueError(f"{flag}{kind} {path}: this model takes no video (its config has no video_token_id)")
         data = Path(path).read_bytes()
         try:
             if kind == "image":
                 items.append(preprocess(decode(data), DEFAULT_BUDGET, patch_size=tower.config.patch_size,
                                         pooling=tower.config.pooling))
                 check_fits(items[-1], tower.config)
+            elif kind == "video":
+                items.append(decode_video(data, patch_size=tower.config.patch_size, pooling=tower.config.pooling))
+                for frame in items[-1].frames:
+                    check_fits(frame.patches, tower.config)
             else:
                 items.append(decode_audio(data))
         except ValueError as e:
@@ -480,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--max-tokens", type=int_at_least(1), default=256, help="tokens to generate at most")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template; parse the answer")
     for kind, what in (("image", "an image (any format Pillow reads)"),
-                       ("audio", "an audio clip (WAV, FLAC, OGG, MP3, M4A, WebM, ...)")):
+                       ("audio", "an audio clip (WAV, FLAC, OGG, MP3, M4A, WebM, ...)"),
+                       ("video", "a video (any format PyAV's FFmpeg reads; up to 32 frames are seen)")):
         p.add_argument(f"--{kind}", dest="media", action=_MediaFile, const=kind, default=[], metavar="PATH",
                        help=f"{what} before the prompt, in the order given (repeatable; implies --chat)")
     p.set_defaults(func=cmd_run, command_parser=p)

@@ -343,6 +343,7 @@ class VisionConfig:
     image_token_id: int           # the placeholder one soft token replaces
     boi_token_id: int             # <|image>, before an image's soft tokens
     eoi_token_id: int             # <image|>, after them
+    video_token_id: int | None = None   # <|video|>: a video frame's soft-token placeholder (None: no video)
 
     @property
     def patch_dim(self) -> int:
@@ -360,8 +361,10 @@ def build_vision_config(**fields) -> VisionConfig:
     config = VisionConfig(**fields)
     for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "patch_size", "pooling", "position_embedding_size", "text_hidden_size", "image_token_id",
-                 "boi_token_id", "eoi_token_id"):
+                 "boi_token_id", "eoi_token_id", "video_token_id"):
         v = getattr(config, name)
+        if name == "video_token_id" and v is None:
+            continue
         least = 0 if name.endswith("token_id") else 1
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ConfigError(f"vision {name} must be an integer >= {least}, got {v!r}", name)

@@ -454,6 +454,8 @@ class Engine:
         vision, audio = getattr(self.model, "vision", None), getattr(self.model, "audio", None)
         if vision is not None:
             placeholder["image"] = vision.config.image_token_id
+            if vision.config.video_token_id is not None:
+                placeholder["video"] = vision.config.video_token_id
         if audio is not None:
             placeholder["audio"] = audio.config.audio_token_id
         end = 0

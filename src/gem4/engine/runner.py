@@ -366,7 +366,7 @@ class ModelRunner:
 
 def encode(model, item) -> torch.Tensor:
     """A MediaInput (engine/sequence.py) -> its soft tokens [num_tokens, H] through the model's tower for its kind."""
-    if item.kind == "image":
+    if item.kind in ("image", "video"):             # a video frame is an image to the tower
         p = item.data
         out = model.vision.encode(p.patches, p.positions, p.grid)
     elif item.kind == "audio":

@@ -45,7 +45,8 @@ class MediaInput:
 
     start: int
     num_tokens: int
-    kind: str                 # "image" (gem4.media.image.ImagePatches in `data`) or "audio" (a 16 kHz waveform)
+    kind: str                 # "image" or "video" (one frame; gem4.media.image.ImagePatches in `data`) or "audio"
+                              # (a 16 kHz waveform)
     data: object
     digest: str               # a hash of its content: its positions' prefix-cache key
     bidirectional: bool       # its tokens see each other both ways on sliding layers (the model's config says)

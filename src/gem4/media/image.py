@@ -108,6 +108,13 @@ def preprocess(image: Image.Image, budget: int = DEFAULT_BUDGET, *, patch_size: 
     if (image.height, image.width) != (th, tw):
         image = image.resize((tw, th), resample=Image.Resampling.BICUBIC)
     pixels = (np.asarray(image).astype(np.float64) * (1 / 255)).astype(np.float32)     # [th, tw, 3]
+    return patchify(pixels, patch_size, pooling)
+
+
+def patchify(pixels: np.ndarray, patch_size: int, pooling: int) -> ImagePatches:
+    """Pixels [h, w, 3] float32 in [0, 1], both sides multiples of patch_size -> the tower's patches, row-major
+    (images here; video frames in video.py)."""
+    th, tw = pixels.shape[:2]
     rows, cols = th // patch_size, tw // patch_size
     patches = (pixels.reshape(rows, patch_size, cols, patch_size, 3)
                .transpose(0, 2, 1, 3, 4).reshape(rows * cols, patch_size * patch_size * 3))

@@ -36,7 +36,10 @@ Images (chat `image_url` parts, base64 data URIs only) and audio clips (`input_a
 docs/multimodal.md §6) are decoded and preprocessed in the default pool before the render (`chat_media`); what
 decodes them is bounded by the body limit, an image's decoded size by `gem4.media.image.MAX_PIXELS` and a clip's
 length by `MAX_AUDIO_SECONDS`. Each becomes one `<|image|>` or `<|audio|>` in the rendered prompt, then its
-soft-token block (`gem4.engine.media.media_prompt`); `usage.prompt_tokens` counts the soft tokens.
+soft-token block (`gem4.engine.media.media_prompt`); `usage.prompt_tokens` counts the soft tokens. Videos
+(`video_url` parts, vLLM's shape, base64 data URIs only; llama-server's `input_video` with base64 data) become
+one `<|video|>`, then up to 32 timestamped frames (`gem4.media.video`, its frame count bounded by
+`MAX_FRAMES`).
 
 Why a budget checked inside the template rather than a process pool: a process can be killed at
 any point and does not hold this process's GIL, but each render would pickle its messages across,
@@ -64,6 +67,7 @@ from starlette.requests import ClientDisconnect
 from gem4.engine.media import Item, audio_tokens, check_fits, media_prompt
 from gem4.engine.sequence import MediaInput
 from gem4.media.audio import MAX_DECODED_SECONDS, AudioError, decode_audio
+from gem4.media.video import Video, VideoError, decode as decode_video
 from gem4.media.image import BUDGETS, DEFAULT_BUDGET, ImageError, ImagePatches, decode, preprocess
 from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudget, encode_prompt,
                        is_gemma4_template, min_prompt_tokens)
@@ -320,7 +324,8 @@ def expand_media(ids: list[int], engine: EngineLike, items: list[Item], where: s
     """The rendered ids with each image's and clip's placeholder expanded into its soft-token block, and the items'
     MediaInputs; 400 when the prompt does not hold one placeholder per item."""
     try:
-        return media_prompt(ids, items, vision=vision_config(engine), audio=audio_config(engine))
+        return media_prompt(ids, items, vision=vision_config(engine), audio=audio_config(engine),
+                            tokenize=lambda text: engine.tokenizer.encode(text, add_bos=False))
     except ValueError as e:               # a template that drops media parts, or text holding a placeholder
         raise bad_request(f"The rendered prompt does not hold one placeholder per image and audio clip: {e}",
                           where) from None
@@ -358,13 +363,16 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
     400 naming the part (`messages[i].content[j]`) when one cannot be used (undecodable, too long, too short, too
     wide) or the model has no tower for it."""
     where = [(i, j, part) for i, m in enumerate(req.messages) if isinstance(m.content, list)
-             for j, part in enumerate(m.content) if part["type"] in ("image", "audio")]
+             for j, part in enumerate(m.content) if part["type"] in ("image", "audio", "video")]
     if not where:
         return []
     vision, audio = vision_config(engine), audio_config(engine)
     for i, j, part in where:
         if part["type"] == "image" and vision is None:
             raise bad_request("This model does not take images (it has no vision tower).",
+                              f"messages[{i}].content[{j}]")
+        if part["type"] == "video" and (vision is None or vision.video_token_id is None):
+            raise bad_request("This model does not take videos (it has no vision tower or no video token).",
                               f"messages[{i}].content[{j}]")
         if part["type"] == "audio" and audio is None:
             raise bad_request("This model does not take audio (it has no audio tower).",
@@ -389,14 +397,26 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
             raise AudioError(str(e), "too_short") from None
         return wave
 
+    def load_video(data: str) -> Video:
+        video = decode_video(_base64(data, "the video's base64", VideoError),
+                             patch_size=vision.patch_size, pooling=vision.pooling)
+        try:
+            for frame in video.frames:
+                check_fits(frame.patches, vision)
+        except ValueError as e:
+            raise VideoError(str(e)) from None
+        return video
+
     out: list[Item] = []
     for i, j, part in where:
         try:
             if part["type"] == "image":
                 out.append(await asyncio.to_thread(load_image, part["url"]))
+            elif part["type"] == "video":
+                out.append(await asyncio.to_thread(load_video, part["data"]))
             else:
                 out.append(await asyncio.to_thread(load_audio, part["data"]))
-        except (ImageError, AudioError) as e:
+        except (ImageError, AudioError, VideoError) as e:
             raise bad_request(f"messages[{i}].content[{j}]: {e}", f"messages[{i}].content[{j}]") from None
     return out
 
@@ -452,7 +472,7 @@ def _message_dict(m) -> dict:
     if m.role in ("system", "developer"):
         d["content"] = P.content_text(m.content)      # the templates expect a string here
     elif isinstance(m.content, list):                 # a media part renders as its placeholder; the data stays here
-        d["content"] = [{"type": p["type"]} if p["type"] in ("image", "audio") else p for p in m.content]
+        d["content"] = [{"type": p["type"]} if p["type"] in ("image", "audio", "video") else p for p in m.content]
     elif m.content is not None:
         d["content"] = m.content
     if m.name is not None:

@@ -172,7 +172,6 @@ _UNSUPPORTED_PARTS = {
     "input_audio": "audio",
     "audio": "audio",
     "audio_url": "audio",
-    "video_url": "video",
     "video": "video",
     "file": "file",
 }
@@ -182,8 +181,10 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
     """Message content: a string or a list of text parts `{"type": "text", "text": str}` -- and with `media`
     (user messages), image parts `{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`, kept
     as `{"type": "image", "url": str}`, and audio parts `{"type": "input_audio", "input_audio": {"data": base64,
-    "format": "wav"}}` (OpenAI's), kept as `{"type": "audio", "data": str, "format": str}` (both decoded later:
-    server/inputs.py `chat_media`).
+    "format": "wav"}}` (OpenAI's), kept as `{"type": "audio", "data": str, "format": str}`, and video parts
+    `{"type": "video_url", "video_url": {"url": "data:video/...;base64,..."}}` (vLLM's) or `{"type": "input_video",
+    "input_video": {"data": base64}}` (llama-server's), kept as `{"type": "video", "data": base64}` (all decoded
+    later: server/inputs.py `chat_media`).
     (Failures are ValueErrors, wrong types included: pydantic turns only those into errors.)"""
     if content is None:
         if allow_none:
@@ -207,12 +208,17 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
             parts.append({"type": "image", "url": _image_url(part.get("image_url"), i)})
         elif kind == "input_audio" and media:
             parts.append({"type": "audio", **_input_audio(part.get("input_audio"), i)})
-        elif kind in ("image_url", "input_audio"):
-            raise ValueError(f"content part {i}: {'images' if kind == 'image_url' else 'audio'} are accepted in "
-                             f"user messages only")
+        elif kind == "video_url" and media:
+            parts.append({"type": "video", "data": _data_url(part.get("video_url"), i, "video").partition(",")[2]})
+        elif kind == "input_video" and media:
+            parts.append({"type": "video", "data": _input_video(part.get("input_video"), i)})
+        elif kind in ("image_url", "input_audio", "video_url", "input_video"):
+            what = {"image_url": "images", "input_audio": "audio", "video_url": "videos", "input_video": "videos"}[kind]
+            raise ValueError(f"content part {i}: {what} are accepted in user messages only")
         elif kind in _UNSUPPORTED_PARTS:
             raise ValueError(f"content part {i}: {_UNSUPPORTED_PARTS[kind]} input of type '{kind}' is not supported "
-                             "(images come as 'image_url' parts, audio as 'input_audio' parts, in user messages)")
+                             "(images come as 'image_url' parts, audio as 'input_audio' parts, videos as "
+                             "'video_url' or 'input_video' parts, in user messages)")
         else:
             raise ValueError(f"content part {i} has unknown type '{kind}'")
     return parts
@@ -221,14 +227,27 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
 def _image_url(value: Any, i: int) -> str:
     """An image_url part's URL ({"url": ...} or the string itself): a base64 data URI of an image. URLs are not
     fetched: a server must not fetch addresses for anonymous clients (docs/multimodal.md §6)."""
+    return _data_url(value, i, "image")
+
+
+def _data_url(value: Any, i: int, kind: str) -> str:
+    """An image_url or video_url part's URL ({"url": ...} or the string itself): a base64 data URI of that kind
+    (vLLM's `video_url` shape is the image one's)."""
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
-        raise ValueError(f"content part {i} of type 'image_url' needs 'image_url': {{'url': string}}")
+        raise ValueError(f"content part {i} of type '{kind}_url' needs '{kind}_url': {{'url': string}}")
     head, _, data = url.partition(",")
-    if not (head.startswith("data:image/") and head.endswith(";base64") and data):
-        raise ValueError(f"content part {i}: only base64 data URIs of images (data:image/...;base64,...) are "
+    if not (head.startswith(f"data:{kind}/") and head.endswith(";base64") and data):
+        raise ValueError(f"content part {i}: only base64 data URIs of {kind}s (data:{kind}/...;base64,...) are "
                          f"accepted; this server does not fetch URLs")
     return url
+
+
+def _input_video(value: Any, i: int) -> str:
+    """llama-server's input_video part: {"data": base64} (the bytes decide the format, as for audio)."""
+    if not (isinstance(value, dict) and isinstance(value.get("data"), str) and value["data"]):
+        raise ValueError(f"content part {i} of type 'input_video' needs 'input_video': {{'data': base64 string}}")
+    return value["data"]
 
 
 def _input_audio(value: Any, i: int) -> dict:

@@ -78,7 +78,8 @@ def vision_config_from_hf(whole: dict, text: dict, shapes: dict[str, tuple[int, 
             rms_norm_eps=number_field(v, "rms_norm_eps", what), clipped_linears=clipped, standardize=standardize,
             text_hidden_size=int_field(text, "hidden_size", where), bidirectional=bidirectional == "vision",
             image_token_id=int_field(whole, "image_token_id", where), boi_token_id=int_field(whole, "boi_token_id", where),
-            eoi_token_id=int_field(whole, "eoi_token_id", where))
+            eoi_token_id=int_field(whole, "eoi_token_id", where),
+            video_token_id=int_field(whole, "video_token_id", where) if whole.get("video_token_id") is not None else None)
     except ConfigError as e:
         raise CheckpointError(f"{what}: {e}" + (f" ({e.field})" if e.field else "")) from None
 
