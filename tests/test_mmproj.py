@@ -26,7 +26,7 @@ from gem4.gguf import GGUFReader, GGUFWriter
 from gem4.media.image import preprocess
 from gem4.model.gemma4 import MediaItem
 from gem4.weights.checkpoint import CheckpointError
-from gem4.weights.mmproj import IMAGE_TOKENS
+from gem4.weights.mmproj import IMAGE_TOKENS, VIDEO_TOKEN
 from text_fixtures import tiny_vocab, write_hf_dir
 from vision_fixtures import TOKEN_IDS, build_vision_hf, sample_image
 
@@ -38,9 +38,10 @@ needs_llama_cpp = pytest.mark.skipif(not LLAMA_CPP, reason="GEM4_LLAMA_CPP (llam
 
 
 def tokenizer_with_image_tokens(directory) -> None:
-    """The tiny vocabulary with the fixtures' image token ids named as Gemma 4 names them (a GGUF finds them so)."""
+    """The tiny vocabulary with the fixtures' image and video token ids named as Gemma 4 names them (a GGUF finds
+    them so)."""
     tokens, types, merges = tiny_vocab()
-    for field, text in IMAGE_TOKENS.items():
+    for field, text in [*IMAGE_TOKENS.items(), ("video_token_id", VIDEO_TOKEN)]:
         tokens[TOKEN_IDS[field]], types[TOKEN_IDS[field]] = text, 3
     write_hf_dir(directory, tokens, types, merges)
 

@@ -42,6 +42,7 @@ ROPE_THETA = 100.0                # not in the file: llama.cpp hard-codes it for
 POOLING = 3                       # n_merge, unless clip.vision.projector.scale_factor says otherwise
 # the image placeholders, found in the text model's vocabulary as llama.cpp's mtmd finds them
 IMAGE_TOKENS = {"image_token_id": "<|image|>", "boi_token_id": "<|image>", "eoi_token_id": "<image|>"}
+VIDEO_TOKEN = "<|video|>"    # optional: without it the model takes no video
 
 _LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
@@ -169,6 +170,7 @@ def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, T
         if token not in vocab:
             raise CheckpointError(f"{where}: the text model's vocabulary has no {token!r} token")
         ids[field] = vocab.index(token)
+    ids["video_token_id"] = vocab.index(VIDEO_TOKEN) if VIDEO_TOKEN in vocab else None   # a frame's soft token
     D = _get(reader, "clip.vision.embedding_length", where)
     heads = _get(reader, "clip.vision.attention.head_count", where)
     head_dim = shape["v.blk.0.attn_q_norm.weight"][0]
