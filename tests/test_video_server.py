@@ -93,8 +93,8 @@ def test_chat_with_a_video_matches_the_engine(video_server):
 @pytest.mark.parametrize("url, fragment, param", [
     (data_uri(b"\x00\x01 not a video"), "cannot be decoded", "messages[0].content[0]"),
     ("data:video/mp4;base64,@@@", "not valid base64", "messages[0].content[0]"),
-    ("https://example.com/clip.mp4", "does not fetch URLs", "any"),
-    ("data:image/png;base64,AAAA", "only base64 data URIs of videos", "any"),
+    ("https://example.com/clip.mp4", "does not fetch media URLs", "messages[0].content[0]"),
+    ("data:image/png;base64,AAAA", "takes base64 data URIs of videos", "any"),
     (None, "needs 'input_video'", "any"),
 ])
 def test_bad_videos_are_400s_naming_the_part(video_server, url, fragment, param):

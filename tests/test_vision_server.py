@@ -129,7 +129,8 @@ def test_bad_images_are_400s_naming_the_part(vision_server, url, fragment):
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    (lambda: {"messages": ask("https://example.com/cat.png")}, "any", "does not fetch URLs"),
+    (lambda: {"messages": ask("https://example.com/cat.png")}, "messages[0].content[1]", "does not fetch media URLs"),
+    (lambda: {"messages": ask("ftp://example.com/cat.png")}, "any", "takes base64 data URIs of images"),
     (lambda: {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": data_uri(
         sample_image(32, 32))}}]}, {"role": "user", "content": "hi"}]}, "any", "user messages only"),
     (lambda: {"messages": ask(data_uri(sample_image(64, 64))), "mm_processor_kwargs": {"max_soft_tokens": 256}},

@@ -19,6 +19,7 @@ goes to inputs.py):
     protocol.py   OpenAI request/response models and error objects (the only place that knows JSON shapes)
     state.py      ServerConfig, ServerState (engine, metrics, open requests), EngineLike
     inputs.py     request -> prompt ids and SamplingParams; the body limit and the early length bounds
+    media_fetch.py  a media part's bytes: data URIs, allowed files and downloads, within a byte cap
     request.py    one engine request on the event loop (ServerRequest), SSE, disconnect -> abort;
                   the thread model is in its docstring
     outputs.py    engine events -> chat deltas and messages, completion text, logprobs, usage;

@@ -32,14 +32,14 @@ Bounded work before admission (each limit refuses before the work it bounds):
   chats compete with one of them, and get the GIL within a fraction of a millisecond. Text prompts
   tokenize in the default pool (`Tokenizer.encode` releases the GIL; the character bound caps its work).
 
-Images (chat `image_url` parts, base64 data URIs only) and audio clips (`input_audio` parts, base64:
-docs/multimodal.md §6) are decoded and preprocessed in the default pool before the render (`chat_media`); what
-decodes them is bounded by the body limit, an image's decoded size by `gem4.media.image.MAX_PIXELS` and a clip's
-length by `MAX_AUDIO_SECONDS`. Each becomes one `<|image|>` or `<|audio|>` in the rendered prompt, then its
-soft-token block (`gem4.engine.media.media_prompt`); `usage.prompt_tokens` counts the soft tokens. Videos
-(`video_url` parts, vLLM's shape, base64 data URIs only; llama-server's `input_video` with base64 data) become
-one `<|video|>`, then up to 32 timestamped frames (`gem4.media.video`, its frame count bounded by
-`MAX_FRAMES`).
+Images (chat `image_url` parts) and audio clips (`input_audio` parts, base64: docs/multimodal.md §6) are read
+(`media_fetch.media_bytes`: base64 data URIs; http(s) and file:// URLs only where the operator allows them, within
+--media-fetch-timeout; every part within --max-media-bytes), then decoded and preprocessed in the default pool
+before the render (`chat_media`); an image's decoded size is bounded by `gem4.media.image.MAX_PIXELS` and a
+clip's length by `MAX_AUDIO_SECONDS`. Each becomes one `<|image|>` or `<|audio|>` in the rendered prompt, then
+its soft-token block (`gem4.engine.media.media_prompt`); `usage.prompt_tokens` counts the soft tokens. Videos
+(`video_url` parts, vLLM's shape, read as images are; llama-server's `input_video` with base64 data) become one
+`<|video|>`, then up to 32 timestamped frames (`gem4.media.video`, its frame count bounded by `MAX_FRAMES`).
 
 Why a budget checked inside the template rather than a process pool: a process can be killed at
 any point and does not hold this process's GIL, but each render would pickle its messages across,
@@ -51,8 +51,6 @@ within tens of microseconds.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -73,6 +71,7 @@ from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudg
                        is_gemma4_template, min_prompt_tokens)
 from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
+from gem4.server.media_fetch import MediaPolicy, MediaURLError, decode_base64, media_bytes
 from gem4.server.protocol import APIError, bad_request
 from gem4.server.state import EngineLike, ServerState
 from gem4.structured.grammars import GrammarError, Lead, Plan, chat_plan, completion_plan, lead_of, validate
@@ -310,7 +309,7 @@ async def render_request(request: Request, state: ServerState, engine: EngineLik
     thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
     check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
                 where)
-    items = await chat_media(engine, req)
+    items = await chat_media(engine, req, state.config.media_policy, request)
     ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                             enable_thinking=thinking, kwargs=kwargs, request=request,
                             max_render_s=state.config.max_render_s, continue_final_message=req.continue_final_message)
@@ -358,10 +357,13 @@ def image_budget(req: P.ChatCompletionRequest | P.TokenizeRequest) -> int:
     return budget
 
 
-async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest) -> list[Item]:
-    """The images and audio clips of the chat's messages, in order, decoded and preprocessed in the thread pool;
-    400 naming the part (`messages[i].content[j]`) when one cannot be used (undecodable, too long, too short, too
-    wide) or the model has no tower for it."""
+async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest,
+                     policy: MediaPolicy, request: Request | None = None) -> list[Item]:
+    """The images, audio clips and videos of the chat's messages, in order: their bytes had as `policy` allows
+    (data URIs, allowed files and downloads: server/media_fetch.py), decoded and preprocessed in the thread pool;
+    400 naming the part (`messages[i].content[j]`) when one cannot be used (a URL not allowed, a fetch that fails,
+    times out or passes --max-media-bytes; undecodable, too long, too short, too wide) or the model has no tower
+    for it. A fetch in progress stops when the client disconnects (`request`) or the handler is cancelled."""
     where = [(i, j, part) for i, m in enumerate(req.messages) if isinstance(m.content, list)
              for j, part in enumerate(m.content) if part["type"] in ("image", "audio", "video")]
     if not where:
@@ -379,27 +381,24 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
                               f"messages[{i}].content[{j}]")
     budget = image_budget(req) if any(part["type"] == "image" for _, _, part in where) else DEFAULT_BUDGET
 
-    def load_image(url: str) -> ImagePatches:
-        image = preprocess(decode(_base64(url.partition(",")[2], "the data URI", ImageError)), budget,
-                           patch_size=vision.patch_size, pooling=vision.pooling)
+    def load_image(data: bytes) -> ImagePatches:
+        image = preprocess(decode(data), budget, patch_size=vision.patch_size, pooling=vision.pooling)
         try:
             check_fits(image, vision)
         except ValueError as e:
             raise ImageError(str(e)) from None
         return image
 
-    def load_audio(data: str) -> np.ndarray:
-        wave = decode_audio(_base64(data, "input_audio.data", lambda m: AudioError(m, "undecodable")),
-                            max_seconds=MAX_AUDIO_SECONDS)
+    def load_audio(data: bytes) -> np.ndarray:
+        wave = decode_audio(data, max_seconds=MAX_AUDIO_SECONDS)
         try:
             audio_tokens(audio, wave)
         except ValueError as e:
             raise AudioError(str(e), "too_short") from None
         return wave
 
-    def load_video(data: str) -> Video:
-        video = decode_video(_base64(data, "the video's base64", VideoError),
-                             patch_size=vision.patch_size, pooling=vision.pooling)
+    def load_video(data: bytes) -> Video:
+        video = decode_video(data, patch_size=vision.patch_size, pooling=vision.pooling)
         try:
             for frame in video.frames:
                 check_fits(frame.patches, vision)
@@ -407,25 +406,34 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
             raise VideoError(str(e)) from None
         return video
 
-    out: list[Item] = []
-    for i, j, part in where:
-        try:
-            if part["type"] == "image":
-                out.append(await asyncio.to_thread(load_image, part["url"]))
-            elif part["type"] == "video":
-                out.append(await asyncio.to_thread(load_video, part["data"]))
-            else:
-                out.append(await asyncio.to_thread(load_audio, part["data"]))
-        except (ImageError, AudioError, VideoError) as e:
-            raise bad_request(f"messages[{i}].content[{j}]: {e}", f"messages[{i}].content[{j}]") from None
-    return out
+    async def read_all() -> list[Item]:
+        out: list[Item] = []
+        for i, j, part in where:
+            try:
+                if part["type"] == "audio":
+                    data = await asyncio.to_thread(decode_base64, part["data"], "input_audio.data",
+                                                   policy.max_media_bytes)
+                else:
+                    data = await media_bytes(part["url"], policy)
+                load = {"image": load_image, "video": load_video, "audio": load_audio}[part["type"]]
+                out.append(await asyncio.to_thread(load, data))
+            except (ImageError, AudioError, VideoError, MediaURLError) as e:
+                raise bad_request(f"messages[{i}].content[{j}]: {e}", f"messages[{i}].content[{j}]") from None
+        return out
 
-
-def _base64(text: str, what: str, error: Callable[[str], Exception]) -> bytes:
+    if request is None:
+        return await read_all()
+    reading = asyncio.ensure_future(read_all())
+    watch = asyncio.ensure_future(_disconnected(request))
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise error(f"{what} is not valid base64") from None
+        await asyncio.wait({reading, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not reading.done():          # the client left (or the handler was cancelled): stop the fetches
+            reading.cancel()
+    if not reading.done() or reading.cancelled():
+        raise bad_request("The client closed the connection while its media were read.", "messages")
+    return reading.result()
 
 
 async def with_grammar(engine: EngineLike, params: SamplingParams, chat: RenderedChat) -> SamplingParams:

@@ -23,6 +23,7 @@ from pathlib import Path
 from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
                            MEMORY_LIMIT_HELP, MMPROJ_HELP, SPECULATIVE_HELP, ArgParser, chat_template, check_model_or_demo,
                            int_at_least, non_negative_float, port, positive_float, speculative_config)
+from gem4.server.media_fetch import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES
 from gem4.server.store import DEFAULT_RESPONSES_STORE_MB
 
 
@@ -121,6 +122,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU seconds a chat template render may take; then it stops with a 400 (the official "
                         "template's time grows with the square of the number of messages). A render also stops "
                         "when its client disconnects")
+    p.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="take file:// media URLs of files under DIR (symlinks and .. resolved first, so none "
+                        "escape it; default: no file URLs)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=(), metavar="HOST",
+                   help="fetch http(s) media URLs of these hosts (exact names; redirects followed only to them; "
+                        "default: no URL is fetched, media come as base64 data URIs)")
+    p.add_argument("--allow-media-urls", action="store_true",
+                   help="fetch http(s) media URLs of any host (for a trusted network only: the server fetches "
+                        "what anonymous clients name)")
+    p.add_argument("--media-fetch-timeout", type=positive_float, default=DEFAULT_FETCH_TIMEOUT_S, metavar="S",
+                   help="seconds a media URL's whole fetch may take, redirects included; then a 400")
+    p.add_argument("--max-media-bytes", type=int_at_least(1), default=DEFAULT_MAX_MEDIA_BYTES, metavar="N",
+                   help="bytes one media part may bring (downloaded, read or decoded from base64); a download "
+                        "stops as soon as it passes them (default: 20 MiB)")
     p.add_argument("--responses-store-mb", type=non_negative_float, default=DEFAULT_RESPONSES_STORE_MB, metavar="MIB",
                    help="MiB of memory for the Responses API's stored responses (what previous_response_id and "
                         "GET /v1/responses/{id} read; a request with store: false is not kept), the least "
@@ -218,6 +233,7 @@ def model_path(args: argparse.Namespace) -> str:
 
 def server_config(args: argparse.Namespace, names: list[str]):
     """The app's ServerConfig from `gem4 serve`'s arguments; `names` from model_ids."""
+    from gem4.server.media_fetch import MediaPolicy
     from gem4.server.state import ServerConfig
 
     return ServerConfig(served_model_name=names[0], model_aliases=tuple(names[1:]),
@@ -230,7 +246,12 @@ def server_config(args: argparse.Namespace, names: list[str]):
                         else int(args.max_request_body_mb * 2**20), max_render_s=args.max_render_seconds,
                         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                        web_ui=args.web_ui, responses_store_bytes=int(args.responses_store_mb * 2**20))
+                        web_ui=args.web_ui, responses_store_bytes=int(args.responses_store_mb * 2**20),
+                        media_policy=MediaPolicy(allowed_local_media_path=args.allowed_local_media_path,
+                                                 allowed_media_domains=tuple(args.allowed_media_domains),
+                                                 allow_media_urls=args.allow_media_urls,
+                                                 fetch_timeout_s=args.media_fetch_timeout,
+                                                 max_media_bytes=args.max_media_bytes))
 
 
 def load_engine(args: argparse.Namespace, path: str):

@@ -183,8 +183,8 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
     as `{"type": "image", "url": str}`, and audio parts `{"type": "input_audio", "input_audio": {"data": base64,
     "format": "wav"}}` (OpenAI's), kept as `{"type": "audio", "data": str, "format": str}`, and video parts
     `{"type": "video_url", "video_url": {"url": "data:video/...;base64,..."}}` (vLLM's) or `{"type": "input_video",
-    "input_video": {"data": base64}}` (llama-server's), kept as `{"type": "video", "data": base64}` (all decoded
-    later: server/inputs.py `chat_media`).
+    "input_video": {"data": base64}}` (llama-server's), kept as `{"type": "video", "url": str}` (a data URI for
+    input_video); all read and decoded later (server/inputs.py `chat_media`, server/media_fetch.py).
     (Failures are ValueErrors, wrong types included: pydantic turns only those into errors.)"""
     if content is None:
         if allow_none:
@@ -209,9 +209,9 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
         elif kind == "input_audio" and media:
             parts.append({"type": "audio", **_input_audio(part.get("input_audio"), i)})
         elif kind == "video_url" and media:
-            parts.append({"type": "video", "data": _data_url(part.get("video_url"), i, "video").partition(",")[2]})
+            parts.append({"type": "video", "url": _data_url(part.get("video_url"), i, "video")})
         elif kind == "input_video" and media:
-            parts.append({"type": "video", "data": _input_video(part.get("input_video"), i)})
+            parts.append({"type": "video", "url": "data:video/*;base64," + _input_video(part.get("input_video"), i)})
         elif kind in ("image_url", "input_audio", "video_url", "input_video"):
             what = {"image_url": "images", "input_audio": "audio", "video_url": "videos", "input_video": "videos"}[kind]
             raise ValueError(f"content part {i}: {what} are accepted in user messages only")
@@ -225,21 +225,25 @@ def check_content(content: Any, *, allow_none: bool = False, media: bool = False
 
 
 def _image_url(value: Any, i: int) -> str:
-    """An image_url part's URL ({"url": ...} or the string itself): a base64 data URI of an image. URLs are not
-    fetched: a server must not fetch addresses for anonymous clients (docs/multimodal.md §6)."""
+    """An image_url part's URL ({"url": ...} or the string itself): a base64 data URI of an image, or an http(s)
+    or file:// URL, which the server reads only where its operator allows it (server/media_fetch.py)."""
     return _data_url(value, i, "image")
 
 
 def _data_url(value: Any, i: int, kind: str) -> str:
     """An image_url or video_url part's URL ({"url": ...} or the string itself): a base64 data URI of that kind
-    (vLLM's `video_url` shape is the image one's)."""
+    (vLLM's `video_url` shape is the image one's), or an http:, https: or file: URL (whether this server reads it
+    is decided later, by its media policy: server/media_fetch.py)."""
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str):
         raise ValueError(f"content part {i} of type '{kind}_url' needs '{kind}_url': {{'url': string}}")
+    scheme = url.partition(":")[0].lower()
+    if scheme in ("http", "https", "file"):
+        return url
     head, _, data = url.partition(",")
     if not (head.startswith(f"data:{kind}/") and head.endswith(";base64") and data):
-        raise ValueError(f"content part {i}: only base64 data URIs of {kind}s (data:{kind}/...;base64,...) are "
-                         f"accepted; this server does not fetch URLs")
+        raise ValueError(f"content part {i}: '{kind}_url' takes base64 data URIs of {kind}s "
+                         f"(data:{kind}/...;base64,...) and http(s) or file URLs")
     return url
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gem4.sampling import SamplingParams
+from gem4.server.media_fetch import MediaPolicy
 from gem4.server.metrics import Metrics
 from gem4.server.protocol import APIError
 from gem4.server.store import DEFAULT_RESPONSES_STORE_MB, ResponseStore
@@ -54,6 +55,7 @@ class ServerConfig:
     allow_credentials: bool = False
     web_ui: bool = True                         # GET / serves the chat page (routes/web.py); --no-web-ui: 404
     responses_store_bytes: int = DEFAULT_RESPONSES_STORE_MB * 2**20   # stored responses (store.py); 0: none
+    media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # where media URLs may lead (media_fetch.py)
 
 
 class ServerState:
