@@ -1,6 +1,6 @@
 """Media URLs through the server (docs/multimodal.md §6, server/media_fetch.py), with the official `openai` client
-and a loopback HTTP server of generated media: an image fetched from an allowed host, through a redirect on it, or
-read from the allowed directory answers as the same image sent as a data URI; every way a URL can fail (a host not
+and a loopback HTTP server of generated media: an image (or a video) fetched from an allowed host, through a
+redirect on it, or read from the allowed directory answers as the same image sent as a data URI; every way a URL can fail (a host not
 allowed, a redirect to one, a slow peer, a peer that sends too much, an HTTP error, bytes that are no image, a file
 outside the directory by path, `..` or symlink) is a 400 naming the part; a client that leaves stops its fetch."""
 from __future__ import annotations
@@ -19,12 +19,15 @@ import gem4
 from gem4.server import ServerConfig, create_app
 from gem4.server.media_fetch import MediaPolicy
 from server_helpers import API_KEY, InProcessServer, assert_openai_error, client_for
-from test_vision_server import MAX_MODEL_LEN, ask, data_uri, vision_tokenizer_dir
+from test_video import make_clip
+from test_video_server import ask as ask_video, data_uri as video_data_uri, video_tokenizer_dir
+from test_vision_server import MAX_MODEL_LEN, ask, data_uri
 from vision_fixtures import build_vision_hf, sample_image
 
 CAP = 300_000               # --max-media-bytes of the server under test
 TIMEOUT_S = 4.0             # --media-fetch-timeout
 IMAGE = sample_image(150, 200, seed=3)
+CLIP = make_clip(frames=5, fps=2)
 NOISE = Image.fromarray(np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8))   # ~480 KB PNG
 
 
@@ -48,6 +51,8 @@ class MediaHost(http.server.BaseHTTPRequestHandler):
         port = self.server.server_address[1]
         if self.path == "/cat.png":
             self._send(png(IMAGE))
+        elif self.path == "/clip.mp4":
+            self._send(CLIP)
         elif self.path == "/redirect-here":
             self._redirect("/cat.png")
         elif self.path == "/redirect-away":
@@ -103,12 +108,13 @@ def media_host():
 def url_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("url-server") / "model"
     build_vision_hf("31b").save_pretrained(d)
-    vision_tokenizer_dir(d)
+    video_tokenizer_dir(d)              # the image tokens and the video one
     media = tmp_path_factory.mktemp("media")
     allowed = media / "allowed"
     allowed.mkdir()
     (allowed / "cat.png").write_bytes(png(IMAGE))
     (allowed / "noise.png").write_bytes(png(NOISE))
+    (allowed / "clip.mp4").write_bytes(CLIP)
     (media / "secret.png").write_bytes(png(IMAGE))
     (allowed / "link.png").symlink_to(media / "secret.png")
     engine = gem4.Engine(gem4.load(d, dtype="float32"), gem4.Tokenizer.from_file(d), max_model_len=MAX_MODEL_LEN,
@@ -135,6 +141,16 @@ def test_an_image_by_url_answers_as_its_data_uri(url_server, media_host):
         got = answer(base, url)
         assert got.choices[0].message.content == want.choices[0].message.content, url
         assert got.usage.prompt_tokens == want.usage.prompt_tokens, url
+
+
+def test_a_video_by_url_answers_as_its_data_uri(url_server, media_host):
+    base, allowed = url_server
+    client = client_for(base)
+    want, *got = (client.chat.completions.create(model="vision", messages=ask_video(url), temperature=0, max_tokens=8)
+                  for url in (video_data_uri(CLIP), media_host + "/clip.mp4", (allowed / "clip.mp4").as_uri()))
+    for r in got:
+        assert r.choices[0].message.content == want.choices[0].message.content
+        assert r.usage.prompt_tokens == want.usage.prompt_tokens > 5 * 70 // 2
 
 
 def post(base: str, url: str) -> httpx.Response:
@@ -203,3 +219,23 @@ def test_the_serve_flags_make_the_policy_and_fetch_nothing_by_default():
     assert server_config(args, ["m"]).media_policy == MediaPolicy(
         allowed_local_media_path="/srv/media", allowed_media_domains=("a.example", "b.example"),
         allow_media_urls=True, fetch_timeout_s=2.5, max_media_bytes=1000)
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("http://[::1/cat.png", "is not a valid URL"),
+    ("http://127.0.0.1:99999/cat.png", "is not a valid URL"),
+    ("http:///cat.png", "not an http(s) URL with a host"),
+    ("file:///srv/a%00b.png", "is not a usable path"),
+    ("gopher://127.0.0.1/x", "URLs of scheme 'gopher' are not taken"),
+    ("data:image/png;base64,@@", "not valid base64"),
+])
+def test_malformed_urls_are_refused_with_their_cause(url, fragment):
+    """What protocol.py lets through to `media_bytes` is a MediaURLError (a 400), never another exception."""
+    import asyncio
+
+    from gem4.server.media_fetch import MediaURLError, media_bytes
+
+    policy = MediaPolicy(allowed_local_media_path="/srv", allow_media_urls=True, fetch_timeout_s=5)
+    with pytest.raises(MediaURLError) as e:
+        asyncio.run(media_bytes(url, policy))
+    assert fragment in str(e.value)

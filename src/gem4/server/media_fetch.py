@@ -16,7 +16,8 @@ kind is the operator's choice, with vLLM's flags:
   base64. A download is streamed and stopped as soon as it passes the cap (a Content-Length above it is
   refused before the body is read).
 
-Fetches run on the event loop with httpx's async client (no thread is held while the peer is slow) and are
+Fetches run on the event loop with httpx's async client (no thread is held while the peer is slow; no proxy
+from the environment is used, so the allow-list is about the host actually reached) and are
 cancelled with the request's task: a client that goes away stops its fetches. File reads and base64 decoding
 run in the thread pool. Every failure is a MediaURLError with a cause a client can act on; the server answers
 it with a 400 naming the part (server/inputs.py `chat_media`).
@@ -53,7 +54,11 @@ class MediaPolicy:
 
     def check_http(self, url: str) -> None:
         """Refuse an http(s) URL this policy does not allow (MediaURLError)."""
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port                      # noqa: B018 -- a port out of range raises here, not later
+        except ValueError as e:
+            raise MediaURLError(f"{_short(url)} is not a valid URL: {e}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise MediaURLError(f"{_short(url)} is not an http(s) URL with a host")
         if self.allow_media_urls:
@@ -106,7 +111,10 @@ def _read_file(url: str, policy: MediaPolicy) -> bytes:
     if parts.netloc not in ("", "localhost"):
         raise MediaURLError(f"file URLs name a local path (file:///...), not the host {parts.netloc!r}")
     root = Path(policy.allowed_local_media_path).resolve()
-    path = Path(urllib.request.url2pathname(parts.path)).resolve()
+    try:
+        path = Path(urllib.request.url2pathname(parts.path)).resolve()
+    except (ValueError, OSError) as e:          # a NUL byte, a symlink loop
+        raise MediaURLError(f"{parts.path!r} is not a usable path: {e}") from None
     if not path.is_relative_to(root):
         raise MediaURLError(f"{parts.path!r} is not under the directory this server reads media from "
                             f"(--allowed-local-media-path)")
@@ -152,7 +160,7 @@ async def _download(url: str, policy: MediaPolicy) -> bytes:
                             raise MediaURLError(_too_large(f"{_short(url)} sent more", cap))
                         chunks.append(chunk)
                     return b"".join(chunks)
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, httpx.InvalidURL) as e:     # connection, TLS, protocol, decoding; a URL httpx refuses
         raise MediaURLError(f"fetching {_short(url)} failed: {type(e).__name__}: {e}") from None
     raise MediaURLError(f"{_short(url)} redirects more than {MAX_REDIRECTS} times")
 
