@@ -29,6 +29,8 @@ TIMEOUT_S = 4.0             # --media-fetch-timeout
 IMAGE = sample_image(150, 200, seed=3)
 CLIP = make_clip(frames=5, fps=2)
 NOISE = Image.fromarray(np.random.default_rng(0).integers(0, 256, (400, 400, 3), dtype=np.uint8))   # ~480 KB PNG
+MEDIUM = Image.fromarray(np.random.default_rng(1).integers(0, 256, (280, 280, 3), dtype=np.uint8))  # ~236 KB PNG
+BODY = 1_000_000            # --max-request-body-mb: also what one request's URLs may bring together
 
 
 def png(image) -> bytes:
@@ -59,6 +61,8 @@ class MediaHost(http.server.BaseHTTPRequestHandler):
             self._redirect(f"http://localhost:{port}/cat.png")
         elif self.path == "/not-an-image":
             self._send(b"hello, not an image")
+        elif self.path == "/medium.png":
+            self._send(png(MEDIUM))
         elif self.path == "/huge":
             self._send(png(NOISE))
         elif self.path in ("/endless", "/slow", "/hang"):
@@ -122,6 +126,7 @@ def url_server(tmp_path_factory):
     policy = MediaPolicy(allowed_local_media_path=str(allowed), allowed_media_domains=("127.0.0.1",),
                          fetch_timeout_s=TIMEOUT_S, max_media_bytes=CAP)
     app = create_app(ServerConfig(served_model_name="vision", api_key=API_KEY, media_policy=policy,
+                                  max_request_body=BODY,
                                   default_chat_template_kwargs={"enable_thinking": False}), engine)
     with InProcessServer(app) as base:
         yield base, allowed
@@ -184,6 +189,26 @@ def test_bad_media_urls_are_400s_naming_the_part(url_server, media_host, url, fr
     err = assert_openai_error(r, 400, param="messages[0].content[1]")
     assert fragment in err["message"]
     assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_a_requests_urls_bring_no_more_than_its_body_may_carry(url_server, media_host):
+    """Each part is within --max-media-bytes, but five of them pass the body limit: the fifth is refused, so a
+    short request cannot make the server take in more than a client could have sent it."""
+    base, _ = url_server
+    size = len(png(MEDIUM))
+    assert size < CAP and 4 * size < BODY < 5 * size
+    parts = [{"type": "text", "text": "Compare."}] + [{"type": "image_url", "image_url": {"url": media_host +
+                                                                                          "/medium.png"}}] * 5
+    r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                   json={"model": "vision", "messages": [{"role": "user", "content": parts}], "max_tokens": 1,
+                         "mm_processor_kwargs": {"max_soft_tokens": 70}})
+    err = assert_openai_error(r, 400, param="messages[0].content[5]")
+    assert f"may bring {BODY - 4 * size} more bytes" in err["message"]
+    parts = parts[:5]
+    r = httpx.post(base + "/v1/chat/completions", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60,
+                   json={"model": "vision", "messages": [{"role": "user", "content": parts}], "max_tokens": 1,
+                         "mm_processor_kwargs": {"max_soft_tokens": 70}})
+    assert r.status_code == 200, r.text
 
 
 def test_a_client_that_leaves_stops_its_fetch(url_server, media_host):

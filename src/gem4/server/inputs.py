@@ -71,7 +71,7 @@ from gem4.chat import (TURN_TOKENS, ChatTemplateError, RenderAborted, RenderBudg
                        is_gemma4_template, min_prompt_tokens)
 from gem4.sampling import InvalidParameter, SamplingParams
 from gem4.server import protocol as P
-from gem4.server.media_fetch import MediaPolicy, MediaURLError, decode_base64, media_bytes
+from gem4.server.media_fetch import MediaURLError, decode_base64, media_bytes
 from gem4.server.protocol import APIError, bad_request
 from gem4.server.state import EngineLike, ServerState
 from gem4.structured.grammars import GrammarError, Lead, Plan, chat_plan, completion_plan, lead_of, validate
@@ -309,7 +309,7 @@ async def render_request(request: Request, state: ServerState, engine: EngineLik
     thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
     check_chars(chat_chars(req.messages), getattr(engine.tokenizer, "max_token_chars", None), engine.max_model_len,
                 where)
-    items = await chat_media(engine, req, state.config.media_policy, request)
+    items = await chat_media(engine, req, state, request)
     ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                             enable_thinking=thinking, kwargs=kwargs, request=request,
                             max_render_s=state.config.max_render_s, continue_final_message=req.continue_final_message)
@@ -357,10 +357,12 @@ def image_budget(req: P.ChatCompletionRequest | P.TokenizeRequest) -> int:
     return budget
 
 
-async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest,
-                     policy: MediaPolicy, request: Request | None = None) -> list[Item]:
-    """The images, audio clips and videos of the chat's messages, in order: their bytes had as `policy` allows
-    (data URIs, allowed files and downloads: server/media_fetch.py), decoded and preprocessed in the thread pool;
+async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest, state: ServerState,
+                     request: Request | None = None) -> list[Item]:
+    """The images, audio clips and videos of the chat's messages, in order: their bytes had as the server's media
+    policy allows (data URIs, allowed files and downloads: server/media_fetch.py; the files and downloads of one
+    request together no more than its body limit, so that a URL brings no more than the client could have sent
+    itself), decoded and preprocessed in the thread pool;
     400 naming the part (`messages[i].content[j]`) when one cannot be used (a URL not allowed, a fetch that fails,
     times out or passes --max-media-bytes; undecodable, too long, too short, too wide) or the model has no tower
     for it. A fetch in progress stops when the client disconnects (`request`) or the handler is cancelled."""
@@ -406,15 +408,20 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
             raise VideoError(str(e)) from None
         return video
 
+    policy = state.config.media_policy
+
     async def read_all() -> list[Item]:
         out: list[Item] = []
+        left = body_limit(state)                 # what the request's files and downloads may bring together
         for i, j, part in where:
             try:
                 if part["type"] == "audio":
                     data = await asyncio.to_thread(decode_base64, part["data"], "input_audio.data",
                                                    policy.max_media_bytes)
                 else:
-                    data = await media_bytes(part["url"], policy)
+                    data = await media_bytes(part["url"], policy, left)
+                    if not part["url"].startswith("data:"):
+                        left -= len(data)
                 load = {"image": load_image, "video": load_video, "audio": load_audio}[part["type"]]
                 out.append(await asyncio.to_thread(load, data))
             except (ImageError, AudioError, VideoError, MediaURLError) as e:

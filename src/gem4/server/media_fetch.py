@@ -14,7 +14,9 @@ kind is the operator's choice, with vLLM's flags:
 - `--media-fetch-timeout S` (default 10 s): the whole fetch, redirects and body included.
 - `--max-media-bytes N` (default 20 MiB): the most bytes one part may bring, fetched, read or decoded from
   base64. A download is streamed and stopped as soon as it passes the cap (a Content-Length above it is
-  refused before the body is read).
+  refused before the body is read). The files and downloads of one request together bring no more than its
+  body could have carried (`left`, kept by server/inputs.py `chat_media`): a URL is a few bytes of body, and
+  must not let a client make the server take in more than it could have sent.
 
 Fetches run on the event loop with httpx's async client (no thread is held while the peer is slow; no proxy
 from the environment is used, so the allow-list is about the host actually reached) and are
@@ -32,6 +34,7 @@ import os
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 DEFAULT_MAX_MEDIA_BYTES = 20 * 2**20
 DEFAULT_FETCH_TIMEOUT_S = 10.0
@@ -71,18 +74,20 @@ class MediaPolicy:
                                 f"(--allowed-media-domains)")
 
 
-async def media_bytes(url: str, policy: MediaPolicy) -> bytes:
+async def media_bytes(url: str, policy: MediaPolicy, left: int | None = None) -> bytes:
     """The bytes `url` stands for (a data URI's payload, a file's content, a download), at most
-    `policy.max_media_bytes` of them; MediaURLError when the policy refuses the URL or the bytes cannot be had."""
+    `policy.max_media_bytes` of them, and for a file or a download at most `left` (what the request's URLs may
+    still bring: `Cap`); MediaURLError when the policy refuses the URL or the bytes cannot be had."""
     scheme = url.partition(":")[0].lower()
     if scheme == "data":
         return await asyncio.to_thread(decode_base64, url.partition(",")[2], "the data URI", policy.max_media_bytes)
+    cap = _Cap.of(policy.max_media_bytes, left)
     if scheme == "file":
-        return await asyncio.to_thread(_read_file, url, policy)
+        return await asyncio.to_thread(_read_file, url, policy, cap)
     if scheme in ("http", "https"):
         policy.check_http(url)
         try:
-            return await asyncio.wait_for(_download(url, policy), policy.fetch_timeout_s)
+            return await asyncio.wait_for(_download(url, policy, cap), policy.fetch_timeout_s)
         except asyncio.TimeoutError:
             raise MediaURLError(f"fetching {_short(url)} took longer than {policy.fetch_timeout_s:g} s "
                                 f"(--media-fetch-timeout)") from None
@@ -99,11 +104,31 @@ def decode_base64(text: str, what: str, max_bytes: int) -> bytes:
     except (binascii.Error, ValueError):
         raise MediaURLError(f"{what} is not valid base64") from None
     if len(data) > max_bytes:
-        raise MediaURLError(_too_large(f"{what} holds {len(data)} bytes", max_bytes))
+        raise _Cap.of(max_bytes, None).refuse(f"{what} holds {len(data)} bytes")
     return data
 
 
-def _read_file(url: str, policy: MediaPolicy) -> bytes:
+class _Cap(NamedTuple):
+    """The most bytes one file or download may bring, and why (the end of the 400 that refuses more)."""
+
+    bytes: int
+    why: str
+
+    @classmethod
+    def of(cls, per_part: int, left: int | None) -> _Cap:
+        """--max-media-bytes, or less when the request's earlier URLs have used up most of what its URLs may
+        bring together (`left`)."""
+        if left is None or left >= per_part:
+            return cls(per_part, f"this server takes at most {per_part} bytes a media part (--max-media-bytes)")
+        left = max(left, 0)
+        return cls(left, f"this request's media URLs may bring {left} more bytes (a request's URLs bring at most "
+                         f"what its body may carry)")
+
+    def refuse(self, what: str) -> MediaURLError:
+        return MediaURLError(f"{what}; {self.why}")
+
+
+def _read_file(url: str, policy: MediaPolicy, cap: _Cap) -> bytes:
     if policy.allowed_local_media_path is None:
         raise MediaURLError("this server does not read local files (its operator allows a directory with "
                             "--allowed-local-media-path); send the media as a base64 data URI")
@@ -120,21 +145,19 @@ def _read_file(url: str, policy: MediaPolicy) -> bytes:
                             f"(--allowed-local-media-path)")
     try:
         with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > policy.max_media_bytes:
-                raise MediaURLError(_too_large(f"{parts.path!r} is {os.fstat(f.fileno()).st_size} bytes",
-                                               policy.max_media_bytes))
-            data = f.read(policy.max_media_bytes + 1)
+            if os.fstat(f.fileno()).st_size > cap.bytes:
+                raise cap.refuse(f"{parts.path!r} is {os.fstat(f.fileno()).st_size} bytes")
+            data = f.read(cap.bytes + 1)
     except OSError as e:
         raise MediaURLError(f"{parts.path!r} cannot be read: {e.strerror or e}") from None
-    if len(data) > policy.max_media_bytes:
-        raise MediaURLError(_too_large(f"{parts.path!r} holds more", policy.max_media_bytes))
+    if len(data) > cap.bytes:
+        raise cap.refuse(f"{parts.path!r} holds more")
     return data
 
 
-async def _download(url: str, policy: MediaPolicy) -> bytes:
+async def _download(url: str, policy: MediaPolicy, cap: _Cap) -> bytes:
     import httpx
 
-    cap = policy.max_media_bytes
     try:
         async with httpx.AsyncClient(follow_redirects=False, trust_env=False) as client:
             for _ in range(MAX_REDIRECTS + 1):
@@ -151,22 +174,18 @@ async def _download(url: str, policy: MediaPolicy) -> bytes:
                     if r.status_code != 200:
                         raise MediaURLError(f"fetching {_short(url)} got HTTP {r.status_code} {r.reason_phrase}")
                     declared = r.headers.get("content-length", "")
-                    if declared.isdigit() and int(declared) > cap:
-                        raise MediaURLError(_too_large(f"{_short(url)} is {declared} bytes", cap))
+                    if declared.isdigit() and int(declared) > cap.bytes:
+                        raise cap.refuse(f"{_short(url)} is {declared} bytes")
                     chunks, size = [], 0
                     async for chunk in r.aiter_bytes():
                         size += len(chunk)
-                        if size > cap:
-                            raise MediaURLError(_too_large(f"{_short(url)} sent more", cap))
+                        if size > cap.bytes:
+                            raise cap.refuse(f"{_short(url)} sent more")
                         chunks.append(chunk)
                     return b"".join(chunks)
     except (httpx.HTTPError, httpx.InvalidURL) as e:     # connection, TLS, protocol, decoding; a URL httpx refuses
         raise MediaURLError(f"fetching {_short(url)} failed: {type(e).__name__}: {e}") from None
     raise MediaURLError(f"{_short(url)} redirects more than {MAX_REDIRECTS} times")
-
-
-def _too_large(what: str, cap: int) -> str:
-    return f"{what}; this server takes at most {cap} bytes a media part (--max-media-bytes)"
 
 
 def _short(url: str) -> str:

@@ -77,7 +77,7 @@ async def tokenize(request: Request):
         check_chars(chat_chars(req.messages), token_chars, engine.max_model_len, "messages", room=0)
         thinking, kwargs = template_kwargs(state.config.default_chat_template_kwargs, req.chat_template_kwargs)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        items = await chat_media(engine, req, state.config.media_policy, request)
+        items = await chat_media(engine, req, state, request)
         ids = await chat_prompt(engine, req.messages, tools, add_generation_prompt=req.add_generation_prompt,
                                 enable_thinking=thinking, kwargs=kwargs, request=request,
                                 max_render_s=state.config.max_render_s, room=0,
