@@ -264,3 +264,18 @@ def test_malformed_urls_are_refused_with_their_cause(url, fragment):
     with pytest.raises(MediaURLError) as e:
         asyncio.run(media_bytes(url, policy))
     assert fragment in str(e.value)
+
+
+def test_by_default_nothing_is_fetched_or_read(media_host, tmp_path):
+    """The default policy takes data URIs only: no download (even of a host that answers) and no file."""
+    import asyncio
+
+    from gem4.server.media_fetch import MediaURLError, media_bytes
+
+    (tmp_path / "cat.png").write_bytes(png(IMAGE))
+    for url, fragment in ((media_host + "/cat.png", "does not fetch media URLs"),
+                          ((tmp_path / "cat.png").as_uri(), "does not read local files")):
+        with pytest.raises(MediaURLError) as e:
+            asyncio.run(media_bytes(url, MediaPolicy()))
+        assert fragment in str(e.value)
+    assert asyncio.run(media_bytes(data_uri(IMAGE), MediaPolicy())) == png(IMAGE)
