@@ -63,8 +63,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     elif args.mmproj:
         raise ValueError(f"--mmproj {args.mmproj}: {args.hf_dir} has no vision tower to write")
     if "audio" in ckpt.tower_configs:
-        log(f"note: the checkpoint's audio tower is not written: gem4's mmproj files hold the vision tower only; "
-            f"load the HF directory to use it")
+        log("note: the checkpoint's audio tower is not written: gem4's mmproj files hold the vision tower only; "
+            "load the HF directory to use it")
     return 0
 
 

@@ -55,6 +55,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from gem4.engine.runner import Failed, ModelRunner, NonFiniteLogits
 from gem4.engine.scheduler import Batch, Scheduler
@@ -66,6 +67,9 @@ from gem4.kv_cache import BLOCK_SIZE, BlockManager, KVPool, kv_cache_dtype as st
 from gem4.sampling import SEED_MAX, InvalidParameter, SamplingParams
 from gem4.structured import GrammarStats, grammar_vocab
 from gem4.weights.assistant import load_assistant
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("gem4.engine")
 VOCAB_AFTER_S = 1.0      # an idle engine starts building its grammar vocabulary this long after construction

@@ -135,7 +135,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: AudioConfig):
         super().__init__()
-        D, nh, hd = config.hidden_size, config.num_heads, config.head_dim
+        D, hd = config.hidden_size, config.head_dim
         self.config = config
         self.q_proj = ClippedLinear(D, D, config.clipped_linears)
         self.k_proj = ClippedLinear(D, D, config.clipped_linears)

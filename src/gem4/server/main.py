@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from gem4.argtypes import (CHAT_TEMPLATE_HELP, EXPERT_SLOTS_HELP, KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPE_HELP,
-                           MEMORY_LIMIT_HELP, MMPROJ_HELP, SPECULATIVE_HELP, ArgParser, chat_template, check_model_or_demo,
-                           int_at_least, non_negative_float, port, positive_float, speculative_config)
+                           MEMORY_LIMIT_HELP, MMPROJ_HELP, SPECULATIVE_HELP, chat_template, int_at_least,
+                           non_negative_float, port, positive_float, speculative_config)
 from gem4.server.media_fetch import DEFAULT_FETCH_TIMEOUT_S, DEFAULT_MAX_MEDIA_BYTES
 from gem4.server.store import DEFAULT_RESPONSES_STORE_MB
 
