@@ -287,8 +287,8 @@ BAD_INPUTS = [
     ("tool message without tool_call_id", "/v1/chat/completions",
      {**OK_CHAT, "messages": [{"role": "tool", "content": "{}"}]}, None, 400, "messages[0].tool_call_id", None),
     ("image input", "/v1/chat/completions", {**OK_CHAT, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, None, 400, "messages[0].content",
-     None),
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, None, 400,
+     "messages[0].content[0]", None),
     ("bad tool schema", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "string"}}}]}, None, 400, "tools[0].function.parameters", None),
     ("bad tool name", "/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function", "function": {
