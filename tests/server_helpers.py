@@ -235,3 +235,19 @@ def gem4_serve_process(args: list[str], log: Path, env: dict | None = None):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def serve_checkpoint(directory, name: str, max_model_len: int, **config):
+    """A float32 gem4 model loaded from an HF `directory` (with its tokenizer), served in-process under `name` with
+    the API key and thinking off (`config`: more ServerConfig fields). Yields (base URL, model, tokenizer)."""
+    import gem4
+    from gem4.server import ServerConfig, create_app
+
+    model = gem4.load(directory, dtype="float32")
+    tok = gem4.Tokenizer.from_file(directory)
+    engine = gem4.Engine(model, tok, max_model_len=max_model_len, prefill_chunk=512, block_size=4)
+    app = create_app(ServerConfig(served_model_name=name, api_key=API_KEY,
+                                  default_chat_template_kwargs={"enable_thinking": False}, **config), engine)
+    with InProcessServer(app) as base:
+        yield base, model, tok

@@ -14,7 +14,7 @@ from gem4.model.gemma4 import MediaItem
 
 from audio_fixtures import build_audio_hf
 from test_audio_tower import clip
-from vision_fixtures import TOKEN_IDS
+from vision_fixtures import TOKEN_IDS, greedy_with_media
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +54,7 @@ def test_greedy_tokens_equal_transformers_generate(case):
     hf, model, waves, ids, media = case
     with torch.no_grad():
         out = hf.generate(**hf_inputs(waves, ids), max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
-    cache = model.new_cache()
-    logits = model.extend(torch.tensor(ids), cache, media=media)
-    got = [int(logits[-1].argmax())]
-    while len(got) < len(out):
-        got.append(int(model.extend(torch.tensor(got[-1:]), cache)[-1].argmax()))
-    assert got == out
+    assert greedy_with_media(model, ids, media, len(out)) == out
 
 
 # ---- through the engine (docs/multimodal.md §5.4) ----

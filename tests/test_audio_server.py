@@ -23,7 +23,7 @@ from gem4.media.audio import decode_audio
 from gem4.parser import Gemma4Parser
 from gem4.server import ServerConfig, create_app
 from audio_fixtures import build_audio_hf
-from server_helpers import API_KEY, InProcessServer, assert_openai_error, client_for
+from server_helpers import API_KEY, InProcessServer, assert_openai_error, client_for, serve_checkpoint
 from test_audio_tower import clip
 from text_fixtures import templates, tiny_tokenizer_dir, tiny_vocab, write_hf_dir
 from vision_fixtures import TOKEN_IDS
@@ -64,13 +64,8 @@ def audio_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("audio-server") / "model"
     build_audio_hf().save_pretrained(d)
     audio_tokenizer_dir(d)
-    model = gem4.load(d, dtype="float32")
-    tok = gem4.Tokenizer.from_file(d)
-    engine = gem4.Engine(model, tok, max_model_len=MAX_MODEL_LEN, prefill_chunk=512, block_size=4)
-    app = create_app(ServerConfig(served_model_name="audio", api_key=API_KEY,
-                                  default_chat_template_kwargs={"enable_thinking": False}), engine)
-    with InProcessServer(app) as base:
-        yield base, model, tok
+    with serve_checkpoint(d, "audio", MAX_MODEL_LEN) as served:
+        yield served
 
 
 def oracle(model, tok, messages, data: str, max_tokens=8):

@@ -14,7 +14,7 @@ import gem4
 from gem4.engine.media import media_prompt
 from gem4.media.video import FRAMES, VideoError, decode, frame_indices
 from gem4.model.gemma4 import MediaItem
-from vision_fixtures import build_vision_hf
+from vision_fixtures import build_vision_hf, greedy_with_media
 
 LOGIT_TOL = 1e-4          # relative to the largest |logit|
 
@@ -216,13 +216,7 @@ def test_greedy_tokens_equal_transformers_generate(cases, flavour):
     steps = 5
     with torch.no_grad():
         want = c.hf.generate(**c.hf_inputs(), max_new_tokens=steps, do_sample=False)[0, len(c.ids):].tolist()
-    cache = c.model.new_cache()
-    logits = c.model.extend(torch.tensor(c.ids), cache, media=c.media())
-    got = []
-    for _ in range(steps):
-        got.append(int(logits[-1].argmax()))
-        logits = c.model.extend(torch.tensor(got[-1:]), cache)
-    assert got == want
+    assert greedy_with_media(c.model, c.ids, c.media(), steps) == want
 
 
 def test_timestamps_tokenized_in_pieces_equal_the_whole_on_the_real_vocabulary():

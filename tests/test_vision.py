@@ -19,7 +19,7 @@ from gem4.media.image import BUDGETS, ImageError, decode, preprocess, target_siz
 from gem4.model import gemma4, vision
 from gem4.model.gemma4 import MediaItem
 from gem4.weights.checkpoint import CheckpointError
-from vision_fixtures import build_vision_hf, sample_image
+from vision_fixtures import build_vision_hf, greedy_with_media, sample_image
 
 EMBED_TOL = 1e-5
 LOGIT_TOL = 1e-4          # relative to the largest |logit|
@@ -224,13 +224,7 @@ def test_greedy_tokens_equal_transformers_generate(cases, flavour):
     steps = 6
     with torch.no_grad():
         want = c.hf.generate(**c.hf_inputs(), max_new_tokens=steps, do_sample=False)[0, len(c.ids):].tolist()
-    cache = c.model.new_cache()
-    logits = c.model.extend(torch.tensor(c.ids), cache, media=c.media())
-    got = []
-    for _ in range(steps):
-        got.append(int(logits[-1].argmax()))
-        logits = c.model.extend(torch.tensor(got[-1:]), cache)
-    assert got == want
+    assert greedy_with_media(c.model, c.ids, c.media(), steps) == want
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -20,7 +20,7 @@ from gem4.engine.media import image_prompt
 from gem4.media.image import preprocess
 from gem4.parser import Gemma4Parser
 from gem4.server import ServerConfig, create_app
-from server_helpers import API_KEY, InProcessServer, assert_openai_error, client_for
+from server_helpers import API_KEY, InProcessServer, assert_openai_error, client_for, serve_checkpoint
 from text_fixtures import templates, tiny_tokenizer_dir, tiny_vocab, write_hf_dir
 from vision_fixtures import TOKEN_IDS, build_vision_hf, sample_image
 
@@ -54,13 +54,8 @@ def vision_server(tmp_path_factory):
     d = tmp_path_factory.mktemp("vision-server") / "model"
     build_vision_hf("31b").save_pretrained(d)
     vision_tokenizer_dir(d)
-    model = gem4.load(d, dtype="float32")
-    tok = gem4.Tokenizer.from_file(d)
-    engine = gem4.Engine(model, tok, max_model_len=MAX_MODEL_LEN, prefill_chunk=512, block_size=4)
-    app = create_app(ServerConfig(served_model_name="vision", api_key=API_KEY,
-                                  default_chat_template_kwargs={"enable_thinking": False}), engine)
-    with InProcessServer(app) as base:
-        yield base, model, tok
+    with serve_checkpoint(d, "vision", MAX_MODEL_LEN) as served:
+        yield served
 
 
 def oracle(model, tok, messages, image, budget=280, max_tokens=8):

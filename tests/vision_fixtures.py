@@ -82,3 +82,14 @@ def sample_image(height: int, width: int, seed: int = 0, mode: str = "RGB"):
         f = 0.5 + 0.25 * np.sin(6 * (a * x + b * y) + c) + 0.2 * rng.uniform(-1, 1, (height, width))
         channels.append(np.clip(f * 255, 0, 255).astype(np.uint8))
     return Image.fromarray(np.stack(channels, axis=-1), mode)
+
+
+def greedy_with_media(model, ids: list[int], media, steps: int) -> list[int]:
+    """gem4's greedy tokens after a prompt holding media soft tokens (`media`: MediaItems), one cache, `steps` of them."""
+    cache = model.new_cache()
+    logits = model.extend(torch.tensor(ids), cache, media=media)
+    got = []
+    for _ in range(steps):
+        got.append(int(logits[-1].argmax()))
+        logits = model.extend(torch.tensor(got[-1:]), cache)
+    return got
