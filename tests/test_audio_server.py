@@ -100,6 +100,17 @@ def test_chat_with_a_clip_matches_the_engine(audio_server):
     assert [(t.token, t.logprob) for t in logprobs[0]] != [(t.token, t.logprob) for t in logprobs[1]]
 
 
+
+def test_responses_take_a_clip_as_chat_does(audio_server):
+    """A Responses `input_audio` part is the chat one: the same prompt and greedy reply."""
+    base, model, tok = audio_server
+    data = encoded(clip(24000, seed=3))
+    want, ids, _ = oracle(model, tok, ask(data), data)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                          {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}]
+    r = client_for(base).responses.create(model="audio", input=items, temperature=0, max_output_tokens=8, store=False)
+    assert r.output_text == (want or "") and r.usage.input_tokens == len(ids)
+
 def test_an_mp3_clip_is_heard_as_its_decoded_samples(audio_server):
     base, model, tok = audio_server
     data = encoded(clip(16000, seed=6), fmt="MP3")

@@ -546,8 +546,10 @@ def test_errors_use_anthropics_envelope(served):
                     400, "invalid_request_error")     # max_tokens is required
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                                                        "data": "AAAA"}}]}]
-    assert_envelope(httpx.post(base + "/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": image},
-                               headers=key), 400, "invalid_request_error")
+    r = httpx.post(base + "/v1/messages", json={"model": MODEL, "max_tokens": 8, "messages": image}, headers=key)
+    assert_envelope(r, 400, "invalid_request_error")                  # a model without a vision tower
+    assert "messages[0].content[0]" in r.json()["error"]["message"], r.json()
+    assert "does not take images" in r.json()["error"]["message"], r.json()
     bad_system = {"model": MODEL, "max_tokens": 8, "messages": HI, "system": [{"type": "text", "text": "a"},
                                                                             {"type": "image"}]}
     r = httpx.post(base + "/v1/messages", json=bad_system, headers=key)

@@ -445,7 +445,9 @@ def test_a_server_without_a_store_refuses_previous_response_id(served):
     ({"conversation": "conv_1"}, "conversation"),
     ({"background": True}, "background"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    ({"input": [{"type": "message", "role": "user", "content": [              # a model without a vision tower
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}, "input[0].content[0]"),
+    ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0].type"),
     ({"input": [{"type": "computer_call_output"}]}, "input[0].type"),
     ({"tools": [{"type": "teleport"}]}, "tools[0].type"),

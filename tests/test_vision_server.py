@@ -193,3 +193,68 @@ def test_an_image_too_wide_for_the_tower_is_a_400(vision_server):
                    json={"model": "vision", "max_tokens": 2, "messages": ask(data_uri(sample_image(20, 2000)))})
     err = assert_openai_error(r, 400, param="messages[0].content[1]")
     assert "wider or taller than this tower's 64 positions" in err["message"]
+
+
+def test_responses_and_messages_take_images_as_chat_does(vision_server):
+    """An image in a Responses `input_image` part and in a Messages `image` block (base64 source) is the chat
+    `image_url` part: the same prompt (input tokens), the same greedy reply, streamed or not."""
+    base, model, tok = vision_server
+    image = sample_image(150, 200, seed=3)
+    uri = data_uri(image)
+    want, ids, _ = oracle(model, tok, ask(uri), image, max_tokens=8)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    client = client_for(base)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                          {"type": "input_image", "image_url": uri, "detail": "auto"}]}]
+    r = client.responses.create(model="vision", input=items, temperature=0, max_output_tokens=8, store=False)
+    assert r.output_text == (want or "") and r.usage.input_tokens == len(ids)
+    events = client.responses.create(model="vision", input=items, temperature=0, max_output_tokens=8, store=False,
+                                     stream=True)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (want or "")
+    media_type, _, data = uri.removeprefix("data:").partition(";base64,")
+    blocks = [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}]}]
+    m = httpx.post(base + "/v1/messages", headers=headers, timeout=60,
+                   json={"model": "vision", "max_tokens": 8, "temperature": 0, "messages": blocks})
+    assert m.status_code == 200, m.text
+    assert "".join(b["text"] for b in m.json()["content"] if b["type"] == "text") == (want or "")
+    usage = m.json()["usage"]                        # Anthropic's input_tokens leave out the cached ones
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == len(ids)
+    count = httpx.post(base + "/v1/messages/count_tokens", headers=headers, timeout=60,
+                       json={"model": "vision", "messages": blocks})
+    assert count.json() == {"input_tokens": len(ids)}
+
+
+@pytest.mark.parametrize("path, body, param, fragment", [
+    ("/v1/responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": "data:image/png;base64,bm90"}]}]},
+     "input[0].content[1]", "cannot be decoded"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "a"}, {"role": "user", "content": [
+        {"type": "input_image", "image_url": "https://example.com/cat.png"}]}]},
+     "input[1].content[0]", "does not fetch media URLs"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input[0].content[0].image_url", "no Files API"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "file-1"}]}]},
+     "input[0].content[0].type", "input_file"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90"}}]}]},
+     "messages[0].content[2]", "cannot be decoded"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}]}]},
+     "messages[0].content[0]", "does not fetch media URLs"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "file", "file_id": "file-1"}}]}]},
+     "messages[0].content[0].source", "no Files API"),
+])
+def test_bad_images_on_responses_and_messages_name_their_field(vision_server, path, body, param, fragment):
+    base, _, _ = vision_server
+    r = httpx.post(base + path, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30,
+                   json={"model": "vision", "max_tokens" if path == "/v1/messages" else "max_output_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err.get("param", param) == param and fragment in err["message"], err
+    if path == "/v1/messages":             # Anthropic's envelope has no param: the message names the field
+        assert param in err["message"], err
+    assert httpx.get(base + "/health", timeout=10).status_code == 200

@@ -5,9 +5,11 @@
 does. What the translation does with each field:
 
 - `system` (a string or text blocks, joined with blank lines) -> a system message.
-- user `text` blocks -> the user message; `tool_result` blocks -> tool messages, placed before the user
-  text of the same message (the order the template expects); `is_error` results are sent to the model as
-  `{"error": text}`; image and document blocks -> 400 (a text-only model).
+- user `text` blocks -> the user message (joined with newlines); `image` blocks (`source` of type `base64`
+  or `url`, the URL read only where the server's media policy allows) -> its `image_url` parts, in place
+  (docs/multimodal.md §6); `tool_result` blocks -> tool messages, placed before the user message (the
+  order the template expects); `is_error` results are sent to the model as `{"error": text}`; `document`
+  blocks and images by `file_id` -> 400.
 - assistant `thinking` blocks -> reasoning_content (the signature is accepted and not checked),
   `redacted_thinking` is dropped, `text` -> content, `tool_use` -> tool_calls. A last assistant message is a
   prefill (continue_final_message): the prompt ends inside that turn, after its text, and the reply continues
@@ -104,7 +106,7 @@ def _text(block: Any, where: str) -> str:
     if kind == "text" and isinstance(block.get("text"), str):
         return block["text"]
     if kind in ("image", "document"):
-        raise P.bad_request(f"{where}: {kind} input is not supported (this server runs a text-only model)",
+        raise P.bad_request(f"{where}: {kind} input is not supported here (images go in user messages)",
                             f"{where}.type")
     raise P.bad_request(f"{where} must be a text block", where)
 
@@ -118,23 +120,50 @@ def _texts(blocks: str | list, where: str) -> str:
     return "\n".join(_text(b, f"{where}[{i}]") for i, b in enumerate(blocks))
 
 
-def _user(content: str | list, where: str) -> list[dict]:
-    """A user message's blocks -> its tool messages, then the user message of its text (if any)."""
+def _image(block: dict, where: str) -> dict:
+    """An image block as a chat image_url part: base64 data as a data URI, a URL as it is."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("media_type"), str) and isinstance(source.get("data"), str):
+        return {"type": "image_url", "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
+    if kind == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    refs = "'file' sources are not supported (this server has no Files API); " if kind == "file" else ""
+    raise P.bad_request(f"{where}.source: {refs}an image needs a source of type 'base64' (media_type, data) or "
+                        f"'url' (url)", f"{where}.source")
+
+
+Origin = tuple[str, list[int] | None]    # a chat message's content came from: a field, and its blocks' indices
+
+
+def _user(content: str | list, where: str) -> list[tuple[dict, Origin]]:
+    """A user message's blocks -> its tool messages, then the user message of its text and images (if any),
+    each with where its content came from (`client_param`)."""
     if isinstance(content, str):
-        return [{"role": "user", "content": content}]
-    tools, texts = [], []
+        return [({"role": "user", "content": content}, (where, None))]
+    tools, parts, kept = [], [], []
     for i, b in enumerate(content):
-        if b.get("type") == "tool_result":
+        kind = b.get("type")
+        if kind == "tool_result":
             if not isinstance(b.get("tool_use_id"), str):
                 raise P.bad_request(f"{where}[{i}].tool_use_id must be a string", f"{where}[{i}].tool_use_id")
             text = _texts(b.get("content") or "", f"{where}[{i}].content")
             if b.get("is_error"):
                 text = json.dumps({"error": text})
-            tools.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
-        else:
-            texts.append(_text(b, f"{where}[{i}]"))
-    user = [{"role": "user", "content": "\n".join(texts)}] if texts else []
-    return tools + user
+            tools.append(({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text},
+                          (f"{where}[{i}].content", None)))
+            continue
+        if kind == "image":
+            parts.append(_image(b, f"{where}[{i}]"))
+        else:                           # texts joined with newlines, as a string of them would be
+            text = _text(b, f"{where}[{i}]")
+            parts.append({"type": "text", "text": "\n" + text if parts and parts[-1]["type"] == "text" else text})
+        kept.append(i)
+    if not parts:
+        return tools
+    if all(p["type"] == "text" for p in parts):
+        return [*tools, ({"role": "user", "content": "".join(p["text"] for p in parts)}, (where, None))]
+    return [*tools, ({"role": "user", "content": parts}, (where, kept))]
 
 
 def _assistant(content: str | list, where: str) -> dict:
@@ -179,14 +208,7 @@ def budget_of(req: CountTokensRequest) -> int | None:
 def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:
     """The chat completion request a Messages request means (see the module docstring); 400 naming the
     field for what the chat API refuses."""
-    messages: list[dict] = []
-    if req.system is not None:
-        system = req.system if isinstance(req.system, str) else "\n\n".join(
-            _text(b, f"system[{i}]") for i, b in enumerate(req.system))
-        messages.append({"role": "system", "content": system})
-    for i, m in enumerate(req.messages):
-        where = f"messages[{i}].content"
-        messages += _user(m.content, where) if m.role == "user" else [_assistant(m.content, where)]
+    messages = [m for m, _ in _messages(req)]
     chat: dict[str, Any] = {"model": req.model, "messages": messages}
     if req.messages[-1].role == "assistant":        # a prefill: the reply continues it
         last = f"messages[{len(req.messages) - 1}].content"
@@ -226,15 +248,30 @@ def to_chat(req: CountTokensRequest) -> P.ChatCompletionRequest:
         raise client_error(req, e) from None
 
 
+def _messages(req: CountTokensRequest) -> list[tuple[dict, Origin]]:
+    """The chat messages of `system` and `messages`, each with where its content came from."""
+    out: list[tuple[dict, Origin]] = []
+    if req.system is not None:
+        system = req.system if isinstance(req.system, str) else "\n\n".join(
+            _text(b, f"system[{i}]") for i, b in enumerate(req.system))
+        out.append(({"role": "system", "content": system}, ("system", None)))
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        out += _user(m.content, where) if m.role == "user" else [(_assistant(m.content, where), (where, None))]
+    return out
+
+
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function(.*)")
+_CHAT_PART = re.compile(r"messages\[(\d+)\]\.content\[(\d+)\](.*)")
 
 
 def client_param(req: CountTokensRequest, param: str) -> str:
     """A parameter of the chat request `req` became (`to_chat`) as the Messages field it came from:
     `tools[j].function.parameters` -> `tools[i].input_schema` (i: the tool's index among all of `req.tools`,
     server tools included), `tools[j].function.X` -> `tools[i].X`, `response_format.json_schema.schema` ->
-    `output_config.format.schema`, `stop` -> `stop_sequences`, `messages[k]...` -> `messages` (chat messages
-    do not map one to one onto Anthropic's)."""
+    `output_config.format.schema`, `stop` -> `stop_sequences`, `messages[k].content[j]...` -> the block it
+    came from (`messages[i].content[b]...`), other `messages[k]...` -> `messages` (chat messages do not map one
+    to one onto Anthropic's)."""
     tool = _CHAT_TOOL.fullmatch(param)
     kept = [i for i, t in enumerate(req.tools or []) if t.type in (None, "custom")]
     if tool is not None and int(tool[1]) < len(kept):
@@ -244,6 +281,12 @@ def client_param(req: CountTokensRequest, param: str) -> str:
         return f"tools[{kept[int(tool[1])]}]{rest}"
     if param.startswith("response_format"):
         return "output_config.format" + param.removeprefix("response_format").removeprefix(".json_schema")
+    part = _CHAT_PART.fullmatch(param)
+    if part is not None:
+        origins = [origin for _, origin in _messages(req)]
+        k, j = int(part[1]), int(part[2])
+        if k < len(origins) and origins[k][1] is not None and j < len(origins[k][1]):
+            return f"{origins[k][0]}[{origins[k][1][j]}]{part[3]}"
     if param.startswith(("messages[", "messages.")):
         return "messages"
     return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}.get(param, param)

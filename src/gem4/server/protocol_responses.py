@@ -10,7 +10,10 @@ Input items -> chat messages:
 
 - a string is one user message; `instructions` is a system message before it;
 - `message` items (user, system, developer, assistant; content a string or input_text / output_text /
-  refusal parts) are messages; images and files are refused (a text-only model);
+  refusal parts) are messages; a user message's `input_image` parts (`image_url`: a data URI, or a URL the
+  server's media policy allows; `detail` is ignored, the request's `mm_processor_kwargs.max_soft_tokens` sets
+  the budget) and `input_audio` parts (`{data, format}`) are chat `image_url` / `input_audio` parts
+  (docs/multimodal.md §6); `file_id` references and `input_file` parts are refused (no Files API);
 - contiguous `reasoning`, assistant `message` and `function_call` / `custom_tool_call` items form ONE
   assistant message: its reasoning_content (the item's `content` texts, else its `summary`, else its
   `encrypted_content`, which is plain text when gem4 wrote it), its content, its tool_calls;
@@ -124,7 +127,8 @@ def input_items(req: ResponsesRequest) -> list[dict]:
 
 
 def _text(content: Any, where: str) -> str | list[dict]:
-    """A message's or an output's content as chat content: a string, or its text parts as chat text parts."""
+    """A message's or an output's content as chat content: a string, or its parts as chat parts, one for one
+    (so that `content[j]` names the same part on both sides: `client_param`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -136,9 +140,18 @@ def _text(content: Any, where: str) -> str | list[dict]:
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             parts.append({"type": "text", "text": part["refusal"]})
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"content parts of type '{kind}' are not supported: this is a text-only model",
-                              f"{where}[{j}].type")
+        elif kind == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                refs = "'file_id' references are not supported (this server has no Files API); " \
+                    if part.get("file_id") is not None else ""
+                raise bad_request(f"{refs}an input_image part needs 'image_url' (a data URI or URL)",
+                                  f"{where}[{j}].image_url")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        elif kind == "input_audio":
+            parts.append({"type": "input_audio", "input_audio": part.get("input_audio")})
+        elif kind == "input_file":
+            raise bad_request("content parts of type 'input_file' are not supported (this server has no Files "
+                              "API and reads no documents)", f"{where}[{j}].type")
         else:
             raise bad_request(f"unsupported content part type {kind!r}", f"{where}[{j}].type")
     return parts
@@ -156,17 +169,31 @@ def _reasoning_text(item: dict) -> str:
 def chat_messages(req: ResponsesRequest, history: list[dict] | tuple = ()) -> list[dict]:
     """`instructions`, then the `history` items (a stored response's conversation, for previous_response_id)
     and the `input` items, as chat messages (see the module docstring)."""
+    return _translate(req, history)[0]
+
+
+def _translate(req: ResponsesRequest, history: list[dict] | tuple) -> tuple[list[dict], list[str]]:
+    """The chat messages (`chat_messages`), and for each the Responses field it came from: its content's
+    (`input[i].content`, `input[i].output`) for a message whose content parts are the item's one for one,
+    else the item's (`input[i]`, `instructions`, `previous_response_id`)."""
     messages: list[dict] = []
+    origins: list[str] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
+        origins.append("instructions")
     turn: dict | None = None              # the assistant message being assembled from contiguous items
+    where = ""
 
     def assistant() -> dict:
         nonlocal turn
         if turn is None:
             turn = {"role": "assistant", "content": None}
             messages.append(turn)
+            origins.append(where)
         return turn
+
+    def inner(key: str) -> str:
+        return f"{where}.{key}" if where.startswith("input") else where
 
     for i, item in enumerate([*history, *input_items(req)]):
         where = f"input[{i - len(history)}]" if i >= len(history) else "previous_response_id"
@@ -185,6 +212,7 @@ def chat_messages(req: ResponsesRequest, history: list[dict] | tuple = ()) -> li
             else:
                 turn = None
                 messages.append({"role": role, "content": content})
+                origins.append(inner("content"))
         elif kind == "reasoning":
             t = assistant()
             if "reasoning_content" in t or t["content"] is not None or t.get("tool_calls"):
@@ -207,12 +235,13 @@ def chat_messages(req: ResponsesRequest, history: list[dict] | tuple = ()) -> li
             turn = None
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _text(item.get("output", ""), f"{where}.output")})
+            origins.append(inner("output"))
         elif kind == "item_reference":
             raise bad_request("item_reference items are not supported: this server keeps no items (it is "
                               "stateless). Send the items themselves.", f"{where}.type")
         else:
             raise bad_request(f"unsupported input item type {kind!r}", f"{where}.type")
-    return messages
+    return messages, origins
 
 
 def chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, frozenset[str]]:
@@ -281,13 +310,15 @@ def chat_body(req: ResponsesRequest, history: list[dict] | tuple = ()) -> tuple[
 
 
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function(.*)")
+_CHAT_MESSAGE = re.compile(r"messages\[(\d+)\](.*)")
 
 
-def client_param(req: ResponsesRequest, param: str) -> str:
-    """A parameter of the chat request `req` became (`chat_body`) as the Responses field it came from:
-    `tools[j].function.X` -> `tools[i].X` (i: the tool's index among all of `req.tools`, hosted ones included;
-    a custom tool's made-up parameters -> the tool), `response_format.json_schema.schema` -> `text.format.schema`,
-    `messages[...]` -> `input`, the token limits -> `max_output_tokens`."""
+def client_param(req: ResponsesRequest, param: str, history: list[dict] | tuple = ()) -> str:
+    """A parameter of the chat request `req` became (`chat_body`, after `history`) as the Responses field it
+    came from: `tools[j].function.X` -> `tools[i].X` (i: the tool's index among all of `req.tools`, hosted ones
+    included; a custom tool's made-up parameters -> the tool), `response_format.json_schema.schema` ->
+    `text.format.schema`, `messages[k].content[j]...` -> `input[i].content[j]...` (the message's item: see
+    `_translate`; else `input`), the token limits -> `max_output_tokens`."""
     tool = _CHAT_TOOL.fullmatch(param)
     kept = [i for i, t in enumerate(req.tools or []) if t.get("type") in ("function", "custom")]
     if tool is not None and int(tool[1]) < len(kept):
@@ -297,13 +328,23 @@ def client_param(req: ResponsesRequest, param: str) -> str:
         return f"tools[{i}]{rest}"
     if param.startswith("response_format"):
         return "text.format" + param.removeprefix("response_format").removeprefix(".json_schema")
-    if param == "messages" or param.startswith(("messages[", "messages.")):
+    message = _CHAT_MESSAGE.fullmatch(param)
+    if message is not None:
+        origins = _translate(req, history)[1]
+        k, rest = int(message[1]), message[2]
+        if k >= len(origins):
+            return "input"
+        origin = origins[k]
+        if origin.endswith((".content", ".output")) and rest.startswith(".content"):
+            return origin + rest.removeprefix(".content")
+        return origin
+    if param == "messages" or param.startswith("messages."):
         return "input"
     if param in ("max_tokens", "max_completion_tokens"):
         return "max_output_tokens"
     return param
 
 
-def client_error(req: ResponsesRequest, e: P.APIError) -> P.APIError:
+def client_error(req: ResponsesRequest, e: P.APIError, history: list[dict] | tuple = ()) -> P.APIError:
     """An error of the chat path, naming the Responses field (`client_param`)."""
-    return P.renamed(e, lambda param: client_param(req, param))
+    return P.renamed(e, lambda param: client_param(req, param, history))

@@ -50,8 +50,9 @@ class MessagesRoute(APIRoute):
             try:
                 return await handler(request)
             except APIError as e:
-                status = M.error_status(e.status)
-                return JSONResponse(M.error_body(status, e.message), status_code=status, headers=e.headers)
+                status = M.error_status(e.status)   # the envelope has no param: the message names the field
+                message = e.message if e.param is None or e.param in e.message else f"{e.param}: {e.message}"
+                return JSONResponse(M.error_body(status, message), status_code=status, headers=e.headers)
             except Exception as e:      # noqa: BLE001 - a bug: logged, and answered as Anthropic's api_error
                 log.exception("internal error on %s %s", request.method, request.url.path)
                 return JSONResponse(M.error_body(500, f"Internal server error: {type(e).__name__}: {e}"),
@@ -100,7 +101,7 @@ async def messages(request: Request):
                      parallel_tool_calls=chat.parallel_tool_calls, logprobs=False, top_logprobs=0,
                      ignore_eos=params.goes_past_end)
     message_id = f"msg_{uuid.uuid4().hex}"
-    gen = ServerRequest(state, message_id, prompt.ids, params, 1, detokenize=False)
+    gen = ServerRequest(state, message_id, prompt.ids, params, 1, detokenize=False, media=prompt.media)
     name = config.served_model_name
 
     if req.stream:

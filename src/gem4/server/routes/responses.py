@@ -71,7 +71,7 @@ async def responses(request: Request):
                                  top_logprobs=req.top_logprobs or 0)
         params = await with_grammar(engine, params, rendered)
     except APIError as e:
-        e = R.client_error(rreq, e)
+        e = R.client_error(rreq, e, history)
         if rreq.stream and e.code == "context_length_exceeded":    # what Codex compacts its history on
             return EventStream(_failed(shell, e.code, e.message), on_close=lambda: None)
         raise e from None
@@ -79,7 +79,7 @@ async def responses(request: Request):
                       parallel_tool_calls=req.parallel_tool_calls, logprobs=req.logprobs,
                       top_logprobs=req.top_logprobs or 0, ignore_eos=params.goes_past_end)
     out = ResponseOutput(chat, custom, encrypted="reasoning.encrypted_content" in (rreq.include or []))
-    gen = ServerRequest(state, shell["id"], prompt_ids, params, 1, detokenize=False)
+    gen = ServerRequest(state, shell["id"], prompt_ids, params, 1, detokenize=False, media=rendered.media)
 
     def keep(final: dict) -> dict:
         """The finished response, stored with its conversation (store: true, a server with a store)."""
