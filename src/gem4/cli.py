@@ -54,7 +54,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.hf_dir)
     counts = write_gguf(ckpt, Path(args.out), args.type)
     print(f"wrote {args.out}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
-    if "vision" in ckpt.tower_configs:          # llama.cpp's layout: the towers in a second file (weights/mmproj.py)
+    if "vision" in ckpt.tower_configs:          # llama.cpp's layout: the towers (vision, and audio where there is
+        # one) in a second file (weights/mmproj.py)
         from gem4.weights.mmproj import mmproj_type, write_mmproj
 
         out = Path(args.mmproj) if args.mmproj else Path(args.out).with_name(f"mmproj-{Path(args.out).name}")
@@ -62,9 +63,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote {out} ({mmproj_type(args.type)}): " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
     elif args.mmproj:
         raise ValueError(f"--mmproj {args.mmproj}: {args.hf_dir} has no vision tower to write")
-    if "audio" in ckpt.tower_configs:
-        log("note: the checkpoint's audio tower is not written: gem4's mmproj files hold the vision tower only; "
-            "load the HF directory to use it")
     return 0
 
 
@@ -517,8 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"],
                    help="tensor type; q4_k_m / q5_k_m: llama.cpp's mixes (token tables, some attn_v and ffn_down in Q6_K)")
     p.add_argument("--mmproj", metavar="OUT", default=None,
-                   help="where the vision tower goes, as llama.cpp's mmproj GGUF (default: mmproj-<OUT's name> beside "
-                        "OUT; its type is --type, q8_0 for the 4- to 6-bit types)")
+                   help="where the towers go (vision, and audio on E2B/E4B), as llama.cpp's mmproj GGUF (default: "
+                        "mmproj-<OUT's name> beside OUT; its type is --type, q8_0 for the 4- to 6-bit types)")
     p.set_defaults(func=cmd_convert, command_parser=p)
 
     p = sub.add_parser("pull", help="download a model from a Hugging Face hub; print its local path")
