@@ -205,3 +205,26 @@ def test_llama_cpps_mmproj_with_the_audio_tower_is_gem4s(pair, tmp_path, outtype
         assert err == 0.0 and model.audio.config == pair.ref.audio.config
         assert torch.equal(pair.logits(model), pair.logits(pair.ref))
         assert not model.vision.config.bidirectional             # per-layer embeddings: causal over images
+
+
+def test_inspect_shows_the_towers_of_a_gguf_pair_and_of_the_hf_checkpoint(pair, capsys):
+    """`gem4 inspect MODEL.gguf --mmproj FILE` describes both towers as `gem4 inspect HF_DIR` does; only the stored
+    types and bytes differ (a q8_0 pair would differ more)."""
+    assert main(["inspect", str(pair.dir), "--json"]) == 0
+    hf = json.loads(capsys.readouterr().out)
+    assert main(["inspect", str(pair.gguf), "--mmproj", str(pair.mmproj), "--json"]) == 0
+    gguf = json.loads(capsys.readouterr().out)
+    hf["vision"]["rms_norm_eps"] = float(np.float32(hf["vision"]["rms_norm_eps"]))   # a GGUF keeps it float32
+    for tower in ("vision", "audio"):
+        assert hf[tower] == gguf[tower], tower                  # float32 both: the same facts, tensors and bytes
+    audio = hf["audio"]
+    assert (audio["layers"], audio["hidden_size"], audio["tensor_types"]["F32"]["tensors"]) == (2, 32, audio["tensors"])
+    assert audio["parameters"] == sum(p.numel() for n, p in pair.hf.named_parameters() if "audio" in n) + \
+        sum(b.numel() for n, b in pair.hf.named_buffers() if "audio" in n and n.endswith(("_min", "_max")))
+    assert audio["bytes"] == 4 * audio["parameters"]
+    assert main(["inspect", str(pair.gguf), "--mmproj", str(pair.mmproj)]) == 0
+    text = capsys.readouterr().out
+    assert "vision tower   2 layers x 32" in text and f"{audio['parameters']:,} parameters" in text
+    assert main(["inspect", str(pair.gguf), "--json"]) == 0                 # the GGUF alone: no towers
+    alone = json.loads(capsys.readouterr().out)
+    assert alone["vision"] is None and alone["audio"] is None

@@ -39,10 +39,14 @@ def log(message: str) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from gem4.kv_cache import kv_cache_dtype
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.summary import format_summary, summarize
 
-    summary = summarize(open_checkpoint(_model_path(args)))
+    kv = kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)      # "auto": the fast mode's bf16
+    summary = summarize(open_checkpoint(_model_path(args), args.mmproj), kv)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0
 
@@ -503,8 +507,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve, command_parser=p)
 
-    p = sub.add_parser("inspect", help="describe a checkpoint (.gguf file or HF directory)")
+    p = sub.add_parser("inspect", help="describe a checkpoint (.gguf file or HF directory) and its towers")
     _model_arguments(p)
+    p.add_argument("--mmproj", metavar="FILE", help=MMPROJ_HELP)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="the KV cache dtype whose bytes per token to show (auto: bfloat16, the fast mode's)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect, command_parser=p)
 

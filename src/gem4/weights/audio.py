@@ -10,7 +10,9 @@ refused by name, as the text model's are). The front end is gem4's own (media/au
 than fed features it was not trained on. `padding_side` is not read: gem4 always computes right-padded
 features (docs/multimodal.md §3.2).
 
-`loader.bind` calls `bind_audio` once the text model is bound (`model.audio`, None without an audio tower).
+`loader.bind` calls `bind_audio` once the text model is bound (`model.audio`, None without an audio tower); a GGUF
+text model's audio tower comes from llama.cpp's mmproj file (weights/mmproj.py puts its tensors and config into the
+checkpoint's towers), and `hf_audio` hands an HF checkpoint's to `gem4 convert` for the mmproj it writes.
 """
 from __future__ import annotations
 
@@ -131,14 +133,8 @@ def check_feature_extractor(directory: Path, ours: dict) -> None:
                                       f"end computes {key}={value!r} for this model")
 
 
-def audio_summary(ckpt: Checkpoint) -> dict | None:
-    """`gem4 inspect`: the audio a checkpoint takes, from its config alone (None: none, or not an HF checkpoint)."""
-    if ckpt.format != "safetensors":
-        return None
-    directory = Path(ckpt.path)
-    config = audio_config_from_hf(json.loads((directory / "config.json").read_text()), directory / "config.json")
-    if config is None:
-        return None
+def audio_summary(config: AudioConfig | FrameAudioConfig) -> dict:
+    """`gem4 inspect`: the audio a tower config takes."""
     if isinstance(config, FrameAudioConfig):
         return {"kind": "raw frames (12B)", "samples_per_token": config.samples_per_token,
                 "tokens_per_second": front_end.SAMPLE_RATE / config.samples_per_token, "max_tokens": None,
@@ -148,6 +144,18 @@ def audio_summary(ckpt: Checkpoint) -> dict | None:
             "output_dims": config.output_dims, "text_hidden_size": config.text_hidden_size,
             "tokens_per_second": front_end.TOKENS_PER_SECOND,
             "max_tokens": front_end.num_soft_tokens(front_end.MAX_SAMPLES)}
+
+
+def checkpoint_audio(ckpt: Checkpoint) -> tuple[AudioConfig | FrameAudioConfig, dict[str, TensorEntry], bool] | None:
+    """An opened checkpoint's audio: (config, tensors, whether `per_dim_scale` is stored through softplus), or None.
+    An HF checkpoint's own (hf_audio), or the one a GGUF's mmproj brought (weights/mmproj.py: through softplus)."""
+    if ckpt.format == "safetensors":
+        found = hf_audio(Path(ckpt.path))
+        return None if found is None else (*found, False)
+    if "audio" in ckpt.tower_configs:
+        return (ckpt.tower_configs["audio"], {n: e for n, e in ckpt.towers.items() if n.startswith(AUDIO_NAMES)},
+                True)
+    return None
 
 
 def hf_audio(directory: Path) -> tuple[AudioConfig | FrameAudioConfig, dict[str, TensorEntry]] | None:
@@ -199,18 +207,12 @@ def audio_shapes(config: AudioConfig | FrameAudioConfig) -> dict[str, tuple[int,
 
 
 def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
-    """The audio model of an opened checkpoint, bound in `dtype` (vectors and scalars in float32), or None: an HF
-    checkpoint's own, or the one a GGUF's mmproj brought (weights/mmproj.py, `per_dim_scale` through softplus)."""
-    if ckpt.format == "safetensors":
-        found = hf_audio(Path(ckpt.path))
-        if found is None:
-            return None
-        (config, entries), softplus_applied = found, False
-    elif "audio" in ckpt.tower_configs:
-        config, softplus_applied = ckpt.tower_configs["audio"], True
-        entries = {name: e for name, e in ckpt.towers.items() if name.startswith(AUDIO_NAMES)}
-    else:
+    """The audio model of an opened checkpoint (checkpoint_audio), bound in `dtype` (vectors and scalars in
+    float32), or None."""
+    found = checkpoint_audio(ckpt)
+    if found is None:
         return None
+    config, entries, softplus_applied = found
     frames = isinstance(config, FrameAudioConfig)
     with torch.device("meta"):
         model = FrameAudioModel(config) if frames else AudioModel(config, softplus_applied)

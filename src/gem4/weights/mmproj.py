@@ -1,4 +1,4 @@
-"""llama.cpp's mmproj GGUF: the vision tower beside a GGUF text model (docs/multimodal.md §2.4).
+"""llama.cpp's mmproj GGUF: the vision and audio towers beside a GGUF text model (docs/multimodal.md §2.4).
 
 llama.cpp keeps a Gemma 4 checkpoint's towers out of the text GGUF, in a second file (`general.architecture`
 "clip", `general.type` "mmproj") that `llama-server --mmproj FILE` takes; `gem4.load(path, mmproj=FILE)` and
@@ -17,9 +17,15 @@ and `VisionConfig` an HF checkpoint gives (weights/towers.py), so `bind_vision` 
 - bidirectional attention, which neither file records: causal when the text model has per-layer embeddings (the
   E2B/E4B family), image tokens both ways on sliding layers otherwise (26B-A4B, 31B).
 
-The audio encoder (`clip.has_audio_encoder`, `a.*`) is not read yet: a file with one loads its vision tower and
-says, once, that its audio tower is left out. `write_mmproj` (gem4 convert) writes an HF checkpoint's vision tower
-in the same layout.
+E2B/E4B's conformer audio tower (`clip.has_audio_encoder`, projector "gemma4a", `a.*` / `mm.a.*`, the section at
+the end of this file) comes out as the canonical tensors and `AudioConfig` weights/audio.py takes from an HF
+checkpoint, bound by `bind_audio`: `clip.audio.*` for the sizes, the tensors for the subsampling channels, conv
+kernel, output width and clipping, and the constants llama.cpp hard-codes for the rest (AUDIO_FIXED);
+`per_dim_scale` is stored through softplus and kept so (AudioModel(softplus_applied=True)); the audio token ids
+come from the text GGUF's vocabulary.
+
+`write_mmproj` (gem4 convert) writes an HF checkpoint's towers in the same layout, tensor for tensor what
+llama.cpp's `convert_hf_to_gguf.py --mmproj` writes.
 """
 from __future__ import annotations
 
@@ -250,7 +256,8 @@ def mmproj_type(out_type: str) -> str:
 
 
 def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
-    """Write the vision tower of `ckpt` (an HF checkpoint) as llama.cpp's mmproj GGUF. Returns tensor counts by type.
+    """Write the vision tower of `ckpt` (an HF checkpoint), and its audio tower where it has one (E2B/E4B), as
+    llama.cpp's mmproj GGUF. Returns tensor counts by type.
 
     Matrices take `out_type` (f32, f16, bf16, q8_0; rows that are not whole Q8_0 blocks: F16); vectors, clip bounds
     and the position table stay F32, the patch kernel F16 in an f16 file and F32 otherwise, as llama.cpp's converter
