@@ -228,3 +228,13 @@ def test_inspect_shows_the_towers_of_a_gguf_pair_and_of_the_hf_checkpoint(pair, 
     assert main(["inspect", str(pair.gguf), "--json"]) == 0                 # the GGUF alone: no towers
     alone = json.loads(capsys.readouterr().out)
     assert alone["vision"] is None and alone["audio"] is None
+
+
+def test_convert_says_an_audio_tower_without_a_vision_tower_is_not_written(tmp_path, capsys):
+    """llama.cpp's mmproj holds Gemma 4's audio beside its vision tower: a checkpoint with audio alone gets no
+    mmproj, and is told so."""
+    build_audio_hf(seed=3).save_pretrained(tmp_path / "audio-only")
+    tokenizer_with_media_tokens(tmp_path / "audio-only")
+    assert main(["convert", str(tmp_path / "audio-only"), str(tmp_path / "t.gguf"), "--type", "f32"]) == 0
+    assert "note: the audio tower is not written" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audio-only", "t.gguf"]

@@ -67,6 +67,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote {out} ({mmproj_type(args.type)}): " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
     elif args.mmproj:
         raise ValueError(f"--mmproj {args.mmproj}: {args.hf_dir} has no vision tower to write")
+    else:
+        from gem4.weights.audio import checkpoint_audio
+
+        if checkpoint_audio(ckpt) is not None:
+            log("note: the audio tower is not written: llama.cpp's mmproj holds Gemma 4's audio tower beside its "
+                "vision tower, and this checkpoint has none; load the HF directory to use it")
     return 0
 
 
