@@ -25,7 +25,7 @@ from gem4.weights.checkpoint import CheckpointError
 from gem4.weights.mmproj import IMAGE_TOKENS, VIDEO_TOKEN
 from audio_fixtures import build_audio_hf
 from test_audio_tower import assert_close, clip, hf_embeddings
-from test_mmproj import (EXACT, llama_cpp_mmproj, needs_llama_cpp, rewrite, tokenizer_with_media_tokens)
+from test_mmproj import llama_cpp_mmproj, needs_llama_cpp, rewrite, tokenizer_with_media_tokens
 from text_fixtures import tiny_vocab, write_hf_dir
 from vision_fixtures import TOKEN_IDS, sample_image
 
