@@ -79,6 +79,15 @@ def test_the_mmproj_audio_tower_equals_the_hf_checkpoints(pair):
     assert err == 0.0
 
 
+def test_softplus_applied_again_to_the_stored_scale_moves_the_embeddings(pair, monkeypatch):
+    """P18: the file holds softplus(per_dim_scale); a reader that applies it again hears another model."""
+    for layer in pair.model.audio.audio_tower.layers:
+        monkeypatch.setattr(layer.self_attn, "softplus_applied", False)
+    err = float((pair.encode(pair.model) - pair.want).abs().max() / pair.want.abs().max())
+    print(f"softplus twice through the mmproj: audio embeddings max relative |diff| {err:.1e}")
+    assert err > 1e-2
+
+
 def test_the_mmproj_audio_layout_is_llama_cpps(pair):
     hf = {n.removeprefix("model."): t for n, t in pair.hf.state_dict().items()}
     layer = "audio_tower.layers.1."
