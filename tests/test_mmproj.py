@@ -26,7 +26,7 @@ from gem4.gguf import GGUFReader, GGUFWriter
 from gem4.media.image import preprocess
 from gem4.model.gemma4 import MediaItem
 from gem4.weights.checkpoint import CheckpointError
-from gem4.weights.mmproj import IMAGE_TOKENS, VIDEO_TOKEN
+from gem4.weights.mmproj import AUDIO_TOKENS, IMAGE_TOKENS, VIDEO_TOKEN
 from text_fixtures import tiny_vocab, write_hf_dir
 from vision_fixtures import TOKEN_IDS, build_vision_hf, sample_image
 
@@ -37,12 +37,14 @@ needs_llama_cpp = pytest.mark.skipif(not LLAMA_CPP, reason="GEM4_LLAMA_CPP (llam
                                                            "is not set; .ci/run sets it")
 
 
-def tokenizer_with_image_tokens(directory) -> None:
-    """The tiny vocabulary with the fixtures' image and video token ids named as Gemma 4 names them (a GGUF finds
-    them so)."""
+def tokenizer_with_media_tokens(directory) -> None:
+    """The tiny vocabulary with the fixtures' image, video and audio token ids named as Gemma 4 names them (a GGUF
+    finds them so); the merges through the pieces they replace dropped."""
     tokens, types, merges = tiny_vocab()
-    for field, text in [*IMAGE_TOKENS.items(), ("video_token_id", VIDEO_TOKEN)]:
+    for field, text in [*IMAGE_TOKENS.items(), ("video_token_id", VIDEO_TOKEN), *AUDIO_TOKENS.items()]:
         tokens[TOKEN_IDS[field]], types[TOKEN_IDS[field]] = text, 3
+    present = set(tokens)
+    merges = [m for m in merges if all(x in present for x in (*m.split(" ", 1), m.replace(" ", "", 1)))]
     write_hf_dir(directory, tokens, types, merges)
 
 
@@ -53,7 +55,7 @@ class Pair:
         hf = build_vision_hf(flavour)
         self.dir = root / flavour
         hf.save_pretrained(self.dir)
-        tokenizer_with_image_tokens(self.dir)
+        tokenizer_with_media_tokens(self.dir)
         self.gguf = root / f"{flavour}.gguf"
         assert main(["convert", str(self.dir), str(self.gguf), "--type", "f32"]) == 0
         self.mmproj = root / f"mmproj-{flavour}.gguf"
@@ -165,20 +167,6 @@ def test_mmproj_of_another_model_is_refused(pairs, tmp_path):
         gem4.load(big.gguf, dtype="float32", mmproj=big.gguf)
 
 
-def test_an_audio_encoder_in_the_mmproj_is_left_out_with_a_warning(pairs, tmp_path):
-    """llama.cpp writes E2B/E4B's audio tower into the same file; gem4 does not read it yet and says so."""
-    p = pairs["e2b"]
-    both = rewrite(p.mmproj, tmp_path / "both.gguf", meta={"clip.has_audio_encoder": True},
-                   extra={"a.blk.0.attn_q.weight": np.zeros((32, 32), np.float32),
-                          "mm.a.input_projection.weight": np.zeros((64, 32), np.float32)})
-    with pytest.warns(UserWarning, match="audio encoder .* is not read yet"):
-        model = gem4.load(p.gguf, dtype="float32", mmproj=both)
-    assert model.audio is None and float((p.encode(model) - p.want).abs().max()) <= EXACT
-    stray = rewrite(p.mmproj, tmp_path / "stray.gguf", extra={"a.blk.0.attn_q.weight": np.zeros((32, 32), np.float32)})
-    with pytest.raises(CheckpointError, match="unexpected tensor 'a.blk.0.attn_q.weight'"):
-        gem4.load(p.gguf, dtype="float32", mmproj=stray)
-
-
 def test_text_gguf_without_image_tokens_is_refused(pairs, tmp_path):
     p = pairs["e2b"]
     shutil.copytree(p.dir, tmp_path / "plain", ignore=shutil.ignore_patterns("tokenizer*"))
@@ -245,24 +233,3 @@ def test_run_takes_mmproj_as_llama_server_does(pairs, tmp_path, capsys):
     assert answers[0] == answers[1] and answers[0].strip()
     assert main(["run", str(p.gguf), *args]) == 2          # the GGUF alone has no tower: the image is refused
     assert "this model has no vision tower" in capsys.readouterr().err
-
-
-@needs_llama_cpp
-def test_llama_cpps_mmproj_with_both_towers_gives_the_vision_tower(tmp_path):
-    """E2B/E4B: llama.cpp writes the audio tower into the same file; gem4 binds the vision tower from it exactly."""
-    from audio_fixtures import build_audio_hf
-
-    pair = Pair.__new__(Pair)
-    pair.dir = tmp_path / "av"
-    build_audio_hf(vision=True).save_pretrained(pair.dir)
-    tokenizer_with_image_tokens(pair.dir)
-    theirs = llama_cpp_mmproj(pair, tmp_path, "f32")
-    assert main(["convert", str(pair.dir), str(tmp_path / "av.gguf"), "--type", "f32"]) == 0
-    with GGUFReader(theirs) as r:
-        assert r.metadata["clip.has_audio_encoder"] is True and "a.blk.0.per_dim_scale.weight" in r.tensors
-    with pytest.warns(UserWarning, match="audio encoder"):
-        model = gem4.load(tmp_path / "av.gguf", dtype="float32", mmproj=theirs)
-    ref = gem4.load(pair.dir, dtype="float32")
-    assert not model.vision.config.bidirectional                 # per-layer embeddings: causal over images
-    mine, want = model.vision.state_dict(), ref.vision.state_dict()
-    assert all(torch.equal(mine[k], want[k]) for k in want)

@@ -314,7 +314,13 @@ def test_inspect_json_describes_the_checkpoint(variants, capsys):
     assert [l["mlp"] for l in s["layers"]] == [128, 128, 128, 256, 256, 256]
     assert s["tensor_types"]["Q4_0"]["tensors"] > 0
     # 1 KV head: sliding 16 dims, full 32 dims, K+V in bf16; layers 0,1 sliding and 2 full own KV
-    assert s["kv_bytes_per_token_bf16"] == {"sliding_attention": 2 * (2 * 16 * 2), "full_attention": 2 * 32 * 2}
+    assert s["kv_bytes_per_token"] == {"dtype": "bfloat16", "sliding_attention": 2 * (2 * 16 * 2),
+                                       "full_attention": 2 * 32 * 2}
+    # --kv-cache-dtype int8: a byte a value and a float32 scale per position and KV head
+    assert cli_main(["inspect", str(variants["ple_kvshare"].gguf["q4_0"]), "--json", "--kv-cache-dtype", "int8"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["kv_bytes_per_token"] == {"dtype": "int8", "sliding_attention": 2 * (2 * (16 + 4)),
+                                       "full_attention": 2 * (32 + 4)}
 
 
 def test_inspect_text_and_errors(variants, capsys, tmp_path):

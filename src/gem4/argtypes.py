@@ -115,8 +115,8 @@ def chat_template(text: str) -> str:
 
 CHAT_TEMPLATE_HELP = ("a Jinja chat template file (or the template itself) to use instead of the checkpoint's "
                       "(default: the checkpoint's own, else the official Gemma 4 template)")
-MMPROJ_HELP = ("llama.cpp's mmproj GGUF: the vision tower for a GGUF MODEL (as llama-server --mmproj; an HF "
-               "directory carries its towers itself)")
+MMPROJ_HELP = ("llama.cpp's mmproj GGUF: the vision tower (and E2B/E4B's audio tower) for a GGUF MODEL (as "
+               "llama-server --mmproj; an HF directory carries its towers itself)")
 SPECULATIVE_HELP = ('speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                     '(prompt lookup; "prompt_lookup_max" / "_min" optional) or \'{"method": "mtp", "model": '
                     'ASSISTANT, "num_speculative_tokens": 4}\' (the Gemma 4 assistant: an HF directory or GGUF)')

@@ -39,10 +39,14 @@ def log(message: str) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
+    import torch
+
+    from gem4.kv_cache import kv_cache_dtype
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.summary import format_summary, summarize
 
-    summary = summarize(open_checkpoint(_model_path(args)))
+    kv = kv_cache_dtype(args.kv_cache_dtype, torch.bfloat16)      # "auto": the fast mode's bf16
+    summary = summarize(open_checkpoint(_model_path(args), args.mmproj), kv)
     print(json.dumps(summary, indent=2) if args.json else format_summary(summary))
     return 0
 
@@ -54,7 +58,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     ckpt = open_checkpoint(args.hf_dir)
     counts = write_gguf(ckpt, Path(args.out), args.type)
     print(f"wrote {args.out}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
-    if "vision" in ckpt.tower_configs:          # llama.cpp's layout: the towers in a second file (weights/mmproj.py)
+    if "vision" in ckpt.tower_configs:          # llama.cpp's layout: the towers (vision, and audio where there is
+        # one) in a second file (weights/mmproj.py)
         from gem4.weights.mmproj import mmproj_type, write_mmproj
 
         out = Path(args.mmproj) if args.mmproj else Path(args.out).with_name(f"mmproj-{Path(args.out).name}")
@@ -62,9 +67,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
         print(f"wrote {out} ({mmproj_type(args.type)}): " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
     elif args.mmproj:
         raise ValueError(f"--mmproj {args.mmproj}: {args.hf_dir} has no vision tower to write")
-    if "audio" in ckpt.tower_configs:
-        log("note: the checkpoint's audio tower is not written: gem4's mmproj files hold the vision tower only; "
-            "load the HF directory to use it")
+    else:
+        from gem4.weights.audio import checkpoint_audio
+
+        if checkpoint_audio(ckpt) is not None:
+            log("note: the audio tower is not written: llama.cpp's mmproj holds Gemma 4's audio tower beside its "
+                "vision tower, and this checkpoint has none; load the HF directory to use it")
     return 0
 
 
@@ -505,8 +513,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve, command_parser=p)
 
-    p = sub.add_parser("inspect", help="describe a checkpoint (.gguf file or HF directory)")
+    p = sub.add_parser("inspect", help="describe a checkpoint (.gguf file or HF directory) and its towers")
     _model_arguments(p)
+    p.add_argument("--mmproj", metavar="FILE", help=MMPROJ_HELP)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+                   help="the KV cache dtype whose bytes per token to show (auto: bfloat16, the fast mode's)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect, command_parser=p)
 
@@ -517,8 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"],
                    help="tensor type; q4_k_m / q5_k_m: llama.cpp's mixes (token tables, some attn_v and ffn_down in Q6_K)")
     p.add_argument("--mmproj", metavar="OUT", default=None,
-                   help="where the vision tower goes, as llama.cpp's mmproj GGUF (default: mmproj-<OUT's name> beside "
-                        "OUT; its type is --type, q8_0 for the 4- to 6-bit types)")
+                   help="where the towers go (vision, and audio on E2B/E4B), as llama.cpp's mmproj GGUF (default: "
+                        "mmproj-<OUT's name> beside OUT; its type is --type, q8_0 for the 4- to 6-bit types)")
     p.set_defaults(func=cmd_convert, command_parser=p)
 
     p = sub.add_parser("pull", help="download a model from a Hugging Face hub; print its local path")

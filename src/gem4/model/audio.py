@@ -131,9 +131,10 @@ class FeedForward(nn.Module):
 
 
 class Attention(nn.Module):
-    """Local causal self-attention with a relative-position term and a logit cap (see the module docstring)."""
+    """Local causal self-attention with a relative-position term and a logit cap (see the module docstring).
+    `softplus_applied`: `per_dim_scale` holds softplus(per_dim_scale) already (llama.cpp's mmproj stores it so)."""
 
-    def __init__(self, config: AudioConfig):
+    def __init__(self, config: AudioConfig, softplus_applied: bool = False):
         super().__init__()
         D, hd = config.hidden_size, config.head_dim
         self.config = config
@@ -143,6 +144,7 @@ class Attention(nn.Module):
         self.post = ClippedLinear(D, D, config.clipped_linears)
         self.relative_k_proj = QuantLinear(D, D)                      # no clipping
         self.per_dim_scale = _param(hd)                               # through softplus, per head-dim channel
+        self.softplus_applied = softplus_applied
         self.q_scale = hd ** -0.5 / math.log(2)
         self.k_scale = math.log(1 + math.e) / math.log(2)
         # the keys frame t sees: t - past + 1 .. t + future (a band of `width` columns, column w <-> distance
@@ -156,7 +158,9 @@ class Attention(nn.Module):
         """h [T, D], positions [P, D] (the sinusoidal table) -> [T, D]."""
         cfg, T = self.config, h.shape[0]
         nh, hd = cfg.num_heads, cfg.head_dim
-        q = self.q_proj(h).float().view(T, nh, hd) * self.q_scale * F.softplus(self.per_dim_scale.float())
+        scale = self.per_dim_scale.float()
+        scale = scale if self.softplus_applied else F.softplus(scale)
+        q = self.q_proj(h).float().view(T, nh, hd) * self.q_scale * scale
         k = self.k_proj(h).float().view(T, nh, hd) * self.k_scale
         v = self.v_proj(h).float().view(T, nh, hd)
         relk = self.relative_k_proj(positions).float().view(-1, nh, hd)               # [P, nh, hd]
@@ -207,11 +211,11 @@ class LightConv(nn.Module):
 
 
 class ConformerLayer(nn.Module):
-    def __init__(self, config: AudioConfig):
+    def __init__(self, config: AudioConfig, softplus_applied: bool):
         super().__init__()
         D = config.hidden_size
         self.feed_forward1 = FeedForward(config)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, softplus_applied)
         self.lconv1d = LightConv(config)
         self.feed_forward2 = FeedForward(config)
         self.norm_pre_attn = Norm(D, FIXED_EPS)
@@ -228,11 +232,11 @@ class ConformerLayer(nn.Module):
 
 
 class AudioTower(nn.Module):
-    def __init__(self, config: AudioConfig):
+    def __init__(self, config: AudioConfig, softplus_applied: bool):
         super().__init__()
         self.config = config
         self.subsample_conv_projection = SubsampleConvProjection(config)
-        self.layers = nn.ModuleList(ConformerLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(ConformerLayer(config, softplus_applied) for _ in range(config.num_layers))
         self.output_proj = QuantLinear(config.hidden_size, config.output_dims)
         self.output_proj.bias = _param(config.output_dims)
 
@@ -266,12 +270,14 @@ class Embedder(nn.Module):
 
 
 class AudioModel(nn.Module):
-    """E2B/E4B: the tower and its embedder: features [F, n_mels] -> soft tokens [ceil(F/4), H_text] float32."""
+    """E2B/E4B: the tower and its embedder: features [F, n_mels] -> soft tokens [ceil(F/4), H_text] float32.
+    `softplus_applied`: the attention's `per_dim_scale` tensors are stored through softplus (llama.cpp's mmproj),
+    not as transformers keeps them."""
 
-    def __init__(self, config: AudioConfig):
+    def __init__(self, config: AudioConfig, softplus_applied: bool = False):
         super().__init__()
         self.config = config
-        self.audio_tower = AudioTower(config)
+        self.audio_tower = AudioTower(config, softplus_applied)
         self.embed_audio = Embedder(config.output_dims, config.text_hidden_size, config.rms_norm_eps)
 
     @torch.no_grad()

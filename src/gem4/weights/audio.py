@@ -10,11 +10,14 @@ refused by name, as the text model's are). The front end is gem4's own (media/au
 than fed features it was not trained on. `padding_side` is not read: gem4 always computes right-padded
 features (docs/multimodal.md §3.2).
 
-`loader.bind` calls `bind_audio` once the text model is bound (`model.audio`, None without an audio tower).
+`loader.bind` calls `bind_audio` once the text model is bound (`model.audio`, None without an audio tower); a GGUF
+text model's audio tower comes from llama.cpp's mmproj file (weights/mmproj.py puts its tensors and config into the
+checkpoint's towers), and `hf_audio` hands an HF checkpoint's to `gem4 convert` for the mmproj it writes.
 """
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -23,10 +26,11 @@ from safetensors import safe_open
 from gem4.config import AudioConfig, ConfigError, FrameAudioConfig, build_audio_config, build_frame_audio_config
 from gem4.media import audio as front_end
 from gem4.model.audio import AudioModel, FrameAudioModel
-from gem4.weights.checkpoint import Checkpoint, CheckpointError
+from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.hf import STORED_DTYPES, int_field, safetensors_files
 
 AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
+AUDIO_NAMES = tuple(p.removeprefix("model.") for p in AUDIO_PREFIXES)   # gem4's names
 AUDIO_MODEL_TYPES = ("gemma4_audio", "gemma4_unified_audio")    # E2B/E4B's conformer, the 12B's raw frames
 
 # AudioConfig field -> audio_config key (all required: the released E2B/E4B configs write every one of them)
@@ -129,14 +133,8 @@ def check_feature_extractor(directory: Path, ours: dict) -> None:
                                       f"end computes {key}={value!r} for this model")
 
 
-def audio_summary(ckpt: Checkpoint) -> dict | None:
-    """`gem4 inspect`: the audio a checkpoint takes, from its config alone (None: none, or not an HF checkpoint)."""
-    if ckpt.format != "safetensors":
-        return None
-    directory = Path(ckpt.path)
-    config = audio_config_from_hf(json.loads((directory / "config.json").read_text()), directory / "config.json")
-    if config is None:
-        return None
+def audio_summary(config: AudioConfig | FrameAudioConfig) -> dict:
+    """`gem4 inspect`: the audio a tower config takes."""
     if isinstance(config, FrameAudioConfig):
         return {"kind": "raw frames (12B)", "samples_per_token": config.samples_per_token,
                 "tokens_per_second": front_end.SAMPLE_RATE / config.samples_per_token, "max_tokens": None,
@@ -148,26 +146,34 @@ def audio_summary(ckpt: Checkpoint) -> dict | None:
             "max_tokens": front_end.num_soft_tokens(front_end.MAX_SAMPLES)}
 
 
-def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
-    """The audio model of an opened HF checkpoint, bound in `dtype` (vectors and scalars in float32), or None."""
-    if ckpt.format != "safetensors":
-        return None                                    # a GGUF's towers live in its mmproj file
-    directory = Path(ckpt.path)
+def checkpoint_audio(ckpt: Checkpoint) -> tuple[AudioConfig | FrameAudioConfig, dict[str, TensorEntry], bool] | None:
+    """An opened checkpoint's audio: (config, tensors, whether `per_dim_scale` is stored through softplus), or None.
+    An HF checkpoint's own (hf_audio), or the one a GGUF's mmproj brought (weights/mmproj.py: through softplus)."""
+    if ckpt.format == "safetensors":
+        found = hf_audio(Path(ckpt.path))
+        return None if found is None else (*found, False)
+    if "audio" in ckpt.tower_configs:
+        return (ckpt.tower_configs["audio"], {n: e for n, e in ckpt.towers.items() if n.startswith(AUDIO_NAMES)},
+                True)
+    return None
+
+
+def hf_audio(directory: Path) -> tuple[AudioConfig | FrameAudioConfig, dict[str, TensorEntry]] | None:
+    """The audio of the HF checkpoint directory: its config and its tensors (names without `model.`, shapes and
+    dtypes checked against the config; nothing read yet), or None without audio."""
     cfg = json.loads((directory / "config.json").read_text())     # the top level (the reader kept text_config)
     config = audio_config_from_hf(cfg, directory / "config.json")
     if config is None:
         return None
-    frames = isinstance(config, FrameAudioConfig)
-    check_feature_extractor(directory, frame_front_end(config) if frames else LOG_MEL_FRONT_END)
+    check_feature_extractor(directory, frame_front_end(config) if isinstance(config, FrameAudioConfig)
+                            else LOG_MEL_FRONT_END)
     located = {}
     for f in safetensors_files(directory):
         handle = safe_open(str(f), framework="pt")
         for name in handle.keys():
             if name.startswith(AUDIO_PREFIXES):
                 located[name.removeprefix("model.")] = (handle, name, f)
-    with torch.device("meta"):
-        model = FrameAudioModel(config) if frames else AudioModel(config)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    expected = audio_shapes(config)
     for name, shape in expected.items():
         if name not in located:
             raise CheckpointError(f"{directory}: missing audio tensor {'model.' + name!r} (expected shape {shape})")
@@ -183,11 +189,36 @@ def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> Aud
         raise CheckpointError(f"{directory}: unexpected audio tensor {'model.' + unexpected[0]!r}"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                               + " for its audio_config")
-    state = {}
+    entries = {}
     for name, shape in expected.items():
         handle, full, _ = located[name]
-        keep = torch.float32 if len(shape) <= 1 else dtype
-        state[name] = handle.get_tensor(full).to(device=device, dtype=keep).clone()
+        stored = handle.get_slice(full).get_dtype()
+        entries[name] = TensorEntry(name=name, shape=shape, stored=stored,
+                                    nbytes=STORED_DTYPES[stored].itemsize * math.prod(shape),
+                                    dense=lambda h=handle, n=full: h.get_tensor(n))
+    return config, entries
+
+
+def audio_shapes(config: AudioConfig | FrameAudioConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors (names without `model.`) and shapes an audio config implies: gem4's audio modules' parameters."""
+    with torch.device("meta"):
+        model = FrameAudioModel(config) if isinstance(config, FrameAudioConfig) else AudioModel(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
+    """The audio model of an opened checkpoint (checkpoint_audio), bound in `dtype` (vectors and scalars in
+    float32), or None."""
+    found = checkpoint_audio(ckpt)
+    if found is None:
+        return None
+    config, entries, softplus_applied = found
+    frames = isinstance(config, FrameAudioConfig)
+    with torch.device("meta"):
+        model = FrameAudioModel(config) if frames else AudioModel(config, softplus_applied)
+    # the readers checked the names and shapes against the config (hf_audio, weights/mmproj.py)
+    state = {name: entries[name].dense().to(device=device, dtype=torch.float32 if p.ndim <= 1 else dtype).clone()
+             for name, p in model.named_parameters()}
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval()
 

@@ -1,4 +1,4 @@
-"""llama.cpp's mmproj GGUF: the vision tower beside a GGUF text model (docs/multimodal.md §2.4).
+"""llama.cpp's mmproj GGUF: the vision and audio towers beside a GGUF text model (docs/multimodal.md §2.4).
 
 llama.cpp keeps a Gemma 4 checkpoint's towers out of the text GGUF, in a second file (`general.architecture`
 "clip", `general.type` "mmproj") that `llama-server --mmproj FILE` takes; `gem4.load(path, mmproj=FILE)` and
@@ -17,22 +17,30 @@ and `VisionConfig` an HF checkpoint gives (weights/towers.py), so `bind_vision` 
 - bidirectional attention, which neither file records: causal when the text model has per-layer embeddings (the
   E2B/E4B family), image tokens both ways on sliding layers otherwise (26B-A4B, 31B).
 
-The audio encoder (`clip.has_audio_encoder`, `a.*`) is not read yet: a file with one loads its vision tower and
-says, once, that its audio tower is left out. `write_mmproj` (gem4 convert) writes an HF checkpoint's vision tower
-in the same layout.
+E2B/E4B's conformer audio tower (`clip.has_audio_encoder`, projector "gemma4a", `a.*` / `mm.a.*`, the section at
+the end of this file) comes out as the canonical tensors and `AudioConfig` weights/audio.py takes from an HF
+checkpoint, bound by `bind_audio`: `clip.audio.*` for the sizes, the tensors for the subsampling channels, conv
+kernel, output width and clipping, and the constants llama.cpp hard-codes for the rest (AUDIO_FIXED);
+`per_dim_scale` is stored through softplus and kept so (AudioModel(softplus_applied=True)); the audio token ids
+come from the text GGUF's vocabulary.
+
+`write_mmproj` (gem4 convert) writes an HF checkpoint's towers in the same layout, tensor for tensor what
+llama.cpp's `convert_hf_to_gguf.py --mmproj` writes.
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gem4.config import ConfigError, VisionConfig, build_vision_config
+from gem4.config import (AudioConfig, ConfigError, FrameAudioConfig, VisionConfig, build_audio_config,
+                         build_vision_config)
 from gem4.ggml import GGMLType, quantize
 from gem4.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
+from gem4.media import audio as front_end
 from gem4.model.vision import VisionModel
+from gem4.weights.audio import audio_shapes, hf_audio
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.gguf_model import tensor_entry
 
@@ -118,8 +126,9 @@ def _get(reader: GGUFReader, key: str, where: str, kind=int):
     return float(value) if kind is float else value
 
 
-def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEntry], VisionConfig, GGUFReader]:
-    """An mmproj GGUF for the text model `text` -> (canonical tower tensors, the VisionConfig, the open reader)."""
+def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEntry], dict[str, object], GGUFReader]:
+    """An mmproj GGUF for the text model `text` -> (canonical tower tensors, {"vision": VisionConfig, and "audio":
+    AudioConfig where the file has an audio tower}, the open reader)."""
     path = Path(path)
     where = f"mmproj {path}"
     if not path.is_file():
@@ -129,7 +138,12 @@ def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEnt
     except GGUFError as e:
         raise CheckpointError(f"{where}: {e}") from None
     try:
-        return (*_read(reader, where, text), reader)
+        entries, vision = _read(reader, where, text)
+        configs: dict[str, object] = {"vision": vision}
+        if reader.metadata.get("clip.has_audio_encoder") is True:
+            audio_entries, configs["audio"] = _read_audio(reader, where, text)
+            entries = {**entries, **audio_entries}
+        return entries, configs, reader
     except BaseException:
         reader.close()
         raise
@@ -153,10 +167,8 @@ def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, T
         raise CheckpointError(f"{where}: an mmproj file goes with a GGUF text model; {text.path} is an HF checkpoint "
                               f"(its towers load with it)")
     tensors = {n: reader.tensors[n] for n in reader.tensors}
-    if reader.metadata.get("clip.has_audio_encoder") is True:
-        warnings.warn(f"{where}: its audio encoder (clip.audio.*, a.*) is not read yet; only the vision tower loads",
-                      stacklevel=3)
-        tensors = {n: t for n, t in tensors.items() if not n.startswith(("a.", "mm.a."))}
+    if reader.metadata.get("clip.has_audio_encoder") is True:      # the audio tower's tensors are _read_audio's
+        tensors = {n: t for n, t in tensors.items() if not n.startswith(AUDIO_TENSORS)}
     shape = {n: t.shape for n, t in tensors.items()}
     for name in ("v.blk.0.attn_q_norm.weight", "v.blk.0.attn_k.weight", "v.position_embd.weight"):
         if name not in shape:
@@ -218,10 +230,11 @@ def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, T
 
 
 def attach_mmproj(ckpt: Checkpoint, path: str | Path) -> None:
-    """Give the GGUF text checkpoint `ckpt` the vision tower of the mmproj at `path` (bound by `bind_vision`)."""
-    entries, vision, reader = read_mmproj(path, ckpt)
+    """Give the GGUF text checkpoint `ckpt` the towers of the mmproj at `path` (bound by `bind_vision` and
+    `bind_audio`)."""
+    entries, configs, reader = read_mmproj(path, ckpt)
     ckpt.towers.update(entries)
-    ckpt.tower_configs["vision"] = vision
+    ckpt.tower_configs.update(configs)
     close_text = ckpt.close
 
     def close() -> None:
@@ -243,7 +256,8 @@ def mmproj_type(out_type: str) -> str:
 
 
 def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
-    """Write the vision tower of `ckpt` (an HF checkpoint) as llama.cpp's mmproj GGUF. Returns tensor counts by type.
+    """Write the vision tower of `ckpt` (an HF checkpoint), and its audio tower where it has one (E2B/E4B), as
+    llama.cpp's mmproj GGUF. Returns tensor counts by type.
 
     Matrices take `out_type` (f32, f16, bf16, q8_0; rows that are not whole Q8_0 blocks: F16); vectors, clip bounds
     and the position table stay F32, the patch kernel F16 in an f16 file and F32 otherwise, as llama.cpp's converter
@@ -285,5 +299,172 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
         stored = _stored_shape(canonical, shape, vision.patch_size)
         w.add_tensor(mmproj_name(canonical), quantize(t.contiguous().reshape(stored), ggml).numpy(), stored, ggml)
         counts[ggml.name] = counts.get(ggml.name, 0) + 1
+    audio = hf_audio(Path(ckpt.path)) if ckpt.format == "safetensors" else None
+    if audio is not None:
+        _write_audio(w, *audio, qtype, counts, ckpt.path)
     w.write()
     return counts
+
+
+# ---- the audio tower (E2B/E4B: projector "gemma4a", docs/multimodal.md §3.5) ----
+
+AUDIO_PROJECTOR = "gemma4a"
+AUDIO_TENSORS = ("a.", "mm.a.")
+# the audio placeholders, found in the text model's vocabulary as the image ones are
+AUDIO_TOKENS = {"audio_token_id": "<|audio|>", "boa_token_id": "<|audio>", "eoa_token_id": "<audio|>"}
+# AudioConfig fields the file does not hold: llama.cpp's gemma4a graph hard-codes them (12-frame chunks, 12 frames
+# of past, none of future, cap 50, half-step feed-forwards, eps 1e-6 in every norm, no residual clamp, silu), and
+# its converter writes none of them -- `clip.audio.attention.layer_norm_epsilon` is written but not read: a first
+# converter wrote a wrong value there. gem4 reads the same constants (transformers' defaults, the released
+# configs' values) and writes no checkpoint whose audio_config says otherwise.
+AUDIO_FIXED = {"chunk_size": 12, "context_left": 13, "context_right": 0, "logit_cap": 50.0,
+               "invalid_logit": -1e9, "residual_weight": 0.5, "gradient_clipping": 1e10, "rms_norm_eps": 1e-6,
+               "hidden_act": "silu"}
+NO_EFFECT = ("chunk_size", "invalid_logit")   # the output does not depend on them (model/audio.py)
+
+_A_LINEARS = {"feed_forward1.ffw_layer_1": "ffn_up", "feed_forward1.ffw_layer_2": "ffn_down",
+              "feed_forward2.ffw_layer_1": "ffn_up_1", "feed_forward2.ffw_layer_2": "ffn_down_1",
+              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.post": "attn_out", "lconv1d.linear_start": "conv_pw1", "lconv1d.linear_end": "conv_pw2"}
+# a layer's other tensors; note the light conv's two norms: llama.cpp's `conv_norm` is the one before the conv
+_A_LAYER = {"feed_forward1.pre_layer_norm.weight": "ffn_norm", "feed_forward1.post_layer_norm.weight": "ffn_post_norm",
+            "feed_forward2.pre_layer_norm.weight": "ffn_norm_1",
+            "feed_forward2.post_layer_norm.weight": "ffn_post_norm_1",
+            "self_attn.relative_k_proj.weight": "attn_k_rel", "self_attn.per_dim_scale": "per_dim_scale",
+            "norm_pre_attn.weight": "attn_pre_norm", "norm_post_attn.weight": "attn_post_norm",
+            "norm_out.weight": "ln2",
+            "lconv1d.pre_layer_norm.weight": "conv_norm", "lconv1d.conv_norm.weight": "norm_conv",
+            "lconv1d.depthwise_conv1d.weight": "conv_dw"}
+_SUBSAMPLE = "audio_tower.subsample_conv_projection."
+_A_GLOBAL = {**{f"{_SUBSAMPLE}layer{i}.{part}.weight": f"a.conv1d.{i}.{gg}weight"
+                for i in (0, 1) for part, gg in (("conv", ""), ("norm", "norm."))},
+             _SUBSAMPLE + "input_proj_linear.weight": "a.input_projection.weight",
+             "audio_tower.output_proj.weight": "a.pre_encode.out.weight",
+             "audio_tower.output_proj.bias": "a.pre_encode.out.bias",
+             "embed_audio.embedding_projection.weight": "mm.a.input_projection.weight"}
+_DEPTHWISE = ".lconv1d.depthwise_conv1d.weight"
+_SCALE = ".self_attn.per_dim_scale"
+
+
+def audio_mmproj_name(canonical: str) -> str:
+    """gem4's (HF without `model.`) audio tensor name -> llama.cpp's mmproj name."""
+    if canonical in _A_GLOBAL:
+        return _A_GLOBAL[canonical]
+    head, sep, rest = canonical.partition("audio_tower.layers.")
+    if head or not sep:
+        raise KeyError(canonical)
+    n, part = rest.split(".", 1)
+    if part in _A_LAYER:
+        return f"a.blk.{n}.{_A_LAYER[part]}.weight"
+    for hf, gg in _A_LINEARS.items():
+        if part == f"{hf}.linear.weight":
+            return f"a.blk.{n}.{gg}.weight"
+        for bound in _BOUNDS:
+            if part == f"{hf}.{bound}":
+                return f"a.blk.{n}.{gg}.{bound}"
+    raise KeyError(canonical)
+
+
+def _audio_stored_shape(canonical: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape llama.cpp stores an audio tensor of gem4's `shape` in: the depthwise kernel (D, 1, K) as (D, K),
+    scalars as [1]."""
+    if canonical.endswith(_DEPTHWISE):
+        return (shape[0], shape[2])
+    return (1,) if shape == () else shape
+
+
+def _read_audio(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, TensorEntry], AudioConfig]:
+    """The audio tower of an mmproj (`clip.has_audio_encoder`): its canonical tensors (per_dim_scale as stored,
+    through softplus: AudioModel(softplus_applied=True)) and its AudioConfig."""
+    projector = reader.metadata.get("clip.audio.projector_type")
+    if projector != AUDIO_PROJECTOR:
+        raise CheckpointError(f"{where}: clip.audio.projector_type {projector!r} is not Gemma 4's {AUDIO_PROJECTOR!r}")
+    shape = {n: t.shape for n, t in reader.tensors.items() if n.startswith(AUDIO_TENSORS)}
+    # what the keys do not say comes from the tensors, as llama.cpp takes it
+    for name in ("a.conv1d.0.weight", "a.conv1d.1.weight", "a.blk.0.conv_dw.weight", "a.pre_encode.out.weight"):
+        if name not in shape:
+            raise CheckpointError(f"{where}: missing required tensor {name!r}")
+    D = _get(reader, "clip.audio.embedding_length", where)
+    ff = _get(reader, "clip.audio.feed_forward_length", where)
+    if ff != 4 * D:
+        raise CheckpointError(f"{where}: clip.audio.feed_forward_length {ff} is not 4 x clip.audio.embedding_length "
+                              f"{D}: Gemma 4's conformer feed-forward is 4 x its width")
+    mels = _get(reader, "clip.audio.num_mel_bins", where)
+    if mels != front_end.N_MELS:
+        raise CheckpointError(f"{where}: clip.audio.num_mel_bins {mels} is not the {front_end.N_MELS} log-mel bins "
+                              f"gem4's front end computes")
+    projection = _get(reader, "clip.audio.projection_dim", where)
+    if projection != text.config.hidden_size:
+        raise CheckpointError(f"{where}: clip.audio.projection_dim {projection} is not the text model's width "
+                              f"{text.config.hidden_size} ({text.path}): the mmproj belongs to another model")
+    ids = {field: _vocab_id(text, token, where) for field, token in AUDIO_TOKENS.items()}
+    try:
+        audio = build_audio_config(
+            n_mels=mels, subsampling_channels=(shape["a.conv1d.0.weight"][0], shape["a.conv1d.1.weight"][0]),
+            hidden_size=D, num_layers=_get(reader, "clip.audio.block_count", where),
+            num_heads=_get(reader, "clip.audio.attention.head_count", where),
+            conv_kernel_size=shape["a.blk.0.conv_dw.weight"][-1], output_dims=shape["a.pre_encode.out.weight"][0],
+            clipped_linears="a.blk.0.attn_q.input_min" in shape, text_hidden_size=projection, **AUDIO_FIXED, **ids)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}" + (f" ({e.field})" if e.field else "")) from None
+    entries, known = {}, set()
+    for canonical, want in audio_shapes(audio).items():
+        name = audio_mmproj_name(canonical)
+        stored = _audio_stored_shape(canonical, want)
+        if name not in shape:
+            raise CheckpointError(f"{where}: missing required tensor {name!r} (expected shape {stored})")
+        if shape[name] != stored:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {shape[name]}, the clip.audio.* keys need "
+                                  f"{stored}")
+        base = tensor_entry(reader, name, canonical)
+        if stored != want:                   # [1] -> a scalar, (D, K) -> the (D, 1, K) depthwise kernel
+            base = TensorEntry(name=canonical, shape=want, stored=base.stored, nbytes=base.nbytes,
+                               dense=lambda b=base, s=want: b.dense().reshape(s), release=base.release)
+        entries[canonical] = base
+        known.add(name)
+    unexpected = sorted(set(shape) - known)
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    return entries, audio
+
+
+def _vocab_id(text: Checkpoint, token: str, where: str) -> int:
+    vocab = text.metadata.get("tokenizer.ggml.tokens")
+    if not isinstance(vocab, list):
+        raise CheckpointError(f"{where}: the text model {text.path} has no vocabulary (tokenizer.ggml.tokens) to "
+                              f"find the {token!r} token in")
+    if token not in vocab:
+        raise CheckpointError(f"{where}: the text model's vocabulary has no {token!r} token")
+    return vocab.index(token)
+
+
+def _write_audio(w: GGUFWriter, audio: AudioConfig | FrameAudioConfig, tensors: dict[str, TensorEntry],
+                 qtype: GGMLType, counts: dict[str, int], where) -> None:
+    """An HF checkpoint's conformer into the mmproj being written, as llama.cpp's converter writes it: matrices in
+    `qtype` (Q8_0: F16 where a row is not whole blocks), vectors, clip bounds, the subsampling convolutions and
+    projection and the depthwise kernel F32; per_dim_scale through softplus."""
+    if isinstance(audio, FrameAudioConfig):
+        raise CheckpointError(f"{where}: the 12B's raw-frame audio projection is not written into an mmproj")
+    for field, value in AUDIO_FIXED.items():
+        if field not in NO_EFFECT and getattr(audio, field) != value:
+            raise CheckpointError(f"{where}: audio_config {field} {getattr(audio, field)!r}: llama.cpp's mmproj "
+                                  f"holds only {value!r} (its runtime fixes it), so the tower cannot be written there")
+    w.add("clip.has_audio_encoder", True)
+    w.add("clip.audio.projector_type", AUDIO_PROJECTOR)
+    for key, value in (("projection_dim", audio.text_hidden_size), ("embedding_length", audio.hidden_size),
+                       ("feed_forward_length", 4 * audio.hidden_size), ("block_count", audio.num_layers),
+                       ("attention.head_count", audio.num_heads), ("num_mel_bins", audio.n_mels)):
+        w.add(f"clip.audio.{key}", value, _VT.UINT32)
+    w.add("clip.audio.attention.layer_norm_epsilon", AUDIO_FIXED["rms_norm_eps"], _VT.FLOAT32)
+    for canonical, shape in audio_shapes(audio).items():
+        t = tensors[canonical].dense().float()
+        if canonical.endswith(_SCALE):
+            t = torch.nn.functional.softplus(t)
+        if len(shape) <= 1 or canonical.startswith(_SUBSAMPLE) or canonical.endswith(_DEPTHWISE):
+            ggml = GGMLType.F32
+        else:
+            ggml = qtype if shape[1] % 32 == 0 or qtype != GGMLType.Q8_0 else GGMLType.F16
+        stored = _audio_stored_shape(canonical, shape)
+        w.add_tensor(audio_mmproj_name(canonical), quantize(t.contiguous().reshape(stored), ggml).numpy(), stored, ggml)
+        counts[ggml.name] = counts.get(ggml.name, 0) + 1

@@ -5,18 +5,15 @@ import math
 
 import torch
 
-from gem4.kv_cache import kv_bytes_per_token
-from gem4.weights.audio import audio_summary
-from gem4.weights.checkpoint import Checkpoint
+from gem4.kv_cache import kv_bytes_per_token, kv_dtype_name
+from gem4.weights.audio import audio_summary, checkpoint_audio
+from gem4.weights.checkpoint import Checkpoint, TensorEntry
 
 
-def summarize(ckpt: Checkpoint) -> dict:
+def summarize(ckpt: Checkpoint, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """`ckpt` described; the KV bytes a token adds as stored in `kv_dtype` (--kv-cache-dtype; bf16, the fast
+    mode's, by default)."""
     config = ckpt.config
-    by_type: dict[str, dict[str, int]] = {}
-    for entry in ckpt.tensors.values():
-        row = by_type.setdefault(entry.stored, {"tensors": 0, "bytes": 0})
-        row["tensors"] += 1
-        row["bytes"] += entry.nbytes
     layers = [{
         "index": s.index, "type": s.layer_type, "heads": s.n_heads, "kv_heads": s.n_kv_heads, "head_dim": s.head_dim,
         "k_eq_v": s.k_eq_v, "kv_source": s.kv_source, "mlp": s.intermediate_size,
@@ -42,14 +39,29 @@ def summarize(ckpt: Checkpoint) -> dict:
         "first_shared_layer": config.first_shared_layer,
         "parameters": sum(math.prod(e.shape) for e in ckpt.tensors.values()),
         "tensors": len(ckpt.tensors),
-        "tensor_types": by_type,
+        "tensor_types": _by_type(ckpt.tensors.values()),
         "mlx_affine": mlx_affine or None,
         "ignored_tensors": len(ckpt.ignored),
-        "kv_bytes_per_token_bf16": kv_bytes_per_token(config, torch.bfloat16),
-        "audio": audio_summary(ckpt),
+        "kv_bytes_per_token": {"dtype": kv_dtype_name(kv_dtype), **kv_bytes_per_token(config, kv_dtype)},
+        "audio": _audio(ckpt),
         "layers": layers,
         "vision": _vision(ckpt),
     }
+
+
+def _by_type(entries) -> dict[str, dict[str, int]]:
+    """Tensors and bytes by stored type ("F32", "Q8_0", ...)."""
+    by_type: dict[str, dict[str, int]] = {}
+    for entry in entries:
+        row = by_type.setdefault(entry.stored, {"tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += entry.nbytes
+    return by_type
+
+
+def _tower(entries: list[TensorEntry]) -> dict:
+    return {"parameters": sum(math.prod(e.shape) for e in entries), "tensors": len(entries),
+            "bytes": sum(e.nbytes for e in entries), "tensor_types": _by_type(entries)}
 
 
 def _vision(ckpt: Checkpoint) -> dict | None:
@@ -57,9 +69,21 @@ def _vision(ckpt: Checkpoint) -> dict | None:
     v = ckpt.tower_configs.get("vision")
     if v is None:
         return None
-    entries = [e for name, e in ckpt.towers.items() if name.startswith(("vision_tower.", "embed_vision."))]
-    return {**vars(v), "parameters": sum(math.prod(e.shape) for e in entries), "tensors": len(entries),
-            "bytes": sum(e.nbytes for e in entries)}
+    return {**vars(v), **_tower([e for name, e in ckpt.towers.items()
+                                 if name.startswith(("vision_tower.", "embed_vision."))])}
+
+
+def _audio(ckpt: Checkpoint) -> dict | None:
+    """The audio tower (an HF checkpoint's, or a GGUF's mmproj's): what it takes and its tensors' size, or None."""
+    found = checkpoint_audio(ckpt)
+    if found is None:
+        return None
+    config, entries, _ = found
+    return {**audio_summary(config), **_tower(list(entries.values()))}
+
+
+def _types(tower: dict) -> str:
+    return ", ".join(f"{r['tensors']} {n}" for n, r in sorted(tower["tensor_types"].items()))
 
 
 def format_summary(s: dict) -> str:
@@ -80,7 +104,7 @@ def format_summary(s: dict) -> str:
     if v:
         lines.append(f"vision tower   {v['num_layers']} layers x {v['hidden_size']} ({v['num_heads']} heads x "
                      f"{v['head_dim']}), patch {v['patch_size']}, pool {v['pooling']}x{v['pooling']}, "
-                     f"{v['parameters']:,} parameters ({v['bytes'] / 2**20:.1f} MiB)"
+                     f"{v['parameters']:,} parameters ({v['bytes'] / 2**20:.1f} MiB: {_types(v)})"
                      + ("; clipped linears" if v["clipped_linears"] else "")
                      + ("; standardized" if v["standardize"] else "")
                      + ("; images attend both ways on sliding layers" if v["bidirectional"] else "; causal over images"))
@@ -93,8 +117,10 @@ def format_summary(s: dict) -> str:
         else:
             lines.append(f"audio          {a['kind']}: {a['samples_per_token']} samples a token -> "
                          f"{a['text_hidden_size']}; {a['tokens_per_second']:g} tokens/s")
-    kv = s["kv_bytes_per_token_bf16"]
-    lines.append(f"KV per token   full {kv['full_attention']} B, sliding {kv['sliding_attention']} B (bf16; sliding capped at the window)")
+        lines.append(f"               {a['parameters']:,} parameters ({a['bytes'] / 2**20:.1f} MiB: {_types(a)})")
+    kv = s["kv_bytes_per_token"]
+    lines.append(f"KV per token   full {kv['full_attention']} B, sliding {kv['sliding_attention']} B ({kv['dtype']}; "
+                 f"sliding capped at the window)")
     lines.append("tensors        " + ", ".join(f"{t}: {r['tensors']} ({r['bytes'] / 2**20:.1f} MiB)"
                                                 for t, r in sorted(s["tensor_types"].items())))
     if s.get("mlx_affine"):
