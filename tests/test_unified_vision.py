@@ -1,0 +1,365 @@
+"""The 12B ("unified", encoder-free) vision path (docs/multimodal.md §2.5) against transformers 5.23.0's
+`Gemma4UnifiedForConditionalGeneration` on a tiny random model built at test time: 48 px patches bit-exact with
+its image processor, image soft tokens within 1e-5 of `get_image_features`, the logits of a prompt with two
+images and an audio clip within 1e-4 relative of its forward pass under the mask `generate()` uses, greedy
+tokens equal to `generate()`. The 12B's pitfalls are made on purpose and must move the result."""
+from __future__ import annotations
+
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import gem4
+from gem4.engine.media import media_prompt
+from gem4.kv_cache import KVPool
+from gem4.media.image import BUDGETS, preprocess, target_size
+from gem4.model import unified_vision
+from gem4.model.audio import encode_audio
+from gem4.model.gemma4 import MediaItem
+from gem4.weights.checkpoint import CheckpointError
+from model_fixtures import VARIANTS, randomize
+from vision_fixtures import TOKEN_IDS, greedy_with_media, sample_image
+
+EMBED_TOL = 1e-5
+LOGIT_TOL = 1e-4          # relative to the largest |logit|
+SIZES = [(96, 144), (120, 100)]   # (height, width) of the prompt's two images; at budget 70: 60 and 63 tokens
+BUDGET = 70
+VISION = dict(mm_embed_dim=48, mm_posemb_size=64, output_proj_dims=48)
+
+
+def torchvision_stub() -> dict[str, types.ModuleType]:
+    """transformers' 12B image processor imports torchvision at module level, and torchvision has no wheel that
+    loads here. Its one call that matters, `tvF.resize(uint8 image, bicubic, antialias=True)`, hands the uint8
+    tensor to torch's native uint8 kernel on the CPU (torchvision 0.28/0.29, read from its source): the stub does
+    exactly that, so the rest of the processor -- the size rule, the rescale, the 16 px patches merged 3 x 3, the
+    positions, the padding -- runs as transformers wrote it."""
+    functional = types.ModuleType("torchvision.transforms.v2.functional")
+
+    def resize(image, size, interpolation=None, antialias=True):
+        assert image.dtype == torch.uint8 and antialias
+        return torch.nn.functional.interpolate(image[None], size=list(size), mode="bicubic", align_corners=False,
+                                               antialias=True)[0]
+
+    functional.resize = resize
+    functional.InterpolationMode = types.SimpleNamespace(BICUBIC="bicubic")
+    v2 = types.ModuleType("torchvision.transforms.v2")
+    v2.functional = functional
+    transforms = types.ModuleType("torchvision.transforms")
+    transforms.v2 = v2
+    root = types.ModuleType("torchvision")
+    root.transforms = transforms
+    return {"torchvision": root, "torchvision.transforms": transforms, "torchvision.transforms.v2": v2,
+            "torchvision.transforms.v2.functional": functional}
+
+
+@pytest.fixture(scope="module")
+def hf_pixels():
+    """images, budget -> transformers' `Gemma4UnifiedImageProcessor` output (pixel_values padded to the budget,
+    image_position_ids, num_soft_tokens_per_image), its torchvision resize stubbed as above."""
+    import transformers.image_processing_backends  # noqa: F401  (imported before the stub: it asks for torchvision)
+    from transformers.image_utils import PILImageResampling
+
+    stubs = torchvision_stub()
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    sys.modules.pop("transformers.models.gemma4_unified.image_processing_gemma4_unified", None)
+    try:
+        from transformers.models.gemma4_unified.image_processing_gemma4_unified import Gemma4UnifiedImageProcessor
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    processor = object.__new__(Gemma4UnifiedImageProcessor)
+
+    def run(images, budget: int) -> dict:
+        tensors = [torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1) for img in images]
+        return Gemma4UnifiedImageProcessor._preprocess(
+            processor, tensors, do_resize=True, resample=PILImageResampling.BICUBIC, do_rescale=True,
+            rescale_factor=1 / 255, do_normalize=False, image_mean=None, image_std=None, return_tensors="pt",
+            patch_size=16, max_soft_tokens=budget, pooling_kernel_size=3)
+
+    return run
+
+
+# ---- preprocessing ----
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("size", [(224, 224), (100, 150), (270, 480), (20, 2000), (480, 336), (7, 5)])
+def test_patches_equal_transformers_unified_processor(hf_pixels, size, budget):
+    img = sample_image(*size, seed=size[0] + budget)
+    out = hf_pixels([img], budget)
+    mine = preprocess(img, budget, patch_size=48, pooling=1, processor="torchvision")
+    n = mine.patches.shape[0]
+    assert mine.num_tokens == n == out["num_soft_tokens_per_image"][0] <= budget
+    assert mine.patches.shape[1] == 48 * 48 * 3
+    assert np.array_equal(mine.patches, out["pixel_values"][0][:n].numpy())          # bit for bit
+    assert np.array_equal(mine.positions, out["image_position_ids"][0][:n].numpy())
+    assert (out["image_position_ids"][0][n:] == -1).all()
+
+
+def test_the_size_rule_is_the_towers_at_48_px():
+    """One 48 px patch per token with no pooling sizes an image as 16 px patches pooled 3 x 3 do."""
+    for h, w in [(1, 1), (7, 5), (20, 2000), (2000, 20), (1080, 1920), (333, 777)]:
+        for budget in BUDGETS:
+            assert target_size(h, w, budget, 48, 1) == target_size(h, w, budget, 16, 3)
+
+
+def test_pitfall_pillow_resize_is_not_the_12b_processors(hf_pixels):
+    """The 12B's processor resizes with torchvision (torch's uint8 kernel), not Pillow as the PIL processor of the
+    other models does: Pillow's pixels are not its pixels."""
+    img = sample_image(100, 150, seed=3)
+    want = hf_pixels([img], 280)["pixel_values"][0].numpy()
+    wrong = preprocess(img, 280, patch_size=48, pooling=1, processor="pil")
+    assert not np.array_equal(wrong.patches, want[:wrong.patches.shape[0]])
+
+
+# ---- the embedder and the text model, against transformers ----
+
+def randomize_unified_vision(model: torch.nn.Module, seed: int) -> None:
+    """The embedder's weights random, none at its default (an all-zero position table would hide an x/y swap, unit
+    LayerNorms a missing one), bf16-representable."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.startswith("model.embed_vision."):
+                continue
+            if name.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "_ln" in name or "norm" in name:
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("pos_embedding"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+            p.copy_(p.to(torch.bfloat16).float())
+
+
+def build_unified_hf(seed: int = 1234):
+    from transformers import (Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
+                              Gemma4UnifiedTextConfig, Gemma4UnifiedVisionConfig)
+
+    config = Gemma4UnifiedConfig(
+        text_config=Gemma4UnifiedTextConfig(**dict(VARIANTS["dense_keqv"], use_bidirectional_attention="vision")),
+        vision_config=Gemma4UnifiedVisionConfig(**VISION), audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=640),
+        **TOKEN_IDS)
+    config._attn_implementation = "eager"
+    model = Gemma4UnifiedForConditionalGeneration(config).eval()
+    randomize(model, seed)
+    randomize_unified_vision(model, seed + 1)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def clip(n: int, seed: int = 0) -> np.ndarray:
+    t = np.arange(n) / 16000
+    rng = np.random.default_rng(seed)
+    return (0.4 * np.sin(2 * np.pi * (200 + 1500 * t) * t) + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+
+class Case:
+    """transformers' model, gem4's float32 load of its checkpoint, a prompt with two images and a clip."""
+
+    def __init__(self, root, hf_pixels):
+        self.hf = build_unified_hf()
+        self.dir = root / "unified"
+        self.hf.save_pretrained(self.dir)
+        self.model = gem4.load(self.dir, dtype="float32")
+        vc, ac = self.model.vision.config, self.model.audio.config
+        self.images = [sample_image(h, w, seed=i + 1) for i, (h, w) in enumerate(SIZES)]
+        self.pixels = hf_pixels(self.images, BUDGET)
+        self.patches = [preprocess(img, BUDGET, patch_size=vc.patch_size, pooling=vc.pooling,
+                                   processor=vc.image_processor) for img in self.images]
+        self.wave = clip(5000, seed=7)
+        template = [2, 10, 11, vc.image_token_id, 20, 21, ac.audio_token_id, 22, vc.image_token_id, 30, 31, 32]
+        self.ids, self.inputs = media_prompt(template, [self.patches[0], self.wave, self.patches[1]], vision=vc,
+                                             audio=ac)
+        self.embeds = [self.model.vision.encode(p.patches, p.positions, p.grid) for p in self.patches]
+        self.audio = encode_audio(self.model.audio, self.wave).embeddings
+        with torch.no_grad():
+            self.ref = self.hf(**self.hf_inputs(), attention_mask=self.generate_mask()).logits[0]
+
+    def type_ids(self) -> torch.Tensor:
+        ids = torch.tensor([self.ids])
+        vc, ac = self.model.vision.config, self.model.audio.config
+        return (ids == vc.image_token_id).long() + 3 * (ids == ac.audio_token_id).long()
+
+    def hf_inputs(self) -> dict:
+        from transformers import Gemma4UnifiedAudioFeatureExtractor
+
+        feats = Gemma4UnifiedAudioFeatureExtractor()([self.wave], return_tensors="pt")
+        return dict(input_ids=torch.tensor([self.ids]), pixel_values=self.pixels["pixel_values"],
+                    image_position_ids=self.pixels["image_position_ids"], input_features=feats["input_features"],
+                    input_features_mask=feats["input_features_mask"])
+
+    def generate_mask(self) -> dict:
+        """The masks `generate()` builds (bidirectional on sliding layers only): its forward() alone differs."""
+        ids = torch.tensor([self.ids])
+        embeds = self.hf.get_input_embeddings()(ids)
+        return self.hf.create_masks_for_generate(self.hf.config, embeds, None, None,
+                                                 torch.arange(len(self.ids))[None], mm_token_type_ids=self.type_ids())
+
+    def media(self, embeds=None, bidirectional=None) -> list[MediaItem]:
+        bidi = self.model.vision.config.bidirectional if bidirectional is None else bidirectional
+        images = iter(embeds or self.embeds)
+        return [MediaItem(m.start, next(images), bidi) if m.kind == "image" else MediaItem(m.start, self.audio, False)
+                for m in self.inputs]
+
+    def error(self, logits: torch.Tensor) -> float:
+        return float((logits - self.ref).abs().max() / self.ref.abs().max())
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory, hf_pixels):
+    return Case(tmp_path_factory.mktemp("unified"), hf_pixels)
+
+
+def test_the_checkpoint_loads_as_the_12b(case):
+    vc = case.model.vision.config
+    assert type(case.model.vision).__name__ == "UnifiedVisionModel"
+    assert (vc.patch_size, vc.pooling, vc.embed_dim, vc.position_embedding_size) == (48, 1, 48, 64)
+    assert vc.bidirectional and vc.video_token_id is None and vc.text_hidden_size == 64
+    assert [m.kind for m in case.inputs] == ["image", "audio", "image"]
+    assert [m.num_tokens for m in case.inputs] == [60, 8, 63]
+
+
+def test_image_embeddings_match_transformers(case):
+    with torch.no_grad():
+        ref = case.hf.model.get_image_features(case.pixels["pixel_values"],
+                                               case.pixels["image_position_ids"]).pooler_output
+    for mine, want in zip(case.embeds, ref):
+        assert mine.shape == want.shape
+        err = float((mine - want).abs().max())
+        print(f"12B image embeddings max |diff| {err:.1e}")
+        assert err < EMBED_TOL
+
+
+def test_logits_with_two_images_and_a_clip_match_transformers(case):
+    err = case.error(case.model.logits(case.ids, case.media()))
+    print(f"12B logits relative error {err:.1e}")
+    assert err < LOGIT_TOL
+
+
+def test_greedy_tokens_equal_transformers_generate(case):
+    with torch.no_grad():
+        want = case.hf.generate(**case.hf_inputs(), mm_token_type_ids=case.type_ids(), max_new_tokens=8,
+                                do_sample=False)[0, len(case.ids):].tolist()
+    assert greedy_with_media(case.model, case.ids, case.media(), len(want)) == want
+
+
+def test_engine_greedy_equals_transformers_generate(case):
+    """Through the engine: the embedder's soft tokens computed by the runner, each image one prefill block."""
+    from gem4 import Engine, SamplingParams
+
+    with torch.no_grad():
+        want = case.hf.generate(**case.hf_inputs(), mm_token_type_ids=case.type_ids(), max_new_tokens=6,
+                                do_sample=False)[0, len(case.ids):].tolist()
+    engine = Engine(case.model, prefill_chunk=80, block_size=4)
+    got = [e.token_id for e in engine.submit(case.ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                                             media=case.inputs)]
+    assert got == want
+
+
+# ---- the 12B's pitfalls, each made on purpose ----
+
+def moved(case: Case, logits: torch.Tensor) -> float:
+    err = case.error(logits)
+    assert err > 100 * LOGIT_TOL, err
+    return err
+
+
+def test_pitfall_pixels_mapped_to_minus_one_one(case, monkeypatch):
+    """P3: the 12B's embedder reads [0, 1] pixels as they are; the other models' 2x - 1 does not belong here. Its
+    first LayerNorm undoes an affine map of the patch but for its eps, so the mistake shows little on a busy
+    patch (past the tolerance still) and much on a flat one, whose variance is near the eps: a clear sky."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    flat = Image.fromarray((128 + rng.integers(0, 2, (96, 144, 3))).astype(np.uint8))
+    vc = case.model.vision.config
+    images = [case.patches[0], preprocess(flat, BUDGET, patch_size=48, pooling=1, processor=vc.image_processor)]
+    right = [case.model.vision.encode(p.patches, p.positions, p.grid) for p in images]
+    forward = unified_vision.UnifiedPatchEmbedder.forward
+    monkeypatch.setattr(unified_vision.UnifiedPatchEmbedder, "forward",
+                        lambda self, x, pos: forward(self, 2 * x - 1, pos))
+    wrong = [case.model.vision.encode(p.patches, p.positions, p.grid) for p in images]
+    assert float((wrong[0] - right[0]).abs().max()) > 2 * EMBED_TOL
+    assert float((wrong[1] - right[1]).abs().max()) > 0.1
+
+
+def test_pitfall_bidirectional_on_all_layers(case, monkeypatch):
+    """P9: transformers' 12B forward(mm_token_type_ids=...) lets image tokens see each other on every layer;
+    generate() and llama.cpp do so on sliding layers only, and so does gem4. Both ways on full layers too moves
+    the logits (it is what that forward computes, not what generate() does)."""
+    from gem4.config import FULL, SLIDING
+
+    layout = KVPool.layout
+
+    def both_ways_everywhere(self, seqs, prefill=False):
+        out = layout(self, seqs, prefill)
+        a, s = out.attend[FULL], out.attend[SLIDING]
+        first = s.first_key[s.q_seq]
+        out.attend[FULL] = type(a)(a.key_rows, a.q_seq, a.q_lo, torch.maximum(a.q_hi, s.q_hi + first), a.first_key)
+        return out
+
+    monkeypatch.setattr(KVPool, "layout", both_ways_everywhere)
+    moved(case, case.model.logits(case.ids, case.media()))
+    with torch.no_grad():                              # transformers' forward() alone: the all-layers mask
+        forward_only = case.hf(**case.hf_inputs(), mm_token_type_ids=case.type_ids()).logits[0]
+    assert case.error(forward_only) > 100 * LOGIT_TOL
+
+
+def test_pitfall_no_bidirectional_mask(case):
+    """The 12B's config says "vision": one image's tokens see each other both ways on sliding layers."""
+    moved(case, case.model.logits(case.ids, case.media(bidirectional=False)))
+
+
+def test_pitfall_x_and_y_swapped(case):
+    """pos_embedding is (rows, 2, D): [:, 0] is x (the column), [:, 1] is y."""
+    p = case.patches[0]
+    wrong = case.model.vision.encode(p.patches, p.positions[:, ::-1].copy(), p.grid)
+    assert float((wrong - case.embeds[0]).abs().max()) > 1e-2
+
+
+# ---- the checkpoint ----
+
+def edited(case: Case, tmp_path, config=None):
+    import json
+    import shutil
+
+    d = tmp_path / "edited"
+    shutil.copytree(case.dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    if config:
+        config(cfg)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["vision_config"].update(output_proj_dims=32), "output_proj_dims 32 must equal mm_embed_dim 48"),
+    (lambda c: c["vision_config"].pop("mm_posemb_size"), "mm_posemb_size"),
+    (lambda c: c["vision_config"].update(mm_posemb_size=32), "pos_embedding' has shape"),
+    (lambda c: c["vision_config"].update(pooling_kernel_size=2), "patch_ln1.weight' has shape"),
+    (lambda c: c["vision_config"].update(rms_norm_eps=0.5), "rms_norm_eps"),
+    (lambda c: c["text_config"].pop("use_bidirectional_attention"), "lacks use_bidirectional_attention"),
+    (lambda c: c["text_config"].update(use_bidirectional_attention="all"), "'all' is not supported"),
+    (lambda c: c.pop("vision_config"), "has no vision_config"),
+])
+def test_inconsistent_unified_configs_are_refused(case, tmp_path, edit, message):
+    with pytest.raises(CheckpointError, match=message):
+        gem4.load(edited(case, tmp_path, edit), dtype="float32")
+
+
+def test_a_video_is_refused_by_the_12b(case):
+    """The 12B's video path is not built: its config says no video, and a video is refused by name."""
+    from gem4.media.video import Frame, Video
+
+    vc = case.model.vision.config
+    video = Video((Frame(case.patches[0], 0.0),), 24.0, 1)
+    with pytest.raises(ValueError, match="does not take videos"):
+        media_prompt([2, TOKEN_IDS["video_token_id"]], [video], vision=vc, tokenize=lambda text: [3])
