@@ -363,3 +363,15 @@ def test_a_video_is_refused_by_the_12b(case):
     video = Video((Frame(case.patches[0], 0.0),), 24.0, 1)
     with pytest.raises(ValueError, match="does not take videos"):
         media_prompt([2, TOKEN_IDS["video_token_id"]], [video], vision=vc, tokenize=lambda text: [3])
+
+
+def test_inspect_shows_the_embedder(case):
+    from gem4.weights.checkpoint import open_checkpoint
+    from gem4.weights.summary import format_summary, summarize
+
+    s = summarize(open_checkpoint(case.dir))
+    assert s["vision"]["parameters"] == sum(p.numel() for n, p in case.hf.named_parameters()
+                                            if n.startswith("model.embed_vision."))
+    text = format_summary(s)
+    assert "vision         encoder-free embedder (12B): 48 px patches, one a token -> 48 -> 64" in text
+    assert "images attend both ways on sliding layers" in text
