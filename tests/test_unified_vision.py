@@ -20,14 +20,13 @@ from gem4.model import unified_vision
 from gem4.model.audio import encode_audio
 from gem4.model.gemma4 import MediaItem
 from gem4.weights.checkpoint import CheckpointError
-from model_fixtures import VARIANTS, randomize
+from unified_fixtures import build_unified_hf, clip
 from vision_fixtures import TOKEN_IDS, greedy_with_media, sample_image
 
 EMBED_TOL = 1e-5
 LOGIT_TOL = 1e-4          # relative to the largest |logit|
 SIZES = [(96, 144), (120, 100)]   # (height, width) of the prompt's two images; at budget 70: 60 and 63 tokens
 BUDGET = 70
-VISION = dict(mm_embed_dim=48, mm_posemb_size=64, output_proj_dims=48)
 
 
 def torchvision_stub() -> dict[str, types.ModuleType]:
@@ -59,8 +58,11 @@ def torchvision_stub() -> dict[str, types.ModuleType]:
 def hf_pixels():
     """images, budget -> transformers' `Gemma4UnifiedImageProcessor` output (pixel_values padded to the budget,
     image_position_ids, num_soft_tokens_per_image), its torchvision resize stubbed as above."""
-    import transformers.image_processing_backends  # noqa: F401  (imported before the stub: it asks for torchvision)
+    import importlib
+
     from transformers.image_utils import PILImageResampling
+
+    importlib.import_module("transformers.image_processing_backends")     # before the stub: it asks for torchvision
 
     stubs = torchvision_stub()
     saved = {name: sys.modules.get(name) for name in stubs}
@@ -119,47 +121,6 @@ def test_pitfall_pillow_resize_is_not_the_12b_processors(hf_pixels):
 
 
 # ---- the embedder and the text model, against transformers ----
-
-def randomize_unified_vision(model: torch.nn.Module, seed: int) -> None:
-    """The embedder's weights random, none at its default (an all-zero position table would hide an x/y swap, unit
-    LayerNorms a missing one), bf16-representable."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.startswith("model.embed_vision."):
-                continue
-            if name.endswith("bias"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif "_ln" in name or "norm" in name:
-                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("pos_embedding"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-            p.copy_(p.to(torch.bfloat16).float())
-
-
-def build_unified_hf(seed: int = 1234):
-    from transformers import (Gemma4UnifiedAudioConfig, Gemma4UnifiedConfig, Gemma4UnifiedForConditionalGeneration,
-                              Gemma4UnifiedTextConfig, Gemma4UnifiedVisionConfig)
-
-    config = Gemma4UnifiedConfig(
-        text_config=Gemma4UnifiedTextConfig(**dict(VARIANTS["dense_keqv"], use_bidirectional_attention="vision")),
-        vision_config=Gemma4UnifiedVisionConfig(**VISION), audio_config=Gemma4UnifiedAudioConfig(audio_embed_dim=640),
-        **TOKEN_IDS)
-    config._attn_implementation = "eager"
-    model = Gemma4UnifiedForConditionalGeneration(config).eval()
-    randomize(model, seed)
-    randomize_unified_vision(model, seed + 1)
-    model.config._attn_implementation = "eager"
-    return model
-
-
-def clip(n: int, seed: int = 0) -> np.ndarray:
-    t = np.arange(n) / 16000
-    rng = np.random.default_rng(seed)
-    return (0.4 * np.sin(2 * np.pi * (200 + 1500 * t) * t) + 0.1 * rng.standard_normal(n)).astype(np.float32)
-
 
 class Case:
     """transformers' model, gem4's float32 load of its checkpoint, a prompt with two images and a clip."""

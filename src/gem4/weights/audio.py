@@ -150,8 +150,15 @@ def audio_summary(ckpt: Checkpoint) -> dict | None:
 
 def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
     """The audio model of an opened HF checkpoint, bound in `dtype` (vectors and scalars in float32), or None."""
-    if ckpt.format != "safetensors":
-        return None                                    # a GGUF's towers live in its mmproj file
+    if ckpt.format != "safetensors":                   # a GGUF's towers live in its mmproj file (weights/mmproj.py)
+        config = ckpt.tower_configs.get("audio")
+        if config is None:
+            return None
+        with torch.device("meta"):
+            model = FrameAudioModel(config)            # the 12B's (the mmproj reader checked names and shapes)
+        model.load_state_dict({name: ckpt.towers[name].dense().to(device=device, dtype=dtype).clone()
+                               for name, _ in model.named_parameters()}, strict=True, assign=True)
+        return model.eval()
     directory = Path(ckpt.path)
     cfg = json.loads((directory / "config.json").read_text())     # the top level (the reader kept text_config)
     config = audio_config_from_hf(cfg, directory / "config.json")
