@@ -189,3 +189,20 @@ def test_llama_cpps_12b_mmproj_is_gem4s(pair, tmp_path, outtype):
     print(f"12B {outtype}: image and audio embeddings through llama.cpp's mmproj, max |diff| {errs}")
     if outtype == "f32":
         assert max(errs) == 0.0
+
+
+def test_run_takes_the_12b_with_its_mmproj_as_with_its_hf_directory(pair, tmp_path, capsys):
+    """`gem4 run MODEL.gguf --mmproj FILE --image PATH --audio PATH` answers as `gem4 run HF_DIR ...` (greedy,
+    float32): the command line preprocesses images with the 12B's own rule."""
+    import soundfile
+
+    image, audio = tmp_path / "a.png", tmp_path / "a.wav"
+    sample_image(96, 144, seed=3).save(image)
+    soundfile.write(audio, clip(8000, seed=4), 16000)
+    args = ["--image", str(image), "--audio", str(audio), "-p", "what is this?", "--temperature", "0", "-n", "6",
+            "--dtype", "float32", "--prefill-chunk", "512"]
+    answers = []
+    for model in ([str(pair.dir)], [str(pair.gguf), "--mmproj", str(pair.mmproj)]):
+        assert main(["run", *model, *args]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and answers[0].strip()

@@ -20,6 +20,11 @@ and `VisionConfig` an HF checkpoint gives (weights/towers.py), so `bind_vision` 
 The audio encoder (`clip.has_audio_encoder`, `a.*`) is not read yet: a file with one loads its vision tower and
 says, once, that its audio tower is left out. `write_mmproj` (gem4 convert) writes an HF checkpoint's vision tower
 in the same layout.
+
+The 12B ("unified", projectors "gemma4uv" / "gemma4ua"; its own section at the end, docs/multimodal.md §2.6) has
+no tower: its embedder's tensors (patch_dense's columns and patch_ln1 stored in CHW order, the position table with
+its axes swapped) and its raw-frame audio projection, read into UnifiedVisionConfig / FrameAudioConfig and
+written as llama.cpp's converter writes them.
 """
 from __future__ import annotations
 
