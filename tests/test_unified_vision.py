@@ -225,6 +225,27 @@ def test_engine_greedy_equals_transformers_generate(case):
     assert got == want
 
 
+def test_bfloat16_cpu_path_takes_the_12bs_images(case):
+    """The fast mode (bf16 weights, the CPU kernels' chunk attention where they run) gives the float32 logits within
+    bf16 drift, and its mask is real: without the image spans it moves far more than that."""
+    fast = gem4.load(case.dir, dtype="auto")
+    embeds = [fast.vision.encode(p.patches, p.positions, p.grid) for p in case.patches]
+    rel = max(float((e - f).abs().max() / f.abs().max()) for e, f in zip(embeds, case.embeds))
+    audio = encode_audio(fast.audio, case.wave).embeddings
+
+    def nmse(bidirectional):
+        media = [MediaItem(m.start, e, bidirectional) for m, e in zip([m for m in case.inputs if m.kind == "image"],
+                                                                    embeds)]
+        media.append(MediaItem(case.inputs[1].start, audio, False))
+        logits = fast.logits(case.ids, sorted(media, key=lambda m: m.start))
+        return float(((logits - case.ref) ** 2).mean() / (case.ref ** 2).mean())
+
+    err, causal = nmse(True), nmse(False)
+    print(f"12B {fast.backend}: bf16 soft tokens {rel:.1e} relative; logits NMSE {err:.1e}, without the spans "
+          f"{causal:.1e}")
+    assert rel < 2e-2 and err <= 1e-3 and causal > 10 * err
+
+
 # ---- the 12B's pitfalls, each made on purpose ----
 
 def moved(case: Case, logits: torch.Tensor) -> float:
@@ -336,3 +357,37 @@ def test_inspect_shows_the_embedder(case):
     text = format_summary(s)
     assert "vision         encoder-free embedder (12B): 48 px patches, one a token -> 48 -> 64" in text
     assert "images attend both ways on sliding layers" in text
+
+
+# ---- through the server ----
+
+def test_chat_with_an_image_on_the_12b_matches_the_engine(tmp_path):
+    """An `image_url` part to a served 12B: its 48 px patches at the request's budget, the answer the engine gives
+    on the same prompt, `usage.prompt_tokens` counting one soft token per patch."""
+    from gem4 import Engine, SamplingParams
+    from gem4.chat import encode_prompt
+    from gem4.parser import Gemma4Parser
+    from server_helpers import client_for, serve_checkpoint
+    from test_vision_server import ask, data_uri, vision_tokenizer_dir
+
+    d = tmp_path / "model"
+    build_unified_hf().save_pretrained(d)
+    vision_tokenizer_dir(d)
+    image = sample_image(150, 200, seed=3)
+    messages = ask(data_uri(image))
+    with serve_checkpoint(d, "unified", 1024) as (base, model, tok):
+        r = client_for(base).chat.completions.create(model="unified", messages=messages, temperature=0, max_tokens=8,
+                                                     extra_body={"mm_processor_kwargs": {"max_soft_tokens": 140}})
+        vc = model.vision.config
+        patches = preprocess(image, 140, patch_size=vc.patch_size, pooling=vc.pooling, processor=vc.image_processor)
+        parts = [{"type": "image"} if p["type"] == "image_url" else p for p in messages[0]["content"]]
+        ids = encode_prompt(tok, [{"role": "user", "content": parts}], enable_thinking=False)
+        ids, media = media_prompt(ids, [patches], vision=vc)
+        engine = Engine(model, tok, max_model_len=1024, prefill_chunk=512, enable_prefix_caching=False)
+        events = list(engine.submit(ids, SamplingParams(temperature=0, max_tokens=8), media=media))
+    parser = Gemma4Parser(tok, prompt_ids=ids, tool_names=frozenset())
+    parser.feed([e.token_id for e in events if e.token_id is not None])
+    parser.finish()
+    assert media[0].num_tokens == patches.patches.shape[0] == 130          # 150x200 at 140: 10 x 13 patches of 48 px
+    assert r.usage.prompt_tokens == len(ids)
+    assert (r.choices[0].message.content or "") == (parser.result.content or "")
