@@ -1,8 +1,10 @@
 """The 12B ("unified", encoder-free) vision path (docs/multimodal.md §2.5) against transformers 5.23.0's
 `Gemma4UnifiedForConditionalGeneration` on a tiny random model built at test time: 48 px patches bit-exact with
 its image processor, image soft tokens within 1e-5 of `get_image_features`, the logits of a prompt with two
-images and an audio clip within 1e-4 relative of its forward pass under the mask `generate()` uses, greedy
-tokens equal to `generate()`. The 12B's pitfalls are made on purpose and must move the result."""
+images and an audio clip within 1e-4 relative of its forward pass under `create_masks_for_generate`'s masks (image
+tokens both ways on sliding layers only, as llama.cpp), greedy tokens equal to `generate()` with a static cache --
+the one way `generate()` builds those masks: with its default dynamic cache it calls `forward()`, whose 12B mask
+is bidirectional on every layer. The 12B's pitfalls are made on purpose and must move the result."""
 from __future__ import annotations
 
 import sys
@@ -33,16 +35,25 @@ def torchvision_stub() -> dict[str, types.ModuleType]:
     """transformers' 12B image processor imports torchvision at module level, and torchvision has no wheel that
     loads here. Its one call that matters, `tvF.resize(uint8 image, bicubic, antialias=True)`, hands the uint8
     tensor to torch's native uint8 kernel on the CPU (torchvision 0.28/0.29, read from its source): the stub does
-    exactly that, so the rest of the processor -- the size rule, the rescale, the 16 px patches merged 3 x 3, the
+    exactly that (and `normalize`, the video processor's, as torchvision writes it), so the rest of the processor -- the size rule, the rescale, the 16 px patches merged 3 x 3, the
     positions, the padding -- runs as transformers wrote it."""
     functional = types.ModuleType("torchvision.transforms.v2.functional")
 
     def resize(image, size, interpolation=None, antialias=True):
         assert image.dtype == torch.uint8 and antialias
-        return torch.nn.functional.interpolate(image[None], size=list(size), mode="bicubic", align_corners=False,
-                                               antialias=True)[0]
+        batch = image if image.ndim == 4 else image[None]           # a video's frames, or one image
+        out = torch.nn.functional.interpolate(batch, size=list(size), mode="bicubic", align_corners=False,
+                                              antialias=True)
+        return out if image.ndim == 4 else out[0]
+
+    def normalize(image, mean, std, inplace=False):
+        """torchvision's `normalize` on a float tensor: (x - mean) / std per channel (the video processor's 1/255)."""
+        mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
+        std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
+        return (image.sub_(mean) if inplace else image.sub(mean)).div_(std)
 
     functional.resize = resize
+    functional.normalize = normalize
     functional.InterpolationMode = types.SimpleNamespace(BICUBIC="bicubic")
     v2 = types.ModuleType("torchvision.transforms.v2")
     v2.functional = functional
@@ -158,7 +169,8 @@ class Case:
                     input_features_mask=feats["input_features_mask"])
 
     def generate_mask(self) -> dict:
-        """The masks `generate()` builds (bidirectional on sliding layers only): its forward() alone differs."""
+        """`create_masks_for_generate`'s masks (bidirectional on sliding layers only; `generate()` uses them with a
+        static cache): `forward()` alone builds others."""
         ids = torch.tensor([self.ids])
         embeds = self.hf.get_input_embeddings()(ids)
         return self.hf.create_masks_for_generate(self.hf.config, embeds, None, None,
@@ -183,7 +195,7 @@ def test_the_checkpoint_loads_as_the_12b(case):
     vc = case.model.vision.config
     assert type(case.model.vision).__name__ == "UnifiedVisionModel"
     assert (vc.patch_size, vc.pooling, vc.embed_dim, vc.position_embedding_size) == (48, 1, 48, 64)
-    assert vc.bidirectional and vc.video_token_id is None and vc.text_hidden_size == 64
+    assert vc.bidirectional and vc.video_token_id == 503 and vc.text_hidden_size == 64
     assert [m.kind for m in case.inputs] == ["image", "audio", "image"]
     assert [m.num_tokens for m in case.inputs] == [60, 8, 63]
 
@@ -208,7 +220,7 @@ def test_logits_with_two_images_and_a_clip_match_transformers(case):
 def test_greedy_tokens_equal_transformers_generate(case):
     with torch.no_grad():
         want = case.hf.generate(**case.hf_inputs(), mm_token_type_ids=case.type_ids(), max_new_tokens=8,
-                                do_sample=False)[0, len(case.ids):].tolist()
+                                do_sample=False, cache_implementation="static")[0, len(case.ids):].tolist()
     assert greedy_with_media(case.model, case.ids, case.media(), len(want)) == want
 
 
@@ -218,7 +230,7 @@ def test_engine_greedy_equals_transformers_generate(case):
 
     with torch.no_grad():
         want = case.hf.generate(**case.hf_inputs(), mm_token_type_ids=case.type_ids(), max_new_tokens=6,
-                                do_sample=False)[0, len(case.ids):].tolist()
+                                do_sample=False, cache_implementation="static")[0, len(case.ids):].tolist()
     engine = Engine(case.model, prefill_chunk=80, block_size=4)
     got = [e.token_id for e in engine.submit(case.ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                                              media=case.inputs)]
@@ -274,9 +286,10 @@ def test_pitfall_pixels_mapped_to_minus_one_one(case, monkeypatch):
 
 
 def test_pitfall_bidirectional_on_all_layers(case, monkeypatch):
-    """P9: transformers' 12B forward(mm_token_type_ids=...) lets image tokens see each other on every layer;
-    generate() and llama.cpp do so on sliding layers only, and so does gem4. Both ways on full layers too moves
-    the logits (it is what that forward computes, not what generate() does)."""
+    """P9: transformers' 12B forward(mm_token_type_ids=...) -- and so generate() with its default dynamic cache --
+    lets image tokens see each other on every layer; its create_masks_for_generate (generate() with a static
+    cache) and llama.cpp do so on sliding layers only, and so does gem4. Both ways on full layers too moves the
+    logits."""
     from gem4.config import FULL, SLIDING
 
     layout = KVPool.layout
@@ -337,16 +350,6 @@ def test_inconsistent_unified_configs_are_refused(case, tmp_path, edit, message)
         gem4.load(edited(case, tmp_path, edit), dtype="float32")
 
 
-def test_a_video_is_refused_by_the_12b(case):
-    """The 12B's video path is not built: its config says no video, and a video is refused by name."""
-    from gem4.media.video import Frame, Video
-
-    vc = case.model.vision.config
-    video = Video((Frame(case.patches[0], 0.0),), 24.0, 1)
-    with pytest.raises(ValueError, match="does not take videos"):
-        media_prompt([2, TOKEN_IDS["video_token_id"]], [video], vision=vc, tokenize=lambda text: [3])
-
-
 def test_inspect_shows_the_embedder(case):
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.summary import format_summary, summarize
@@ -391,3 +394,114 @@ def test_chat_with_an_image_on_the_12b_matches_the_engine(tmp_path):
     assert media[0].num_tokens == patches.patches.shape[0] == 130          # 150x200 at 140: 10 x 13 patches of 48 px
     assert r.usage.prompt_tokens == len(ids)
     assert (r.choices[0].message.content or "") == (parser.result.content or "")
+
+
+
+# ---- video: frames through the same embedder ----
+
+@pytest.fixture(scope="module")
+def hf_video_pixels():
+    """frames [T, 3, H, W] uint8, budget -> transformers' `Gemma4UnifiedVideoProcessor._preprocess` output, its
+    torchvision resize stubbed as the image processor's is."""
+    import importlib
+
+    from transformers.image_utils import PILImageResampling
+
+    backends = importlib.import_module("transformers.image_processing_backends")
+    importlib.import_module("transformers.video_processing_utils")
+    stubs = torchvision_stub()
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    sys.modules.pop("transformers.models.gemma4_unified.video_processing_gemma4_unified", None)
+    try:
+        from transformers.models.gemma4_unified.video_processing_gemma4_unified import Gemma4UnifiedVideoProcessor
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    processor = object.__new__(Gemma4UnifiedVideoProcessor)
+
+    def run(frames: torch.Tensor, budget: int = 70) -> dict:
+        # its normalize is the backend module's, which reaches torchvision through a module global
+        had, backends.tvF = getattr(backends, "tvF", None), stubs["torchvision.transforms.v2.functional"]
+        try:
+            return preprocess_video(frames, budget)
+        finally:
+            if had is None:
+                del backends.tvF
+            else:
+                backends.tvF = had
+
+    def preprocess_video(frames: torch.Tensor, budget: int) -> dict:
+        return Gemma4UnifiedVideoProcessor._preprocess(
+            processor, [frames], do_resize=True, resample=PILImageResampling.BICUBIC, do_rescale=True,
+            rescale_factor=1 / 255, do_normalize=True, image_mean=(0.0, 0.0, 0.0), image_std=(1.0, 1.0, 1.0),
+            return_tensors="pt", patch_size=16, max_soft_tokens=budget, pooling_kernel_size=3)
+
+    return run
+
+
+def decoded_frames(data: bytes, indices: list[int]) -> torch.Tensor:
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    return torch.from_numpy(np.stack([frames[i] for i in indices])).permute(0, 3, 1, 2).contiguous()
+
+
+def test_video_frames_equal_transformers_unified_video_processor(case, hf_video_pixels):
+    """The 12B's video processor is the other models' (torchvision's resize on the uint8 frames, 1/255 folded into
+    a mean 0 / std 255 normalisation) with 48 px patches: media/video.py at the 12B's patch size gives its pixels."""
+    from gem4.media.video import decode, frame_indices
+    from test_video import make_clip
+
+    vc = case.model.vision.config
+    data = make_clip(frames=40, fps=10)
+    video = decode(data, patch_size=vc.patch_size, pooling=vc.pooling)
+    out = hf_video_pixels(decoded_frames(data, frame_indices(40)))
+    assert len(video.frames) == out["pixel_values_videos"].shape[0] == 32
+    for i, frame in enumerate(video.frames):
+        p = frame.patches
+        assert p.num_tokens == out["num_soft_tokens_per_video"][0] == 63
+        assert np.array_equal(p.patches, out["pixel_values_videos"][i][:p.num_tokens].numpy())
+        assert np.array_equal(p.positions, out["video_position_ids"][i][:p.num_tokens].numpy())
+
+
+def test_logits_with_images_a_clip_and_a_video_match_transformers(case):
+    """Two images, a clip and an 8-frame video in one prompt: each frame its own block both ways on sliding layers,
+    as `create_masks_for_generate` makes it; greedy tokens equal to `generate()` with a static cache."""
+    from gem4.media.video import decode
+    from test_video import make_clip
+
+    vc, ac = case.model.vision.config, case.model.audio.config
+    video = decode(make_clip(frames=8, fps=4), patch_size=vc.patch_size, pooling=vc.pooling)
+    template = [2, 10, vc.image_token_id, 20, ac.audio_token_id, vc.image_token_id, 21, vc.video_token_id, 30, 31]
+    ids, inputs = media_prompt(template, [case.patches[0], case.wave, case.patches[1], video], vision=vc, audio=ac,
+                               tokenize=lambda text: [100 + ord(c) % 200 for c in text])
+    assert [m.kind for m in inputs] == ["image", "audio", "image"] + ["video"] * 8
+    media = [MediaItem(m.start, encode_audio(case.model.audio, m.data).embeddings if m.kind == "audio" else
+                       case.model.vision.encode(m.data.patches, m.data.positions, m.data.grid), m.bidirectional)
+             for m in inputs]
+    frames = [f.patches for f in video.frames]
+    pixels = torch.zeros(len(frames), 70, frames[0].patches.shape[1])
+    positions = torch.full((len(frames), 70, 2), -1, dtype=torch.long)
+    for i, p in enumerate(frames):                     # as the video processor pads each frame to the budget
+        pixels[i, :p.num_tokens], positions[i, :p.num_tokens] = torch.from_numpy(p.patches), torch.from_numpy(p.positions)
+    t = torch.tensor([ids])
+    types = (t == vc.image_token_id).long() + 2 * (t == vc.video_token_id).long() + 3 * (t == ac.audio_token_id).long()
+    inputs_hf = {**case.hf_inputs(), "input_ids": t, "pixel_values_videos": pixels, "video_position_ids": positions,
+                 "num_frames_per_video": torch.tensor([len(frames)])}
+    with torch.no_grad():
+        masks = case.hf.create_masks_for_generate(case.hf.config, case.hf.get_input_embeddings()(t), None, None,
+                                                  torch.arange(len(ids))[None], mm_token_type_ids=types)
+        ref = case.hf(**inputs_hf, attention_mask=masks).logits[0]
+        want = case.hf.generate(**inputs_hf, mm_token_type_ids=types, max_new_tokens=5,
+                                do_sample=False, cache_implementation="static")[0, len(ids):].tolist()
+    err = float((case.model.logits(ids, media) - ref).abs().max() / ref.abs().max())
+    print(f"12B logits with two images, a clip and a video, relative error {err:.1e}")
+    assert err < LOGIT_TOL
+    assert greedy_with_media(case.model, ids, media, len(want)) == want

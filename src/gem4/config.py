@@ -408,7 +408,7 @@ class UnifiedVisionConfig:
     image_token_id: int
     boi_token_id: int
     eoi_token_id: int
-    video_token_id: int | None = None   # the 12B's video path is not built: None (a video is refused)
+    video_token_id: int | None = None   # <|video|>: a frame's placeholder (None: no video)
 
     pooling = 1                   # a class constant, not a field: one soft token per patch
     image_processor = "torchvision"   # transformers' only 12B image processor (media/image.py follows it)
@@ -422,8 +422,10 @@ def build_unified_vision_config(**fields) -> UnifiedVisionConfig:
     """Check the 12B embedder's facts for sense (field: the UnifiedVisionConfig field at fault) and freeze them."""
     config = UnifiedVisionConfig(**fields)
     for name in ("patch_size", "embed_dim", "position_embedding_size", "text_hidden_size", "image_token_id",
-                 "boi_token_id", "eoi_token_id"):
+                 "boi_token_id", "eoi_token_id", "video_token_id"):
         v = getattr(config, name)
+        if name == "video_token_id" and v is None:
+            continue
         least = 0 if name.endswith("token_id") else 1
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ConfigError(f"vision {name} must be an integer >= {least}, got {v!r}", name)

@@ -382,6 +382,8 @@ def _read_unified(reader: GGUFReader, where: str, text: Checkpoint
         raise CheckpointError(f"{where}: v.position_embd.weight has shape {table}, expected (2, P, D)")
     width = text.config.hidden_size
     ids = {field: _token_id(text, token, where) for field, token in IMAGE_TOKENS.items()}
+    vocab = text.metadata["tokenizer.ggml.tokens"]
+    ids["video_token_id"] = vocab.index(VIDEO_TOKEN) if VIDEO_TOKEN in vocab else None   # a frame's soft token
     projection = _get(reader, "clip.vision.projection_dim", where)
     if projection != width:
         raise CheckpointError(f"{where}: clip.vision.projection_dim {projection} is not the text model's width "

@@ -116,7 +116,8 @@ def unified_vision_config_from_hf(whole: dict, text: dict, v: dict, where: Path)
             embed_dim=embed_dim, position_embedding_size=int_field(v, "mm_posemb_size", what),
             rms_norm_eps=number_field(v, "rms_norm_eps", what), text_hidden_size=int_field(text, "hidden_size", where),
             bidirectional=bidirectional == "vision", image_token_id=int_field(whole, "image_token_id", where),
-            boi_token_id=int_field(whole, "boi_token_id", where), eoi_token_id=int_field(whole, "eoi_token_id", where))
+            boi_token_id=int_field(whole, "boi_token_id", where), eoi_token_id=int_field(whole, "eoi_token_id", where),
+            video_token_id=int_field(whole, "video_token_id", where) if whole.get("video_token_id") is not None else None)
     except ConfigError as e:
         raise CheckpointError(f"{what}: {e}" + (f" ({names.get(e.field, e.field)})" if e.field else "")) from None
 
