@@ -23,7 +23,7 @@ from gem4.model.audio import encode_audio
 from gem4.model.gemma4 import MediaItem
 from gem4.weights.checkpoint import CheckpointError
 from unified_fixtures import build_unified_hf, clip
-from vision_fixtures import TOKEN_IDS, greedy_with_media, sample_image
+from vision_fixtures import greedy_with_media, sample_image
 
 EMBED_TOL = 1e-5
 LOGIT_TOL = 1e-4          # relative to the largest |logit|
