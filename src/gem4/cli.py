@@ -308,7 +308,7 @@ def _media_files(model, files: list[tuple[str, str]], flag: str = "--") -> list:
         try:
             if kind == "image":
                 items.append(preprocess(decode(data), DEFAULT_BUDGET, patch_size=tower.config.patch_size,
-                                        pooling=tower.config.pooling))
+                                        pooling=tower.config.pooling, processor=tower.config.image_processor))
                 check_fits(items[-1], tower.config)
             elif kind == "video":
                 items.append(decode_video(data, patch_size=tower.config.patch_size, pooling=tower.config.pooling))

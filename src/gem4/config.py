@@ -345,6 +345,8 @@ class VisionConfig:
     eoi_token_id: int             # <image|>, after them
     video_token_id: int | None = None   # <|video|>: a video frame's soft-token placeholder (None: no video)
 
+    image_processor = "pil"       # a class constant: media/image.py follows transformers' PIL image processor
+
     @property
     def patch_dim(self) -> int:
         return 3 * self.patch_size ** 2
@@ -384,6 +386,58 @@ def build_vision_config(**fields) -> VisionConfig:
         if n > MAX_TENSOR_ELEMENTS:
             raise ConfigError(f"the vision sizes imply a weight of {n} elements, more than 2^40", field)
     return config
+# ---- the 12B's encoder-free vision embedder (docs/multimodal.md §2.5) ----
+
+@dataclass(frozen=True)
+class UnifiedVisionConfig:
+    """12B ("unified", encoder-free): no tower. Each soft token is one `patch_size` x `patch_size` pixel patch in
+    [0, 1] (the checkpoint's patch_size x pooling_kernel_size, 48 px), LayerNormed, projected to `embed_dim`,
+    LayerNormed, given its (x, y) position, LayerNormed, then RMS-normed (no weight) and projected to the text
+    width. Built only by `weights/` from a checkpoint (`build_unified_vision_config` checks it).
+
+    The fields media/ and engine/ read have VisionConfig's names and meanings: `patch_size` and `pooling` size an
+    image's patches (one soft token per patch here: pooling 1), `position_embedding_size` bounds its grid, the
+    token ids and `bidirectional` place it in the prompt."""
+
+    patch_size: int               # pixels per side of the patch one soft token reads (48)
+    embed_dim: int                # the embedder's width (mm_embed_dim)
+    position_embedding_size: int  # rows of the (rows, 2, embed_dim) position table (mm_posemb_size)
+    rms_norm_eps: float           # the RMSNorm before the projection (the three LayerNorms use 1e-5, torch's default)
+    text_hidden_size: int         # the text model's width, which the projection maps into
+    bidirectional: bool           # as VisionConfig's ("vision": the 12B's sliding layers)
+    image_token_id: int
+    boi_token_id: int
+    eoi_token_id: int
+    video_token_id: int | None = None   # <|video|>: a frame's placeholder (None: no video)
+
+    pooling = 1                   # a class constant, not a field: one soft token per patch
+    image_processor = "torchvision"   # transformers' only 12B image processor (media/image.py follows it)
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size ** 2
+
+
+def build_unified_vision_config(**fields) -> UnifiedVisionConfig:
+    """Check the 12B embedder's facts for sense (field: the UnifiedVisionConfig field at fault) and freeze them."""
+    config = UnifiedVisionConfig(**fields)
+    for name in ("patch_size", "embed_dim", "position_embedding_size", "text_hidden_size", "image_token_id",
+                 "boi_token_id", "eoi_token_id", "video_token_id"):
+        v = getattr(config, name)
+        if name == "video_token_id" and v is None:
+            continue
+        least = 0 if name.endswith("token_id") else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ConfigError(f"vision {name} must be an integer >= {least}, got {v!r}", name)
+    eps = config.rms_norm_eps
+    if not (isinstance(eps, float) and math.isfinite(eps) and 0 < eps <= MAX_RMS_NORM_EPS):
+        raise ConfigError(f"vision rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {eps!r}", "rms_norm_eps")
+    widest = max(config.patch_dim, 2 * config.position_embedding_size, config.text_hidden_size)
+    if config.embed_dim * widest > MAX_TENSOR_ELEMENTS:
+        raise ConfigError("the vision sizes imply a weight of more than 2^40 elements", "embed_dim")
+    return config
+
+
 # ---- the audio tower (E2B/E4B; docs/multimodal.md §3.3) ----
 
 AUDIO_ACTIVATIONS = ("silu",)

@@ -13,6 +13,13 @@ The same pixels as transformers' Gemma 4 PIL image processor (`Gemma4ImageProces
 transformers pads the patches to budget x 9 with positions (-1, -1); gem4 does not (padding is masked out of
 everything, so it only costs work).
 
+The 12B ("unified") has no PIL processor: transformers' `Gemma4UnifiedImageProcessor` resizes with torchvision
+(`resize(bicubic, antialias=True)` on the uint8 image: torch's native uint8 kernel on the CPU, which gem4 calls, as
+media/video.py does for frames), rescales by `uint8 * (1/255)` in float32, and cuts 16 px patches that it merges
+3 x 3 into 48 px ones -- the same vectors as cutting 48 px patches directly (row, column, channel), at the
+48 px grid's positions. `preprocess(..., processor="torchvision", patch_size=48, pooling=1)` does that; the size
+rule is the same (`target_size(h, w, B, 48, 1)` equals `target_size(h, w, B, 16, 3)`).
+
 A budget is a most number of soft tokens, one per pooling x pooling patches (48 x 48 px); the number an image
 gets depends on its aspect ratio and is at most the budget (`ImagePatches.num_tokens`).
 """
@@ -23,10 +30,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 BUDGETS = (70, 140, 280, 560, 1120)     # the soft-token budgets the model was trained with
 DEFAULT_BUDGET = 280                    # transformers' and the released processor_config.json's default
+PROCESSORS = ("pil", "torchvision")     # which transformers image processor's resize and rescale to follow
 MAX_PIXELS = 64 * 2**20                 # the most pixels a decoded image may have (a decompression bomb guard:
                                         # a few KB of PNG can claim gigapixels)
 
@@ -100,15 +109,34 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def preprocess(image: Image.Image, budget: int = DEFAULT_BUDGET, *, patch_size: int, pooling: int) -> ImagePatches:
-    """An image (any mode: `to_rgb` is applied) -> its patches for a budget of `budget` soft tokens. `patch_size`
-    and `pooling` are the checkpoint's (VisionConfig)."""
+def preprocess(image: Image.Image, budget: int = DEFAULT_BUDGET, *, patch_size: int, pooling: int,
+               processor: str = "pil") -> ImagePatches:
+    """An image (any mode: `to_rgb` is applied) -> its patches for a budget of `budget` soft tokens. `patch_size`,
+    `pooling` and `processor` are the checkpoint's (VisionConfig, UnifiedVisionConfig): "pil" resizes with
+    Pillow's bicubic and rescales in float64 (transformers' PIL processor), "torchvision" with torch's uint8
+    bicubic + antialias and rescales in float32 (its torchvision processors; the 12B has no other)."""
+    if processor not in PROCESSORS:
+        raise ValueError(f"processor must be one of {PROCESSORS}, got {processor!r}")
     image = to_rgb(image)
     th, tw = target_size(image.height, image.width, budget, patch_size, pooling)
+    if processor == "torchvision":
+        resized = resize_uint8(np.array(image), th, tw)                                     # [3, th, tw] uint8
+        return patchify((resized * (1 / 255)).permute(1, 2, 0).numpy(), patch_size, pooling)
     if (image.height, image.width) != (th, tw):
         image = image.resize((tw, th), resample=Image.Resampling.BICUBIC)
     pixels = (np.asarray(image).astype(np.float64) * (1 / 255)).astype(np.float32)     # [th, tw, 3]
     return patchify(pixels, patch_size, pooling)
+
+
+def resize_uint8(rgb: np.ndarray, th: int, tw: int) -> torch.Tensor:
+    """RGB uint8 [h, w, 3] -> [3, th, tw] uint8 as torchvision's `resize(bicubic, antialias=True)` makes it on the
+    CPU: it hands a uint8 tensor to torch's native uint8 bicubic+antialias kernel as is (unchanged when the size
+    is)."""
+    pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]        # [1, 3, h, w] uint8
+    if pixels.shape[-2:] != (th, tw):
+        pixels = torch.nn.functional.interpolate(pixels, size=(th, tw), mode="bicubic", align_corners=False,
+                                                 antialias=True)                   # uint8 in, uint8 out
+    return pixels[0]
 
 
 def patchify(pixels: np.ndarray, patch_size: int, pooling: int) -> ImagePatches:

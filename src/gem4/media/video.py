@@ -23,9 +23,8 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from gem4.media.image import ImagePatches, patchify, target_size
+from gem4.media.image import ImagePatches, patchify, resize_uint8, target_size
 
 FRAMES = 32                 # the most frames a video gives (transformers' num_frames)
 BUDGET = 70                 # soft tokens per frame (transformers' video max_soft_tokens)
@@ -132,9 +131,6 @@ def preprocess_frame(rgb: np.ndarray, budget: int = BUDGET, *, patch_size: int, 
     """One RGB uint8 frame [h, w, 3] -> its patches at `budget` (module docstring: torchvision's bicubic)."""
     h, w = rgb.shape[:2]
     th, tw = target_size(h, w, budget, patch_size, pooling)
-    frame = torch.from_numpy(np.ascontiguousarray(rgb)).permute(2, 0, 1)[None]        # [1, 3, h, w] uint8
-    if (th, tw) != (h, w):
-        frame = torch.nn.functional.interpolate(frame, size=(th, tw), mode="bicubic", align_corners=False,
-                                                antialias=True)                 # uint8 in, uint8 out
-    pixels = (frame[0].permute(1, 2, 0).float() / 255.0).numpy()                        # [th, tw, 3] float32
+    frame = resize_uint8(rgb, th, tw)                                                   # [3, th, tw] uint8
+    pixels = (frame.permute(1, 2, 0).float() / 255.0).numpy()                           # [th, tw, 3] float32
     return patchify(pixels, patch_size, pooling)

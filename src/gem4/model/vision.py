@@ -157,12 +157,12 @@ class VisionTower(nn.Module):
 
 
 class VisionEmbedder(nn.Module):
-    """`embed_vision.*`: RMSNorm without weight, then D -> the text width."""
+    """`embed_vision.*`: RMSNorm without weight, then D -> the text width (the 12B's embedder ends with it too)."""
 
-    def __init__(self, config: VisionConfig):
+    def __init__(self, hidden_size: int, text_hidden_size: int, eps: float):
         super().__init__()
-        self.eps = config.rms_norm_eps
-        self.embedding_projection = QuantLinear(config.hidden_size, config.text_hidden_size)
+        self.eps = eps
+        self.embedding_projection = QuantLinear(hidden_size, text_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.embedding_projection(rms_norm(x, None, self.eps))
@@ -176,7 +176,7 @@ class VisionModel(nn.Module):
         self.config = config
         self.dtype = dtype
         self.vision_tower = VisionTower(config)
-        self.embed_vision = VisionEmbedder(config)
+        self.embed_vision = VisionEmbedder(config.hidden_size, config.text_hidden_size, config.rms_norm_eps)
 
     @torch.no_grad()
     def encode(self, patches, positions, grid: tuple[int, int]) -> torch.Tensor:

@@ -384,7 +384,8 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
     budget = image_budget(req) if any(part["type"] == "image" for _, _, part in where) else DEFAULT_BUDGET
 
     def load_image(data: bytes) -> ImagePatches:
-        image = preprocess(decode(data), budget, patch_size=vision.patch_size, pooling=vision.pooling)
+        image = preprocess(decode(data), budget, patch_size=vision.patch_size, pooling=vision.pooling,
+                           processor=vision.image_processor)
         try:
             check_fits(image, vision)
         except ValueError as e:

@@ -3,8 +3,9 @@
 Layouts (docs/gemma4.md §3.1):
     Gemma4ForCausalLM                 text weights under `model.`
     Gemma4ForConditionalGeneration    text weights under `model.language_model.`; the vision tower's under
-                                      `model.vision_tower.` / `model.embed_vision.` (Checkpoint.towers, bound by
-                                      weights/towers.py); the audio tower's ignored here (weights/audio.py)
+                                      `model.vision_tower.` / `model.embed_vision.` (the 12B's embedder:
+                                      `model.vision_embedder.`; Checkpoint.towers, bound by weights/towers.py); the
+                                      audio tower's ignored here (weights/audio.py)
     (MLX: language_model.model.)      what mlx_lm / mlx-vlm save for the multimodal model (towers ignored)
 MLX affine checkpoints (config.json `quantization`; weights/mlx.py) are read here too: their quantized weights
 become MLX_A4 / MLX_A8 (or Q4_1) block tensors, the rest as in any HF checkpoint.
@@ -31,7 +32,7 @@ TEXT_MODEL_TYPES = ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_t
 TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 STORED_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # the towers' tensors, kept apart from the text model's (canonical name: without `model.`)
-TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
+TOWER_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.vision_embedder.")   # (the last: the 12B's)
 VESTIGIAL_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight", "self_attn.v_norm.weight")
 
 

@@ -5,7 +5,7 @@ llama.cpp keeps a Gemma 4 checkpoint's towers out of the text GGUF, in a second 
 `--mmproj FILE` on run, chat and serve take the same file. `read_mmproj` turns it into the canonical tower tensors
 and `VisionConfig` an HF checkpoint gives (weights/towers.py), so `bind_vision` binds it unchanged:
 
-- names: `v.*` / `mm.*` <-> the HF names without `model.` (MMPROJ_NAMES); the one transform, the patch embedder
+- names: `v.*` / `mm.*` <-> the HF names without `model.` (`mmproj_name`); the one transform, the patch embedder
   written as a conv kernel (D, 3, p, p), is undone to the (D, p·p·3) linear (row in patch, column, channel);
   clip bounds stored as [1] become scalars;
 - config: every value the file states (`clip.vision.*`), the rest from the tensors as llama.cpp infers them
@@ -24,6 +24,11 @@ kernel, output width and clipping, and the constants llama.cpp hard-codes for th
 `per_dim_scale` is stored through softplus and kept so (AudioModel(softplus_applied=True)); the audio token ids
 come from the text GGUF's vocabulary.
 
+The 12B ("unified", projectors "gemma4uv" / "gemma4ua"; docs/multimodal.md §2.6) has
+no tower: its embedder's tensors (patch_dense's columns and patch_ln1 stored in CHW order, the position table with
+its axes swapped) and its raw-frame audio projection, read into UnifiedVisionConfig / FrameAudioConfig and
+written as llama.cpp's converter writes them (the sections at the end of this file).
+
 `write_mmproj` (gem4 convert) writes an HF checkpoint's towers in the same layout, tensor for tensor what
 llama.cpp's `convert_hf_to_gguf.py --mmproj` writes.
 """
@@ -34,11 +39,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gem4.config import (AudioConfig, ConfigError, FrameAudioConfig, VisionConfig, build_audio_config,
+from gem4.config import (AudioConfig, ConfigError, FrameAudioConfig, UnifiedVisionConfig, VisionConfig,
+                         build_audio_config, build_frame_audio_config, build_unified_vision_config,
                          build_vision_config)
 from gem4.ggml import GGMLType, quantize
 from gem4.gguf import GGUFError, GGUFReader, GGUFValueType, GGUFWriter
 from gem4.media import audio as front_end
+from gem4.model.unified_vision import UnifiedVisionModel
 from gem4.model.vision import VisionModel
 from gem4.weights.audio import audio_shapes, hf_audio
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
@@ -127,8 +134,8 @@ def _get(reader: GGUFReader, key: str, where: str, kind=int):
 
 
 def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEntry], dict[str, object], GGUFReader]:
-    """An mmproj GGUF for the text model `text` -> (canonical tower tensors, {"vision": VisionConfig, and "audio":
-    AudioConfig where the file has an audio tower}, the open reader)."""
+    """An mmproj GGUF for the text model `text` -> (canonical tower tensors, {"vision": its config, and "audio"
+    where the file has an audio tower: E2B/E4B's conformer, the 12B's raw-frame projection}, the open reader)."""
     path = Path(path)
     where = f"mmproj {path}"
     if not path.is_file():
@@ -138,6 +145,9 @@ def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEnt
     except GGUFError as e:
         raise CheckpointError(f"{where}: {e}") from None
     try:
+        projector = reader.metadata.get("clip.vision.projector_type", reader.metadata.get("clip.projector_type"))
+        if projector == UNIFIED_PROJECTOR:                # the 12B's encoder-free embedder
+            return (*_read_unified(reader, where, text), reader)
         entries, vision = _read(reader, where, text)
         configs: dict[str, object] = {"vision": vision}
         if reader.metadata.get("clip.has_audio_encoder") is True:
@@ -265,6 +275,8 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
     vision = ckpt.tower_configs.get("vision")
     if vision is None:
         raise CheckpointError(f"{ckpt.path}: the checkpoint has no vision tower to write as an mmproj")
+    if isinstance(vision, UnifiedVisionConfig):
+        return write_unified_mmproj(ckpt, out, out_type, name)
     qtype = _TYPES[mmproj_type(out_type)]
     w = GGUFWriter(out)
     w.add("general.architecture", ARCH)
@@ -439,6 +451,136 @@ def _vocab_id(text: Checkpoint, token: str, where: str) -> int:
     return vocab.index(token)
 
 
+# ---- the 12B ("unified"): projectors "gemma4uv" / "gemma4ua" (docs/multimodal.md §2.6) ----
+
+UNIFIED_PROJECTOR = "gemma4uv"
+UNIFIED_AUDIO_PROJECTOR = "gemma4ua"
+AUDIO_TOKENS_12B = {"audio_token_id": "<|audio|>", "boa_token_id": "<|audio>", "eoa_token_id": "<audio|>"}
+_U_NAMES = {"vision_embedder.patch_dense.weight": "v.patch_embd.weight",
+            "vision_embedder.patch_dense.bias": "v.patch_embd.bias",
+            "vision_embedder.patch_ln1.weight": "v.patch_norm.1.weight",
+            "vision_embedder.patch_ln1.bias": "v.patch_norm.1.bias",
+            "vision_embedder.patch_ln2.weight": "v.patch_norm.2.weight",
+            "vision_embedder.patch_ln2.bias": "v.patch_norm.2.bias",
+            "vision_embedder.pos_norm.weight": "v.patch_norm.3.weight",
+            "vision_embedder.pos_norm.bias": "v.patch_norm.3.bias",
+            "vision_embedder.pos_embedding": "v.position_embd.weight",
+            "embed_vision.embedding_projection.weight": "mm.input_projection.weight"}
+_U_AUDIO = ("embed_audio.embedding_projection.weight", "mm.a.input_projection.weight")
+_U_CHW = ("vision_embedder.patch_dense.weight", "vision_embedder.patch_ln1.weight", "vision_embedder.patch_ln1.bias")
+_U_TABLE = "vision_embedder.pos_embedding"
+
+
+def chw_order(p: int) -> torch.Tensor:
+    """The patch-vector permutation llama.cpp's converter applies to the 12B's patch_dense columns and patch_ln1:
+    entry i, in (channel, row, column) order -- what ggml's im2col gives its graph -- is the (row, column, channel)
+    index transformers' patches have there."""
+    i = torch.arange(p * p * 3)
+    channel, row, column = i // (p * p), (i % (p * p)) // p, i % p
+    return row * p * 3 + column * 3 + channel
+
+
+def _u_stored(canonical: str, t: torch.Tensor, p: int) -> torch.Tensor:
+    """gem4's tensor -> llama.cpp's: the CHW permutation, the position table's axes first."""
+    if canonical in _U_CHW:
+        return t[..., chw_order(p)]
+    if canonical == _U_TABLE:
+        return t.permute(1, 0, 2)
+    return t
+
+
+def _u_entry(reader: GGUFReader, name: str, canonical: str, shape: tuple[int, ...], p: int) -> TensorEntry:
+    """A tensor of the file as gem4's: the CHW permutation undone, the position table (rows, 2, D) again."""
+    base = tensor_entry(reader, name, canonical)
+    if canonical in _U_CHW:
+        inverse = torch.argsort(chw_order(p))
+        dense = lambda: base.dense()[..., inverse]                                  # noqa: E731
+    elif canonical == _U_TABLE:
+        dense = lambda: base.dense().permute(1, 0, 2).contiguous()                  # noqa: E731
+    else:
+        return base
+    return TensorEntry(name=canonical, shape=shape, stored=base.stored, nbytes=base.nbytes, dense=dense,
+                       release=base.release)
+
+
+def _read_unified(reader: GGUFReader, where: str, text: Checkpoint
+                  ) -> tuple[dict[str, TensorEntry], dict[str, object]]:
+    """The 12B's mmproj: its embedder (UnifiedVisionConfig) and, where the file has it (llama.cpp's converter always
+    writes it), its raw-frame audio projection (FrameAudioConfig)."""
+    if reader.metadata.get("general.architecture") != ARCH:
+        raise CheckpointError(f"{where}: general.architecture is {reader.metadata.get('general.architecture')!r}, "
+                              f"an mmproj file says {ARCH!r}")
+    if reader.metadata.get("clip.has_vision_encoder") is not True:
+        raise CheckpointError(f"{where}: clip.has_vision_encoder is not true: the file has no vision embedder")
+    if text.format != "gguf":
+        raise CheckpointError(f"{where}: an mmproj file goes with a GGUF text model; {text.path} is an HF checkpoint "
+                              f"(its towers load with it)")
+    for key, want in (("clip.vision.image_mean", 0.0), ("clip.vision.image_std", 1.0)):
+        value = reader.metadata.get(key)
+        if value is not None and [float(x) for x in value] != [want] * 3:
+            raise CheckpointError(f"{where}: {key} {list(value)} is not [{want:g}, {want:g}, {want:g}]: the 12B reads "
+                                  f"[0, 1] pixels")
+    shape = {n: t.shape for n, t in reader.tensors.items()}
+    if "v.position_embd.weight" not in shape:
+        raise CheckpointError(f"{where}: missing required tensor 'v.position_embd.weight'")
+    table = shape["v.position_embd.weight"]
+    if len(table) != 3 or table[0] != 2:
+        raise CheckpointError(f"{where}: v.position_embd.weight has shape {table}, expected (2, P, D)")
+    width = text.config.hidden_size
+    ids = {field: _vocab_id(text, token, where) for field, token in IMAGE_TOKENS.items()}
+    vocab = text.metadata["tokenizer.ggml.tokens"]
+    ids["video_token_id"] = vocab.index(VIDEO_TOKEN) if VIDEO_TOKEN in vocab else None   # a frame's soft token
+    projection = _get(reader, "clip.vision.projection_dim", where)
+    if projection != width:
+        raise CheckpointError(f"{where}: clip.vision.projection_dim {projection} is not the text model's width "
+                              f"{width} ({text.path}): the mmproj belongs to another model")
+    merge = (_get(reader, "clip.vision.projector.scale_factor", where)
+             if "clip.vision.projector.scale_factor" in reader.metadata else POOLING)
+    try:
+        vision = build_unified_vision_config(
+            patch_size=_get(reader, "clip.vision.patch_size", where) * merge,
+            embed_dim=_get(reader, "clip.vision.embedding_length", where), position_embedding_size=table[1],
+            rms_norm_eps=_get(reader, "clip.vision.attention.layer_norm_epsilon", where, float),
+            text_hidden_size=width, bidirectional=not text.config.ple_dim, **ids)
+    except ConfigError as e:
+        raise CheckpointError(f"{where}: {e}" + (f" ({e.field})" if e.field else "")) from None
+    configs: dict[str, object] = {"vision": vision}
+    with torch.device("meta"):
+        expected = {n: tuple(t.shape) for n, t in UnifiedVisionModel(vision, torch.float32).named_parameters()}
+    if reader.metadata.get("clip.has_audio_encoder") is True:
+        projector = reader.metadata.get("clip.audio.projector_type")
+        if projector != UNIFIED_AUDIO_PROJECTOR:
+            raise CheckpointError(f"{where}: clip.audio.projector_type {projector!r} is not the 12B's "
+                                  f"{UNIFIED_AUDIO_PROJECTOR!r}")
+        audio_width = _get(reader, "clip.audio.projection_dim", where)
+        if audio_width != width:
+            raise CheckpointError(f"{where}: clip.audio.projection_dim {audio_width} is not the text model's width "
+                                  f"{width} ({text.path}): the mmproj belongs to another model")
+        try:       # clip.audio.num_mel_bins is not read: the converter writes a meaningless 128 there
+            configs["audio"] = audio = build_frame_audio_config(
+                _get(reader, "clip.audio.embedding_length", where),
+                _get(reader, "clip.audio.attention.layer_norm_epsilon", where, float), width,
+                **{field: _vocab_id(text, token, where) for field, token in AUDIO_TOKENS_12B.items()})
+        except ConfigError as e:
+            raise CheckpointError(f"{where}: {e}" + (f" ({e.field})" if e.field else "")) from None
+        expected[_U_AUDIO[0]] = (width, audio.samples_per_token)
+    entries, known = {}, set()
+    for canonical, want in expected.items():
+        name = _U_AUDIO[1] if canonical == _U_AUDIO[0] else _U_NAMES[canonical]
+        stored = (want[1], want[0], want[2]) if canonical == _U_TABLE else want
+        if name not in shape:
+            raise CheckpointError(f"{where}: missing required tensor {name!r} (expected shape {stored})")
+        if shape[name] != stored:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {shape[name]}, the clip.* keys need {stored}")
+        entries[canonical] = _u_entry(reader, name, canonical, want, vision.patch_size)
+        known.add(name)
+    unexpected = sorted(set(shape) - known)
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    return entries, configs
+
+
 def _write_audio(w: GGUFWriter, audio: AudioConfig | FrameAudioConfig, tensors: dict[str, TensorEntry],
                  qtype: GGMLType, counts: dict[str, int], where) -> None:
     """An HF checkpoint's conformer into the mmproj being written, as llama.cpp's converter writes it: matrices in
@@ -468,3 +610,64 @@ def _write_audio(w: GGUFWriter, audio: AudioConfig | FrameAudioConfig, tensors: 
         stored = _audio_stored_shape(canonical, shape)
         w.add_tensor(audio_mmproj_name(canonical), quantize(t.contiguous().reshape(stored), ggml).numpy(), stored, ggml)
         counts[ggml.name] = counts.get(ggml.name, 0) + 1
+
+
+def write_unified_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
+    """The 12B's embedder and raw-frame audio projection as llama.cpp's converter writes them (its
+    Gemma4UnifiedVisionAudioModel): the keys it writes in its order, the patch_dense columns and patch_ln1 in CHW
+    order, the position table (2, rows, D); the two projections in `out_type` (Q8_0: F16 where a row is not whole
+    blocks), patch_dense F16 in an f16 file and F32 otherwise, every vector and the table F32."""
+    vision: UnifiedVisionConfig = ckpt.tower_configs["vision"]
+    audio, projection = _hf_frame_audio(ckpt)
+    qtype = _TYPES[mmproj_type(out_type)]
+    w = GGUFWriter(out)
+    w.add("general.architecture", ARCH)
+    w.add("general.type", "mmproj")
+    w.add("general.name", name or ckpt.path.name)
+    w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 7, GGMLType.BF16: 32}[qtype],
+          _VT.UINT32)
+    w.add("clip.has_vision_encoder", True)
+    w.add("clip.vision.projection_dim", vision.text_hidden_size, _VT.UINT32)
+    w.add("clip.vision.image_size", 224, _VT.UINT32)          # placeholders llama.cpp's converter writes too
+    w.add("clip.vision.patch_size", vision.patch_size // POOLING, _VT.UINT32)
+    w.add("clip.vision.embedding_length", vision.embed_dim, _VT.UINT32)
+    for key in ("feed_forward_length", "block_count", "attention.head_count"):
+        w.add(f"clip.vision.{key}", 0, _VT.UINT32)
+    w.add("clip.vision.image_mean", np.zeros(3, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
+    w.add("clip.vision.image_std", np.ones(3, dtype=np.float32), _VT.ARRAY, _VT.FLOAT32)
+    w.add("clip.has_audio_encoder", True)
+    w.add("clip.audio.projection_dim", audio.text_hidden_size, _VT.UINT32)
+    w.add("clip.audio.embedding_length", audio.samples_per_token, _VT.UINT32)
+    for key in ("feed_forward_length", "block_count", "attention.head_count"):
+        w.add(f"clip.audio.{key}", 0, _VT.UINT32)
+    w.add("clip.vision.projector_type", UNIFIED_PROJECTOR)
+    w.add("clip.vision.attention.layer_norm_epsilon", vision.rms_norm_eps, _VT.FLOAT32)
+    w.add("clip.audio.projector_type", UNIFIED_AUDIO_PROJECTOR)
+    w.add("clip.audio.num_mel_bins", 128, _VT.UINT32)         # meaningless for raw frames; the converter writes it
+    w.add("clip.audio.attention.layer_norm_epsilon", audio.rms_norm_eps, _VT.FLOAT32)
+    w.add("general.quantization_version", 2, _VT.UINT32)
+    counts: dict[str, int] = {}
+    tensors = [(c, _U_NAMES[c], ckpt.towers[c].dense()) for c in _U_NAMES] + [(*_U_AUDIO, projection)]
+    for canonical, gguf_name, t in sorted(tensors):                  # the converter's order: the HF names
+        t = _u_stored(canonical, t.float(), vision.patch_size).contiguous()
+        if canonical == "vision_embedder.patch_dense.weight":
+            ggml = GGMLType.F16 if qtype == GGMLType.F16 else GGMLType.F32
+        elif t.ndim == 2:
+            ggml = qtype if t.shape[1] % 32 == 0 or qtype != GGMLType.Q8_0 else GGMLType.F16
+        else:
+            ggml = GGMLType.F32
+        w.add_tensor(gguf_name, quantize(t, ggml).numpy(), tuple(t.shape), ggml)
+        counts[ggml.name] = counts.get(ggml.name, 0) + 1
+    w.write()
+    return counts
+
+
+def _hf_frame_audio(ckpt: Checkpoint) -> tuple[FrameAudioConfig, torch.Tensor]:
+    """The 12B HF checkpoint's raw-frame audio: its config and its projection (llama.cpp's converter needs both
+    towers in a 12B mmproj)."""
+    found = hf_audio(Path(ckpt.path))
+    if found is None or not isinstance(found[0], FrameAudioConfig):
+        raise CheckpointError(f"{ckpt.path}: llama.cpp's 12B mmproj holds the raw-frame audio projection too; the "
+                              f"checkpoint has no 12B audio_config to write")
+    audio, entries = found
+    return audio, entries[_U_AUDIO[0]].dense()

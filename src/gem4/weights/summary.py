@@ -5,9 +5,11 @@ import math
 
 import torch
 
+from gem4.config import UnifiedVisionConfig
 from gem4.kv_cache import kv_bytes_per_token, kv_dtype_name
 from gem4.weights.audio import audio_summary, checkpoint_audio
 from gem4.weights.checkpoint import Checkpoint, TensorEntry
+from gem4.weights.towers import VISION_PREFIXES
 
 
 def summarize(ckpt: Checkpoint, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -69,8 +71,8 @@ def _vision(ckpt: Checkpoint) -> dict | None:
     v = ckpt.tower_configs.get("vision")
     if v is None:
         return None
-    return {**vars(v), **_tower([e for name, e in ckpt.towers.items()
-                                 if name.startswith(("vision_tower.", "embed_vision."))])}
+    return {**vars(v), "kind": "encoder-free embedder (12B)" if isinstance(v, UnifiedVisionConfig) else "ViT",
+            **_tower([e for name, e in ckpt.towers.items() if name.startswith(VISION_PREFIXES)])}
 
 
 def _audio(ckpt: Checkpoint) -> dict | None:
@@ -101,7 +103,11 @@ def format_summary(s: dict) -> str:
         m = s["moe"]
         lines.append(f"experts        {m['num_experts']} x {m['intermediate_size']}, top-{m['top_k']}")
     v = s.get("vision")
-    if v:
+    if v and "embed_dim" in v:
+        lines.append(f"vision         {v['kind']}: {v['patch_size']} px patches, one a token -> {v['embed_dim']} -> "
+                     f"{v['text_hidden_size']}, {v['parameters']:,} parameters ({v['bytes'] / 2**20:.1f} MiB: {_types(v)})"
+                     + ("; images attend both ways on sliding layers" if v["bidirectional"] else "; causal over images"))
+    elif v:
         lines.append(f"vision tower   {v['num_layers']} layers x {v['hidden_size']} ({v['num_heads']} heads x "
                      f"{v['head_dim']}), patch {v['patch_size']}, pool {v['pooling']}x{v['pooling']}, "
                      f"{v['parameters']:,} parameters ({v['bytes'] / 2**20:.1f} MiB: {_types(v)})"
