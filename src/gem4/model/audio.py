@@ -37,7 +37,7 @@ from torch import nn
 
 from gem4.config import AudioConfig, FrameAudioConfig
 from gem4.media import audio as media_audio
-from gem4.model.layers import QuantLinear, rms_norm
+from gem4.model.layers import TOWER_PREFILL, QuantLinear, rms_norm
 
 FIXED_EPS = 1e-6     # transformers' Gemma4RMSNorm default: the feed-forward and per-layer norms use it
 
@@ -72,7 +72,7 @@ class ClippedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.clipped:
             x = torch.clamp(x, self.input_min, self.input_max)
-        y = self.linear(x)
+        y = self.linear(x, TOWER_PREFILL)
         return torch.clamp(y, self.output_min, self.output_max) if self.clipped else y
 
 
@@ -107,7 +107,7 @@ class SubsampleConvProjection(nn.Module):
         """features [F, n_mels] -> [ceil(F/4), D]."""
         x = self.layer1(self.layer0(features[None]))                 # [C1, T, freq]
         x = x.permute(1, 2, 0).reshape(x.shape[1], -1)               # [T, freq*C1]: freq-major, channel-fastest
-        return self.input_proj_linear(x)
+        return self.input_proj_linear(x, TOWER_PREFILL)
 
 
 class FeedForward(nn.Module):
@@ -159,7 +159,7 @@ class Attention(nn.Module):
         q = self.q_proj(h).float().view(T, nh, hd) * self.q_scale * F.softplus(self.per_dim_scale.float())
         k = self.k_proj(h).float().view(T, nh, hd) * self.k_scale
         v = self.v_proj(h).float().view(T, nh, hd)
-        relk = self.relative_k_proj(positions).float().view(-1, nh, hd)               # [P, nh, hd]
+        relk = self.relative_k_proj(positions, TOWER_PREFILL).float().view(-1, nh, hd)               # [P, nh, hd]
         rows = min(self.width, relk.shape[0] - 1)
         rel = relk.new_zeros(self.width, nh, hd)
         rel[:rows] = relk[1:1 + rows]                                                 # [W, nh, hd]; past the table: 0
@@ -250,7 +250,7 @@ class AudioTower(nn.Module):
         positions = self.relative_positions(h.device)
         for layer in self.layers:
             h = layer(h, positions)
-        return self.output_proj(h) + self.output_proj.bias.float()
+        return self.output_proj(h, TOWER_PREFILL) + self.output_proj.bias.float()
 
 
 class Embedder(nn.Module):
@@ -262,7 +262,7 @@ class Embedder(nn.Module):
         self.embedding_projection = QuantLinear(in_dims, text_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embedding_projection(rms_norm(x, None, self.eps))
+        return self.embedding_projection(rms_norm(x, None, self.eps), TOWER_PREFILL)
 
 
 class AudioModel(nn.Module):
@@ -282,7 +282,7 @@ class AudioModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embed_audio.embedding_projection.weight.device
+        return self.audio_tower.subsample_conv_projection.layer0.conv.weight.device     # a weight no backend packs
 
 
 class FrameAudioModel(nn.Module):

@@ -23,7 +23,9 @@ from safetensors import safe_open
 from gem4.config import AudioConfig, ConfigError, FrameAudioConfig, build_audio_config, build_frame_audio_config
 from gem4.media import audio as front_end
 from gem4.model.audio import AudioModel, FrameAudioModel
-from gem4.weights.checkpoint import Checkpoint, CheckpointError
+from gem4.model.backends import Backend, choose
+from gem4.weights.binding import bind_weights
+from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.hf import STORED_DTYPES, int_field, safetensors_files
 
 AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
@@ -148,8 +150,10 @@ def audio_summary(ckpt: Checkpoint) -> dict | None:
             "max_tokens": front_end.num_soft_tokens(front_end.MAX_SAMPLES)}
 
 
-def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
-    """The audio model of an opened HF checkpoint, bound in `dtype` (vectors and scalars in float32), or None."""
+def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str, backend: Backend
+               ) -> AudioModel | FrameAudioModel | None:
+    """The audio model of an opened HF checkpoint, bound in `dtype` (vectors and scalars in float32) through the text
+    model's backend (binding.bind_weights), or None."""
     if ckpt.format != "safetensors":
         return None                                    # a GGUF's towers live in its mmproj file
     directory = Path(ckpt.path)
@@ -183,12 +187,10 @@ def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> Aud
         raise CheckpointError(f"{directory}: unexpected audio tensor {'model.' + unexpected[0]!r}"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                               + " for its audio_config")
-    state = {}
-    for name, shape in expected.items():
-        handle, full, _ = located[name]
-        keep = torch.float32 if len(shape) <= 1 else dtype
-        state[name] = handle.get_tensor(full).to(device=device, dtype=keep).clone()
-    model.load_state_dict(state, strict=True, assign=True)
+    entries = {name: TensorEntry(name=name, shape=expected[name], stored=handle.get_slice(full).get_dtype(), nbytes=0,
+                                 dense=lambda handle=handle, full=full: handle.get_tensor(full))
+               for name, (handle, full, _) in located.items()}
+    bind_weights(model, entries, backend, dtype, device)
     return model.eval()
 
 
@@ -199,4 +201,4 @@ def load_audio(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return bind_audio(open_hf(Path(path)), DTYPES[dtype], device)
+    return bind_audio(open_hf(Path(path)), DTYPES[dtype], device, choose(DTYPES[dtype], device))
