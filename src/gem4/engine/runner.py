@@ -32,7 +32,8 @@ by the same masks, where it binds (engine/grammar.py).
 
 Media (docs/multimodal.md §5.4): a sequence's images and audio clips become soft tokens through the model's
 towers once, when its first prefill piece runs, and are kept (per sequence, like its generator) until it is released, so a
-preempted sequence recomputes its prompt with the same soft tokens. A forward pass carries the soft tokens of
+preempted sequence recomputes its prompt with the same soft tokens. The media of every sequence a step starts go
+through the towers together: images and video frames of one patch grid in one tower pass (`encode_all`). A forward pass carries the soft tokens of
 its pieces' rows (`StepEmbeds`) and each sequence's bidirectional spans (`SeqStep.bidirectional`).
 
 Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gem4.engine.grammar import Matchers
@@ -75,6 +77,9 @@ from gem4.model.audio import encode_audio
 from gem4.model.gemma4 import MediaItem, StepEmbeds
 from gem4.sampling import Sampler, SeedStream
 from gem4.structured import GrammarStats, GrammarVocab
+
+
+MAX_TOWER_PATCHES = 10080    # patches of one batched vision tower pass: a 1120-token image's (bounds its activations)
 
 
 class NonFiniteLogits(RuntimeError):
@@ -259,6 +264,7 @@ class ModelRunner:
         """The chunks through the model (in passes by kind, see the module docstring) -> per chunk the logits of
         its `num_logits` last rows [n, V] (with the assistant: (logits, final-normed hidden states [n, H])), or
         None."""
+        self._encode_media([w.chunk.seq for w in work if w.prefill])
         pieces = [(i, p) for i, w in enumerate(work) for p in _pieces(w, self.model.decode_rows)]
         out: list = [None] * len(work)
         for group in _passes([(i, p.prefill, len(p.ids)) for i, p in pieces], self.model.decode_rows):
@@ -288,13 +294,21 @@ class ModelRunner:
             parts = self.model.forward(ids_t, layout, self.pool, **extra).split(sizes)      # [M, V]
         return [part if w.num_logits else None for w, part in zip(work, parts)]
 
+    def _encode_media(self, seqs) -> None:
+        """The soft tokens of every sequence among `seqs` whose media are not encoded yet, all through the towers
+        together (`encode_all`: the images and frames of one patch grid in one tower pass, whichever request they
+        belong to), kept until the sequence is released."""
+        todo = list({s.seq_id: s for s in seqs if s.media and s.seq_id not in self._media}.values())
+        if not todo:
+            return
+        soft = iter(encode_all(self.model, [m for s in todo for m in s.media]))
+        for s in todo:
+            self._media[s.seq_id] = [MediaItem(m.start, next(soft), m.bidirectional) for m in s.media]
+
     def _media_items(self, seq) -> list[MediaItem]:
-        """The sequence's media as soft tokens, through the model's towers the first time they are asked for."""
-        items = self._media.get(seq.seq_id)
-        if items is None:
-            items = self._media[seq.seq_id] = [MediaItem(m.start, encode(self.model, m), m.bidirectional)
-                                               for m in seq.media]
-        return items
+        """The sequence's media as soft tokens (`_encode_media` computes them the first time they are asked for)."""
+        self._encode_media([seq])
+        return self._media[seq.seq_id]
 
     def _forward_alone(self, work: _Rows):
         try:
@@ -364,18 +378,35 @@ class ModelRunner:
         return self._generators[seq_id]
 
 
-def encode(model, item) -> torch.Tensor:
-    """A MediaInput (engine/sequence.py) -> its soft tokens [num_tokens, H] through the model's tower for its kind."""
-    if item.kind in ("image", "video"):             # a video frame is an image to the tower
-        p = item.data
-        out = model.vision.encode(p.patches, p.positions, p.grid)
-    elif item.kind == "audio":
-        out = encode_audio(model.audio, item.data).embeddings
-    else:
-        raise ValueError(f"no tower for media of kind {item.kind!r}")
-    if out.shape[0] != item.num_tokens:
-        raise RuntimeError(f"the {item.kind} at position {item.start} gave {out.shape[0]} soft tokens, its prompt "
-                           f"has {item.num_tokens} placeholders")
+def encode_all(model, items) -> list[torch.Tensor]:
+    """MediaInputs (engine/sequence.py) -> their soft tokens [num_tokens, H] through the model's tower for each kind.
+
+    Images and video frames (a frame is an image to the tower) on one patch grid go through the vision tower
+    together, in passes of at most MAX_TOWER_PATCHES patches (an image larger than that alone): each gets the same
+    floats as alone (VisionModel.encode), and a video's frames or several requests' pictures of one size cost one
+    pass. Audio clips go one by one."""
+    out: list[torch.Tensor | None] = [None] * len(items)
+    grids: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        if item.kind in ("image", "video"):
+            p = item.data
+            grids.setdefault((p.grid, p.positions.tobytes()), []).append(i)
+        elif item.kind == "audio":
+            out[i] = encode_audio(model.audio, item.data).embeddings
+        else:
+            raise ValueError(f"no tower for media of kind {item.kind!r}")
+    for members in grids.values():
+        first = items[members[0]].data
+        per_pass = max(1, MAX_TOWER_PATCHES // first.patches.shape[0])
+        for at in range(0, len(members), per_pass):
+            part = members[at:at + per_pass]
+            patches = np.stack([items[i].data.patches for i in part])               # [B, n, 3 p^2]
+            for i, soft in zip(part, model.vision.encode(patches, first.positions, first.grid)):
+                out[i] = soft
+    for item, soft in zip(items, out):
+        if soft.shape[0] != item.num_tokens:
+            raise RuntimeError(f"the {item.kind} at position {item.start} gave {soft.shape[0]} soft tokens, its "
+                               f"prompt has {item.num_tokens} placeholders")
     return out
 
 

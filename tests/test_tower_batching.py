@@ -1,0 +1,96 @@
+"""Towers batched across requests (docs/multimodal.md §5.4): images and video frames of one patch grid go through the
+vision tower in one pass (engine/runner.py encode_all, model/vision.py VisionModel.encode), whichever request they
+belong to, and each gets the very floats it gets alone -- on the float32 reference path and on the CPU backend, whose
+prefill GEMM is row-invariant (the towers' linears take it: layers.TOWER_PREFILL) -- so batching changes no token."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import gem4
+from gem4 import Engine, SamplingParams
+from gem4.engine.media import image_prompt
+from gem4.media.image import preprocess
+from gem4.model import kernels
+from vision_fixtures import build_vision_hf, sample_image
+
+BUDGET = 70
+GREEDY = dict(temperature=0, max_tokens=4, logprobs=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("batching") / "31b"
+    build_vision_hf("31b").save_pretrained(directory)
+    return directory
+
+
+def images(size: tuple[int, int], seeds) -> list:
+    return [preprocess(sample_image(*size, seed=s), BUDGET, patch_size=16, pooling=3) for s in seeds]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_batched_tower_pass_gives_each_image_its_floats_alone(checkpoint, dtype):
+    if dtype == "bfloat16" and not kernels.available():
+        pytest.skip("the CPU backend needs the compiled kernels")
+    vision = gem4.load(checkpoint, dtype=dtype).vision
+    assert vision.backend == ("torch" if dtype == "float32" else "cpu")
+    pictures = images((96, 144), range(4))
+    alone = [vision.encode(p.patches, p.positions, p.grid) for p in pictures]
+    batched = vision.encode(np.stack([p.patches for p in pictures]), pictures[0].positions, pictures[0].grid)
+    assert batched.shape == (4, *alone[0].shape)
+    for one, row in zip(alone, batched):
+        assert torch.equal(one, row)
+
+
+def test_the_engine_runs_new_requests_images_of_one_grid_in_one_tower_pass(checkpoint, monkeypatch):
+    """Four requests admitted in one step: three with a picture of one size (one grid), one with another size. The
+    tower runs twice (three images, then one), each image's soft tokens are those it gets alone, and every request
+    gets the tokens it gets alone."""
+    model = gem4.load(checkpoint, dtype="float32")
+    vc = model.vision.config
+    pictures = images((96, 144), (1, 2, 3)) + images((144, 96), (4,))
+    requests = [image_prompt([2, 10 + k, vc.image_token_id, 20, 21], vc, [p]) for k, p in enumerate(pictures)]
+    config = dict(prefill_chunk=64, block_size=4, max_num_seqs=5, max_num_batched_tokens=512)
+
+    def run_alone(ids, media):
+        events = list(Engine(model, **config).submit(ids, SamplingParams(**GREEDY), media=media))
+        return [e.token_id for e in events], [e.logprob for e in events]
+
+    alone = [run_alone(ids, media) for ids, media in requests]
+    calls, encode = [], model.vision.encode
+
+    def counted(patches, positions, grid):
+        soft = encode(patches, positions, grid)
+        calls.append((np.shape(patches), soft))
+        return soft
+
+    monkeypatch.setattr(model.vision, "encode", counted)
+    engine = Engine(model, **config)
+    # hold the engine in its first step (a text request) while the image requests arrive: they are admitted together
+    entered, release, run = threading.Event(), threading.Event(), engine._runner.run
+
+    def gated(batch):
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return run(batch)
+
+    monkeypatch.setattr(engine._runner, "run", gated)
+    first = engine.submit([2, 5, 6, 7], SamplingParams(**GREEDY))
+    assert entered.wait(30)
+    streams = [engine.submit(ids, SamplingParams(**GREEDY), media=media) for ids, media in requests]
+    release.set()
+    got = [[(e.token_id, e.logprob) for e in s] for s in streams]
+    list(first)
+    assert [shape[:2] for shape, _ in calls] == [(3, pictures[0].patches.shape[0]), (1, pictures[3].patches.shape[0])]
+    for picture, soft in zip(pictures, [*calls[0][1], *calls[1][1]]):
+        assert torch.equal(soft, encode(picture.patches, picture.positions, picture.grid))
+    # the soft tokens are the very floats (above); the float32 text model's decode passes are not batch-invariant
+    # (the fast mode's are: docs/multimodal.md §5.4), so the logprobs beside other requests move by float rounding
+    for mine, (tokens, logprobs) in zip(got, alone):
+        assert [t for t, _ in mine] == tokens
+        assert [lp for _, lp in mine] == pytest.approx(logprobs, rel=1e-5, abs=1e-6)
