@@ -33,7 +33,8 @@ by the same masks, where it binds (engine/grammar.py).
 Media (docs/multimodal.md §5.4): a sequence's images and audio clips become soft tokens through the model's
 towers once, when its first prefill piece runs, and are kept (per sequence, like its generator) until it is released, so a
 preempted sequence recomputes its prompt with the same soft tokens. The media of every sequence a step starts go
-through the towers together: images and video frames of one patch grid in one tower pass (`encode_all`). A forward pass carries the soft tokens of
+through the towers together: images and video frames of one patch grid in one tower pass, audio clips of one
+length in one (`encode_all`). A forward pass carries the soft tokens of
 its pieces' rows (`StepEmbeds`) and each sequence's bidirectional spans (`SeqStep.bidirectional`).
 
 Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
@@ -63,6 +64,7 @@ Failures stay with the request they concern: `run` returns, per chunk, a `Sample
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,13 +75,16 @@ from gem4.engine.mtp import MtpDrafter
 from gem4.engine.scheduler import Batch, Chunk
 from gem4.engine.speculative import verify
 from gem4.kv_cache import BlockManager, KVPool, SeqStep
-from gem4.model.audio import encode_audio
+from gem4.model.audio import audio_input
 from gem4.model.gemma4 import MediaItem, StepEmbeds
 from gem4.sampling import Sampler, SeedStream
 from gem4.structured import GrammarStats, GrammarVocab
 
 
-MAX_TOWER_PATCHES = 10080    # patches of one batched vision tower pass: a 1120-token image's (bounds its activations)
+# the most rows of one batched tower pass (they bound its activations): a 1120-token image's patches; 30 s of log-mel
+# frames, the most one clip gives the conformer, four times
+MAX_TOWER_PATCHES = 10080
+MAX_TOWER_FRAMES = 4 * 3000
 
 
 class NonFiniteLogits(RuntimeError):
@@ -382,26 +387,33 @@ def encode_all(model, items) -> list[torch.Tensor]:
     """MediaInputs (engine/sequence.py) -> their soft tokens [num_tokens, H] through the model's tower for each kind.
 
     Images and video frames (a frame is an image to the tower) on one patch grid go through the vision tower
-    together, in passes of at most MAX_TOWER_PATCHES patches (an image larger than that alone): each gets the same
-    floats as alone (VisionModel.encode), and a video's frames or several requests' pictures of one size cost one
-    pass. Audio clips go one by one."""
+    together, in passes of at most MAX_TOWER_PATCHES patches (an image larger than that alone); audio clips whose
+    inputs have one shape (log-mel frames: clips of one length, to 10 ms) through the audio tower together, in
+    passes of at most MAX_TOWER_FRAMES frames. Each item gets the same floats as alone (VisionModel.encode,
+    AudioModel), and a video's frames or several requests' pictures of one size cost one pass."""
     out: list[torch.Tensor | None] = [None] * len(items)
-    grids: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}              # (tower, the shape its input has) -> items
+    inputs: dict[int, np.ndarray] = {}               # audio: what the tower reads of each clip
     for i, item in enumerate(items):
         if item.kind in ("image", "video"):
             p = item.data
-            grids.setdefault((p.grid, p.positions.tobytes()), []).append(i)
+            groups.setdefault(("vision", p.grid, p.positions.tobytes()), []).append(i)
         elif item.kind == "audio":
-            out[i] = encode_audio(model.audio, item.data).embeddings
+            inputs[i] = audio_input(model.audio, item.data)
+            groups.setdefault(("audio", inputs[i].shape), []).append(i)
         else:
             raise ValueError(f"no tower for media of kind {item.kind!r}")
-    for members in grids.values():
-        first = items[members[0]].data
-        per_pass = max(1, MAX_TOWER_PATCHES // first.patches.shape[0])
+    for key, members in groups.items():
+        if key[0] == "vision":
+            first = items[members[0]].data
+            tower = functools.partial(model.vision.encode, positions=first.positions, grid=first.grid)
+            rows, limit, data = first.patches.shape[0], MAX_TOWER_PATCHES, lambda i: items[i].data.patches
+        else:
+            tower, rows, limit, data = model.audio, key[1][0], MAX_TOWER_FRAMES, inputs.__getitem__
+        per_pass = max(1, limit // rows)
         for at in range(0, len(members), per_pass):
             part = members[at:at + per_pass]
-            patches = np.stack([items[i].data.patches for i in part])               # [B, n, 3 p^2]
-            for i, soft in zip(part, model.vision.encode(patches, first.positions, first.grid)):
+            for i, soft in zip(part, tower(torch.from_numpy(np.stack([data(i) for i in part])))):   # [B, n, ...]
                 out[i] = soft
     for item, soft in zip(items, out):
         if soft.shape[0] != item.num_tokens:

@@ -14,8 +14,8 @@ text model's width.
 
 Parameter names are the checkpoint's without `model.` (`vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight`,
 `embed_vision.embedding_projection.weight`), so the module tree is the manifest the loader checks, as for the
-text model. The reference in plain torch, like model/gemma4.py; the activations are float32, the weights in the
-model's dtype (matmul inputs rounded to it).
+text model. The reference in plain torch, like model/gemma4.py, computed by the text model's backend (docs/multimodal.md §2.5);
+the activations are float32, the weights in the model's dtype (matmul inputs rounded to it).
 """
 from __future__ import annotations
 

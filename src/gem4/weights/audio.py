@@ -15,6 +15,7 @@ features (docs/multimodal.md §3.2).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -187,9 +188,12 @@ def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str, backend: Backe
         raise CheckpointError(f"{directory}: unexpected audio tensor {'model.' + unexpected[0]!r}"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                               + " for its audio_config")
-    entries = {name: TensorEntry(name=name, shape=expected[name], stored=handle.get_slice(full).get_dtype(), nbytes=0,
-                                 dense=lambda handle=handle, full=full: handle.get_tensor(full))
-               for name, (handle, full, _) in located.items()}
+    entries = {}
+    for name, (handle, full, _) in located.items():
+        stored = handle.get_slice(full).get_dtype()
+        entries[name] = TensorEntry(name=name, shape=expected[name], stored=stored,
+                                    nbytes=STORED_DTYPES[stored].itemsize * math.prod(expected[name]),
+                                    dense=lambda handle=handle, full=full: handle.get_tensor(full))
     bind_weights(model, entries, backend, dtype, device)
     return model.eval()
 
