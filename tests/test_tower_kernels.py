@@ -11,7 +11,6 @@ to q8 (the towers' linears take the prefill kernels: layers.TOWER_PREFILL). A wr
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
