@@ -12,6 +12,7 @@ import torch
 
 import gem4
 from gem4 import Engine, SamplingParams
+from gem4.engine import runner
 from gem4.engine.media import image_prompt, media_prompt
 from gem4.media.image import preprocess
 from gem4.model import kernels
@@ -89,9 +90,9 @@ def assert_same_tokens(got, want) -> None:
 
 
 def test_the_engine_runs_new_requests_images_of_one_grid_in_one_tower_pass(checkpoint, monkeypatch):
-    """Four requests admitted in one step: three with a picture of one size (one grid), one with another size. The
-    tower runs twice (three images, then one), each image's soft tokens are those it gets alone, and every request
-    gets the tokens it gets alone."""
+    """Four requests admitted in one step: three with a picture of one size (one grid, 540 patches), one with
+    another size. The tower runs the three in passes of at most MAX_TOWER_PATCHES patches (two, then one), then the
+    fourth; each image's soft tokens are those it gets alone, and every request gets the tokens it gets alone."""
     model = gem4.load(checkpoint, dtype="float32")
     vc = model.vision.config
     pictures = images((96, 144), (1, 2, 3)) + images((144, 96), (4,))
@@ -107,8 +108,10 @@ def test_the_engine_runs_new_requests_images_of_one_grid_in_one_tower_pass(check
 
     monkeypatch.setattr(model.vision, "encode", counted)
     got = admitted_together(model, requests, config, monkeypatch)
-    assert [shape[:2] for shape, _ in calls] == [(3, pictures[0].patches.shape[0]), (1, pictures[3].patches.shape[0])]
-    for picture, soft in zip(pictures, [*calls[0][1], *calls[1][1]]):
+    n, other = pictures[0].patches.shape[0], pictures[3].patches.shape[0]
+    assert runner.MAX_TOWER_PATCHES // n == 2
+    assert [shape[:2] for shape, _ in calls] == [(2, n), (1, n), (1, other)]
+    for picture, soft in zip(pictures, [soft for _, batch in calls for soft in batch]):
         assert torch.equal(soft, encode(picture.patches, picture.positions, picture.grid))
     assert_same_tokens(got, want)
 
@@ -152,6 +155,6 @@ def test_the_engine_runs_new_requests_clips_of_one_length_in_one_tower_pass(audi
     monkeypatch.setattr(model.audio, "forward", counted)
     got = admitted_together(model, requests, config, monkeypatch)
     assert [shape[0] for shape, _ in calls] == [2, 1]
-    for wave, soft in zip(waves, [*calls[0][1], *calls[1][1]]):
+    for wave, soft in zip(waves, [soft for _, batch in calls for soft in batch]):
         assert torch.equal(soft, encode_audio(model.audio, wave).embeddings)
     assert_same_tokens(got, want)

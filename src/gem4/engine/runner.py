@@ -81,10 +81,12 @@ from gem4.sampling import Sampler, SeedStream
 from gem4.structured import GrammarStats, GrammarVocab
 
 
-# the most rows of one batched tower pass (they bound its activations): a 1120-token image's patches; 30 s of log-mel
-# frames, the most one clip gives the conformer, four times
-MAX_TOWER_PATCHES = 10080
-MAX_TOWER_FRAMES = 4 * 3000
+# The most rows of one batched tower pass (a larger item goes alone). On the CPU backend more rows do not make a pass
+# cheaper per row past ~1-2K: an E2B-sized vision tower (4 layers, Q8_0, 2 cores) took 8 frames of 594 patches in
+# 3.34 s one by one, 3.29 s two at a time, 3.54 s four, 4.27 s eight. So a vision pass holds at most a 140-token
+# image's patches, an audio pass 6000 log-mel frames (1500 conformer rows: two 30 s clips).
+MAX_TOWER_PATCHES = 1260
+MAX_TOWER_FRAMES = 6000
 
 
 class NonFiniteLogits(RuntimeError):
