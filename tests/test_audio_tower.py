@@ -190,8 +190,8 @@ def _channel_major_flatten(audio, monkeypatch):               # P14: freq-major,
     sub = audio.audio_tower.subsample_conv_projection
 
     def forward(features):
-        x = sub.layer1(sub.layer0(features[None]))           # [C, T, freq]
-        return sub.input_proj_linear(x.permute(1, 0, 2).reshape(x.shape[1], -1))
+        x = sub.layer1(sub.layer0(features[:, None]))        # [B, C, T, freq]
+        return sub.input_proj_linear(x.permute(0, 2, 1, 3).reshape(x.shape[0], x.shape[2], -1))
     monkeypatch.setattr(sub, "forward", forward)
 
 
@@ -209,8 +209,8 @@ def _centred_light_conv(audio, monkeypatch):                  # the depthwise co
             y = torch.nn.functional.glu(conv.linear_start(conv.pre_layer_norm(h)), dim=-1)
             w = conv.depthwise_conv1d.weight
             k = w.shape[-1]
-            y = torch.nn.functional.conv1d(torch.nn.functional.pad(y.T, (k // 2, k - 1 - k // 2))[None], w,
-                                           groups=w.shape[0])[0].T
+            y = torch.nn.functional.conv1d(torch.nn.functional.pad(y.transpose(1, 2), (k // 2, k - 1 - k // 2)), w,
+                                           groups=w.shape[0]).transpose(1, 2)
             return h + conv.linear_end(torch.nn.functional.silu(conv.conv_norm(y)))
         monkeypatch.setattr(conv, "forward", forward)
 

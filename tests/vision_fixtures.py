@@ -54,11 +54,13 @@ def randomize_vision(model: torch.nn.Module, seed: int = 99) -> None:
             p.copy_(p.to(torch.bfloat16).float())
 
 
-def build_vision_hf(flavour: str, seed: int = 1234):
-    """-> a random Gemma4ForConditionalGeneration with a vision tower (eval, eager attention)."""
+def build_vision_hf(flavour: str, seed: int = 1234, **sizes):
+    """-> a random Gemma4ForConditionalGeneration with a vision tower (eval, eager attention); `sizes`: vision_config
+    fields other than the flavour's."""
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
 
     variant, vision, bidirectional = FLAVOURS[flavour]
+    vision = dict(vision, **sizes)
     text = Gemma4TextConfig(**dict(VARIANTS[variant], use_bidirectional_attention=bidirectional))
     config = Gemma4Config(text_config=text, vision_config=Gemma4VisionConfig(**vision), audio_config=None,
                           **TOKEN_IDS)

@@ -22,7 +22,9 @@ in the checkpoint. The residual branches are clamped to +-gradient_clipping (1e1
 because transformers does it). transformers builds the feed-forward norms and the layer's three norms with
 its default eps 1e-6 whatever the config says, and the light conv's norms with the config's: so does this file.
 
-Activations are float32; weights are float32 or bfloat16 (matmul inputs rounded to them, as in gemma4.py).
+Activations are float32; weights are float32 or bfloat16 (matmul inputs rounded to them, as in gemma4.py), computed
+by the text model's backend (docs/multimodal.md §2.5). The tower takes a batch of clips of one length ([B, F, n_mels]:
+every step is per frame or per clip), each clip's soft tokens the same floats as alone.
 Parameter names are transformers' without the `model.` prefix (`audio_tower.layers.0.self_attn.q_proj.linear.weight`).
 """
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 
 from gem4.config import AudioConfig, FrameAudioConfig
 from gem4.media import audio as media_audio
-from gem4.model.layers import QuantLinear, rms_norm
+from gem4.model.layers import TOWER_PREFILL, QuantLinear, rms_norm
 
 FIXED_EPS = 1e-6     # transformers' Gemma4RMSNorm default: the feed-forward and per-layer norms use it
 
@@ -72,7 +74,7 @@ class ClippedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.clipped:
             x = torch.clamp(x, self.input_min, self.input_max)
-        y = self.linear(x)
+        y = self.linear(x, TOWER_PREFILL)
         return torch.clamp(y, self.output_min, self.output_max) if self.clipped else y
 
 
@@ -88,11 +90,11 @@ class SubsampleLayer(nn.Module):
         self.norm.weight = _param(c_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [C_in, time, freq] -> [C_out, ceil(time/2), ceil(freq/2)]."""
+        """x [B, C_in, time, freq] -> [B, C_out, ceil(time/2), ceil(freq/2)]."""
         w = self.conv.weight
-        y = F.conv2d(x[None].to(w.dtype), w, stride=2, padding=1)[0].float()
-        y = F.layer_norm(y.permute(1, 2, 0), (y.shape[0],), self.norm.weight.float(), None, self.eps)
-        return torch.relu(y).permute(2, 0, 1)
+        y = F.conv2d(x.to(w.dtype), w, stride=2, padding=1).float()
+        y = F.layer_norm(y.permute(0, 2, 3, 1), (y.shape[1],), self.norm.weight.float(), None, self.eps)
+        return torch.relu(y).permute(0, 3, 1, 2)
 
 
 class SubsampleConvProjection(nn.Module):
@@ -104,10 +106,10 @@ class SubsampleConvProjection(nn.Module):
         self.input_proj_linear = QuantLinear(config.subsampled_mels * c1, config.hidden_size)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """features [F, n_mels] -> [ceil(F/4), D]."""
-        x = self.layer1(self.layer0(features[None]))                 # [C1, T, freq]
-        x = x.permute(1, 2, 0).reshape(x.shape[1], -1)               # [T, freq*C1]: freq-major, channel-fastest
-        return self.input_proj_linear(x)
+        """features [B, F, n_mels] -> [B, ceil(F/4), D]."""
+        x = self.layer1(self.layer0(features[:, None]))              # [B, C1, T, freq]
+        x = x.permute(0, 2, 3, 1).reshape(x.shape[0], x.shape[2], -1)   # [B, T, freq*C1]: freq-major, channel-fastest
+        return self.input_proj_linear(x, TOWER_PREFILL)
 
 
 class FeedForward(nn.Module):
@@ -155,31 +157,31 @@ class Attention(nn.Module):
         self.width = self.past + self.future
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """h [T, D], positions [P, D] (the sinusoidal table) -> [T, D]."""
-        cfg, T = self.config, h.shape[0]
+        """h [B, T, D] (B clips of T frames), positions [P, D] (the sinusoidal table) -> [B, T, D]."""
+        cfg, (B, T) = self.config, h.shape[:2]
         nh, hd = cfg.num_heads, cfg.head_dim
         scale = self.per_dim_scale.float()
         scale = scale if self.softplus_applied else F.softplus(scale)
-        q = self.q_proj(h).float().view(T, nh, hd) * self.q_scale * scale
-        k = self.k_proj(h).float().view(T, nh, hd) * self.k_scale
-        v = self.v_proj(h).float().view(T, nh, hd)
-        relk = self.relative_k_proj(positions).float().view(-1, nh, hd)               # [P, nh, hd]
+        q = self.q_proj(h).float().view(B, T, nh, hd) * self.q_scale * scale
+        k = self.k_proj(h).float().view(B, T, nh, hd) * self.k_scale
+        v = self.v_proj(h).float().view(B, T, nh, hd)
+        relk = self.relative_k_proj(positions, TOWER_PREFILL).float().view(-1, nh, hd)               # [P, nh, hd]
         rows = min(self.width, relk.shape[0] - 1)
         rel = relk.new_zeros(self.width, nh, hd)
         rel[:rows] = relk[1:1 + rows]                                                 # [W, nh, hd]; past the table: 0
 
         # the band: key column w of frame t is frame t - past + 1 + w (zeros outside the clip, masked)
         pad = (0, 0, 0, 0, self.past - 1, self.future)
-        k_band = F.pad(k, pad).unfold(0, self.width, 1)                               # [T, nh, hd, W]
-        v_band = F.pad(v, pad).unfold(0, self.width, 1)
-        logits = torch.einsum("thd,thdw->thw", q, k_band) + torch.einsum("thd,whd->thw", q, rel)
+        k_band = F.pad(k, pad).unfold(1, self.width, 1)                               # [B, T, nh, hd, W]
+        v_band = F.pad(v, pad).unfold(1, self.width, 1)
+        logits = torch.einsum("bthd,bthdw->bthw", q, k_band) + torch.einsum("bthd,whd->bthw", q, rel)
         logits = cfg.logit_cap * torch.tanh(logits / cfg.logit_cap)                   # cap before the mask
         key = (torch.arange(T, device=h.device)[:, None] - (self.past - 1)
                + torch.arange(self.width, device=h.device)[None, :])                           # [T, W]
         outside = (key < 0) | (key >= T)
         logits = logits.masked_fill(outside[:, None, :], cfg.invalid_logit)
-        out = torch.einsum("thw,thdw->thd", torch.softmax(logits, dim=-1), v_band)   # [T, nh, hd]
-        return self.post(out.reshape(T, nh * hd))
+        out = torch.einsum("bthw,bthdw->bthd", torch.softmax(logits, dim=-1), v_band)   # [B, T, nh, hd]
+        return self.post(out.reshape(B, T, nh * hd))
 
 
 class LightConv(nn.Module):
@@ -197,15 +199,15 @@ class LightConv(nn.Module):
         self.clip = config.gradient_clipping
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        y = F.glu(self.linear_start(self.pre_layer_norm(h)), dim=-1)                 # [T, D]: a * sigmoid(b)
+        y = F.glu(self.linear_start(self.pre_layer_norm(h)), dim=-1)                 # [B, T, D]: a * sigmoid(b)
         # causal depthwise conv: out_t = sum_k w[:, k] * y_{t-K+1+k}, as K shifted products (torch's grouped
         # conv1d takes ~100x longer on the CPU at these shapes)
         w = self.depthwise_conv1d.weight.float()[:, 0]                                # [D, K]
-        T, K = y.shape[0], w.shape[1]
-        padded = F.pad(y, (0, 0, K - 1, 0))                                           # [T + K - 1, D]
-        conv = padded[:T] * w[:, 0]
+        T, K = y.shape[1], w.shape[1]
+        padded = F.pad(y, (0, 0, K - 1, 0))                                           # [B, T + K - 1, D]
+        conv = padded[:, :T] * w[:, 0]
         for k in range(1, K):
-            conv = conv + padded[k:k + T] * w[:, k]
+            conv = conv + padded[:, k:k + T] * w[:, k]
         y = self.conv_norm(conv.clamp(-self.clip, self.clip))
         return h + self.linear_end(F.silu(y))
 
@@ -249,12 +251,12 @@ class AudioTower(nn.Module):
         return torch.cat([torch.sin(d), torch.cos(d)], dim=-1)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """features [F, n_mels] -> [ceil(F/4), output_dims]."""
+        """features [B, F, n_mels] -> [B, ceil(F/4), output_dims]."""
         h = self.subsample_conv_projection(features.float())
         positions = self.relative_positions(h.device)
         for layer in self.layers:
             h = layer(h, positions)
-        return self.output_proj(h) + self.output_proj.bias.float()
+        return self.output_proj(h, TOWER_PREFILL) + self.output_proj.bias.float()
 
 
 class Embedder(nn.Module):
@@ -266,7 +268,7 @@ class Embedder(nn.Module):
         self.embedding_projection = QuantLinear(in_dims, text_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embedding_projection(rms_norm(x, None, self.eps))
+        return self.embedding_projection(rms_norm(x, None, self.eps), TOWER_PREFILL)
 
 
 class AudioModel(nn.Module):
@@ -282,13 +284,17 @@ class AudioModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        if features.ndim != 2 or features.shape[1] != self.config.n_mels:
-            raise ValueError(f"audio features must be [frames, {self.config.n_mels}], got {tuple(features.shape)}")
-        return self.embed_audio(self.audio_tower(features.to(self.device)))
+        """features [F, n_mels] -> [ceil(F/4), H_text]; several clips of F frames each: [B, F, n_mels] -> [B, ceil(F/4),
+        H_text], each clip's soft tokens the same floats as alone (every step is per frame or per clip)."""
+        if features.ndim not in (2, 3) or features.shape[-1] != self.config.n_mels:
+            raise ValueError(f"audio features must be [frames, {self.config.n_mels}] (or [clips, frames, "
+                             f"{self.config.n_mels}]), got {tuple(features.shape)}")
+        soft = self.embed_audio(self.audio_tower(features.to(self.device).view(-1, *features.shape[-2:])))
+        return soft.view(*features.shape[:-2], *soft.shape[-2:])
 
     @property
     def device(self) -> torch.device:
-        return self.embed_audio.embedding_projection.weight.device
+        return self.audio_tower.subsample_conv_projection.layer0.conv.weight.device     # a weight no backend packs
 
 
 class FrameAudioModel(nn.Module):
@@ -303,8 +309,8 @@ class FrameAudioModel(nn.Module):
     @torch.no_grad()
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         S = self.config.samples_per_token
-        if frames.ndim != 2 or frames.shape[1] != S:
-            raise ValueError(f"audio frames must be [n, {S}], got {tuple(frames.shape)}")
+        if frames.ndim not in (2, 3) or frames.shape[-1] != S:
+            raise ValueError(f"audio frames must be [n, {S}] (or [clips, n, {S}]), got {tuple(frames.shape)}")
         return self.embed_audio(frames.float().to(self.device))
 
     @property
@@ -321,16 +327,22 @@ class AudioEmbedding:
     bidirectional: bool = False
 
 
+def audio_input(model: AudioModel | FrameAudioModel, waveform: np.ndarray) -> np.ndarray:
+    """What the model reads of a 16 kHz mono clip: log-mel frames [F, n_mels] (E2B/E4B), raw frames [n, 640] (12B).
+    Clips whose inputs have one shape can go through the model together ([B, ...])."""
+    if isinstance(model, FrameAudioModel):
+        return media_audio.waveform_frames(waveform, model.config.samples_per_token)
+    return media_audio.log_mel(waveform)
+
+
 def encode_audio(model: AudioModel | FrameAudioModel, waveform: np.ndarray) -> AudioEmbedding:
     """A 16 kHz mono waveform (media/audio.py decode_audio) -> its soft-token embeddings and their count.
 
     E2B/E4B: log-mel frames through the tower; the count is media/audio.py's num_soft_tokens (25 a second, at
     most 750: audio past 30 s is cut). 12B: raw 640-sample frames, ceil(N / 640) of them, no cut."""
+    embeddings = model(torch.from_numpy(audio_input(model, waveform)))
     if isinstance(model, FrameAudioModel):
-        frames = media_audio.waveform_frames(waveform, model.config.samples_per_token)
-        embeddings = model(torch.from_numpy(frames))
         return AudioEmbedding(embeddings=embeddings, n_tokens=embeddings.shape[0])
-    embeddings = model(torch.from_numpy(media_audio.log_mel(waveform)))
     n = media_audio.num_soft_tokens(len(waveform))
     if embeddings.shape[0] != n:                 # the two stride-2 convolutions give ceil(F / 4) rows
         raise RuntimeError(f"the audio tower gave {embeddings.shape[0]} soft tokens, the front end counts {n}")

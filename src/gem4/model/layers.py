@@ -94,6 +94,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+# What the media towers (model/vision.py, model/audio.py) tell their linear layers: every row of a tower pass is a
+# prompt row, so a backend computes them all with its row-invariant prefill kernels (model/cpu.py), whatever their
+# number -- one image or several batched give each row the same floats.
+TOWER_PREFILL = True
+
+
 class QuantLinear(nn.Module):
     """y = x @ W.T with W [out, in]. The one linear layer of the model.
 

@@ -82,16 +82,20 @@ class UnifiedVisionModel(nn.Module):
     @torch.no_grad()
     def encode(self, patches, positions, grid: tuple[int, int]) -> torch.Tensor:
         """patches [n, 3 p^2] in [0, 1] (numpy or torch), positions [n, 2] (x, y), grid (rows, cols) ->
-        [n, text hidden] float32 (media/image.py's ImagePatches at the config's patch size gives all three)."""
+        [n, text hidden] float32 (media/image.py's ImagePatches at the config's patch size gives all three). Several
+        images of one grid in one pass, as the tower's encode: patches [B, n, 3 p^2] -> [B, n, text hidden], each
+        image's soft tokens the same floats as alone (every step is per patch)."""
         c = self.config
-        device = self.embed_vision.embedding_projection.weight.device
+        device = self.vision_embedder.pos_embedding.device          # a weight no backend packs
         patches = torch.as_tensor(patches, dtype=torch.float32, device=device)
         positions = torch.as_tensor(positions, dtype=torch.long, device=device)
         rows, cols = grid
-        if rows * cols != patches.shape[0] or patches.shape[1] != c.patch_dim:
+        if rows * cols != patches.shape[-2] or patches.shape[-1] != c.patch_dim:
             raise ValueError(f"{tuple(patches.shape)} patches on a {rows}x{cols} grid: the embedder reads "
                              f"rows x cols patches of {c.patch_dim} values")
         if int(positions.max()) >= c.position_embedding_size:
             raise ValueError(f"a patch coordinate of {int(positions.max())} is past the position table's "
                              f"{c.position_embedding_size} rows: the image is too large for this embedder")
-        return self.embed_vision(self.vision_embedder(patches, positions)).float()
+        flat = patches.reshape(-1, c.patch_dim)
+        soft = self.embed_vision(self.vision_embedder(flat, positions.repeat(flat.shape[0] // positions.shape[0], 1)))
+        return soft.float().view(*patches.shape[:-1], soft.shape[-1])

@@ -14,8 +14,8 @@ text model's width.
 
 Parameter names are the checkpoint's without `model.` (`vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight`,
 `embed_vision.embedding_projection.weight`), so the module tree is the manifest the loader checks, as for the
-text model. The reference in plain torch, like model/gemma4.py; the activations are float32, the weights in the
-model's dtype (matmul inputs rounded to it).
+text model. The reference in plain torch, like model/gemma4.py, computed by the text model's backend (docs/multimodal.md §2.5);
+the activations are float32, the weights in the model's dtype (matmul inputs rounded to it).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gem4.config import VisionConfig
-from gem4.model.layers import QuantLinear, RMSNorm, apply_rope, gelu_mul, rms_norm
+from gem4.model.layers import TOWER_PREFILL, QuantLinear, RMSNorm, apply_rope, gelu_mul, rms_norm
 
 
 class ClippedLinear(nn.Module):
@@ -42,9 +42,9 @@ class ClippedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.clipped:
-            return self.linear(x)
+            return self.linear(x, TOWER_PREFILL)
         x = torch.clamp(x, self.input_min.float(), self.input_max.float())
-        return torch.clamp(self.linear(x), self.output_min.float(), self.output_max.float())
+        return torch.clamp(self.linear(x, TOWER_PREFILL), self.output_min.float(), self.output_max.float())
 
 
 class VisionAttention(nn.Module):
@@ -60,17 +60,18 @@ class VisionAttention(nn.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps)
 
     def forward(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        c, n = self.config, h.shape[0]
-        q = rope_2d(self.q_norm(self.q_proj(h).view(n, c.num_heads, c.head_dim)), *rope)
-        k = rope_2d(self.k_norm(self.k_proj(h).view(n, c.num_kv_heads, c.head_dim)), *rope)
-        v = rms_norm(self.v_proj(h).view(n, c.num_kv_heads, c.head_dim), None, c.rms_norm_eps)
+        """h [B, n, D]: B images of one grid, each attending over its own n patches."""
+        c, (B, n) = self.config, h.shape[:2]
+        q = rope_2d(self.q_norm(self.q_proj(h).view(B, n, c.num_heads, c.head_dim)), *rope)
+        k = rope_2d(self.k_norm(self.k_proj(h).view(B, n, c.num_kv_heads, c.head_dim)), *rope)
+        v = rms_norm(self.v_proj(h).view(B, n, c.num_kv_heads, c.head_dim), None, c.rms_norm_eps)
         g = c.num_heads // c.num_kv_heads
         if g > 1:
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
         # every patch sees every patch; SDPA's flash-attention CPU kernel never holds the [n, n] scores of a 10080-patch image
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             scale=1.0)                           # [1, nh, n, d]
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, c.num_heads * c.head_dim))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             scale=1.0)                           # [B, nh, n, d]
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, c.num_heads * c.head_dim))
 
 
 class VisionMLP(nn.Module):
@@ -109,9 +110,9 @@ class PatchEmbedder(nn.Module):
             torch.empty(2, config.position_embedding_size, config.hidden_size), requires_grad=False)
 
     def forward(self, patches: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """patches [n, 3 p^2] in [0, 1], positions [n, 2] (x, y) -> [n, D]."""
+        """patches [B, n, 3 p^2] in [0, 1], positions [n, 2] (x, y) -> [B, n, D]."""
         table = self.position_embedding_table.float()
-        h = self.input_proj(2 * (patches - 0.5))
+        h = self.input_proj(2 * (patches - 0.5), TOWER_PREFILL)
         return h + table[0][positions[:, 0]] + table[1][positions[:, 1]]
 
 
@@ -135,11 +136,12 @@ class VisionTower(nn.Module):
         self.register_buffer("inv_freq", torch.tensor(config.inv_freq(), dtype=torch.float32), persistent=False)
 
     def forward(self, patches: torch.Tensor, positions: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """patches [B, n, 3 p^2] of B images on one grid, positions [n, 2] -> [B, tokens, D]."""
         c = self.config
         rows, cols = grid
         k = c.pooling
-        if rows * cols != patches.shape[0] or rows % k or cols % k:
-            raise ValueError(f"{patches.shape[0]} patches on a {rows}x{cols} grid: the grid must hold them all and "
+        if rows * cols != patches.shape[1] or rows % k or cols % k:
+            raise ValueError(f"{patches.shape[1]} patches on a {rows}x{cols} grid: the grid must hold them all and "
                              f"both sides must be multiples of the pooling {k}")
         if int(positions.max()) >= c.position_embedding_size:
             raise ValueError(f"a patch coordinate of {int(positions.max())} is past the position table's "
@@ -149,8 +151,8 @@ class VisionTower(nn.Module):
         for layer in self.encoder.layers:
             h = layer(h, rope)
         D = c.hidden_size
-        pooled = F.avg_pool2d(h.view(rows, cols, D).permute(2, 0, 1)[None], k)    # [1, D, rows/k, cols/k]
-        pooled = pooled[0].flatten(1).t() * math.sqrt(D)                          # [tokens, D], row-major
+        pooled = F.avg_pool2d(h.view(-1, rows, cols, D).permute(0, 3, 1, 2), k)   # [B, D, rows/k, cols/k]
+        pooled = pooled.flatten(2).transpose(1, 2) * math.sqrt(D)                 # [B, tokens, D], row-major
         if c.standardize:
             pooled = (pooled - self.std_bias.float()) * self.std_scale.float()
         return pooled
@@ -165,7 +167,7 @@ class VisionEmbedder(nn.Module):
         self.embedding_projection = QuantLinear(hidden_size, text_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.embedding_projection(rms_norm(x, None, self.eps))
+        return self.embedding_projection(rms_norm(x, None, self.eps), TOWER_PREFILL)
 
 
 class VisionModel(nn.Module):
@@ -181,11 +183,14 @@ class VisionModel(nn.Module):
     @torch.no_grad()
     def encode(self, patches, positions, grid: tuple[int, int]) -> torch.Tensor:
         """patches [n, 3 p^2] in [0, 1] (numpy or torch), positions [n, 2] (x, y), grid (rows, cols) ->
-        [n / pooling^2, text hidden] float32 (media/image.py's ImagePatches gives all three)."""
-        device = self.embed_vision.embedding_projection.weight.device
+        [n / pooling^2, text hidden] float32 (media/image.py's ImagePatches gives all three). Several images of one
+        grid in one pass: patches [B, n, 3 p^2] -> [B, n / pooling^2, text hidden], each image's soft tokens the
+        same floats as alone (every step is per row or per image; the backends' products are row-invariant)."""
+        device = self.vision_tower.patch_embedder.position_embedding_table.device    # a weight no backend packs
         patches = torch.as_tensor(patches, dtype=torch.float32, device=device)
         positions = torch.as_tensor(positions, dtype=torch.long, device=device)
-        return self.embed_vision(self.vision_tower(patches, positions, grid)).float()
+        soft = self.embed_vision(self.vision_tower(patches.view(-1, *patches.shape[-2:]), positions, grid)).float()
+        return soft.view(*patches.shape[:-2], *soft.shape[-2:])
 
 
 def rope_2d_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

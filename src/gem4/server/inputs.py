@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -357,6 +358,44 @@ def image_budget(req: P.ChatCompletionRequest | P.TokenizeRequest) -> int:
     return budget
 
 
+MEDIA_KINDS = ("image", "video", "audio")     # the chat parts a request may carry, as --limit-mm-per-prompt names them
+DEFAULT_MM_LIMIT = 999                         # parts of a kind per request where --limit-mm-per-prompt is silent (vLLM's)
+
+
+def parse_mm_limits(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt's JSON object (vLLM's form, '{"image": 4, "video": 1, "audio": 2}') -> the most parts of
+    each kind one request may carry: DEFAULT_MM_LIMIT for a kind it does not name, 0 to take none. ValueError
+    naming what is wrong (not an object, an unknown kind, a count that is not an integer >= 0)."""
+    try:
+        given = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"must be a JSON object of counts by kind, such as {{\"image\": 4}}, got {text!r}")
+    for kind, count in given.items():
+        if kind not in MEDIA_KINDS:
+            raise ValueError(f"unknown kind {kind!r} (the kinds are {', '.join(MEDIA_KINDS)})")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"{kind}: the count must be an integer >= 0, got {count!r}")
+    return {kind: given.get(kind, DEFAULT_MM_LIMIT) for kind in MEDIA_KINDS}
+
+
+def check_media_counts(where: list[tuple[int, int, dict]], limits: dict[str, int]) -> None:
+    """400 naming the first part (`messages[i].content[j]`) past its kind's limit (`--limit-mm-per-prompt`), before
+    any part is fetched or decoded."""
+    seen = dict.fromkeys(MEDIA_KINDS, 0)
+    for i, j, part in where:
+        kind = part["type"]
+        seen[kind] += 1
+        limit = limits.get(kind, DEFAULT_MM_LIMIT)
+        if seen[kind] > limit:
+            cause = (f"this server takes no {kind} parts" if limit == 0 else
+                     f"at most {limit} {kind} part{'s' if limit > 1 else ''} may be given in one request, and this "
+                     f"is {kind} part {seen[kind]}")
+            raise bad_request(f"messages[{i}].content[{j}]: {cause} (--limit-mm-per-prompt)",
+                              f"messages[{i}].content[{j}]")
+
+
 async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.TokenizeRequest, state: ServerState,
                      request: Request | None = None) -> list[Item]:
     """The images, audio clips and videos of the chat's messages, in order: their bytes had as the server's media
@@ -364,8 +403,8 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
     request together no more than its body limit, so that a URL brings no more than the client could have sent
     itself), decoded and preprocessed in the thread pool;
     400 naming the part (`messages[i].content[j]`) when one cannot be used (a URL not allowed, a fetch that fails,
-    times out or passes --max-media-bytes; undecodable, too long, too short, too wide) or the model has no tower
-    for it. A fetch in progress stops when the client disconnects (`request`) or the handler is cancelled."""
+    times out or passes --max-media-bytes; undecodable, too long, too short, too wide), the model has no tower
+    for it or the request carries more parts of its kind than --limit-mm-per-prompt allows (checked first). A fetch in progress stops when the client disconnects (`request`) or the handler is cancelled."""
     where = [(i, j, part) for i, m in enumerate(req.messages) if isinstance(m.content, list)
              for j, part in enumerate(m.content) if part["type"] in ("image", "audio", "video")]
     if not where:
@@ -381,6 +420,7 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
         if part["type"] == "audio" and audio is None:
             raise bad_request("This model does not take audio (it has no audio tower).",
                               f"messages[{i}].content[{j}]")
+    check_media_counts(where, state.config.limit_mm_per_prompt)
     budget = image_budget(req) if any(part["type"] == "image" for _, _, part in where) else DEFAULT_BUDGET
 
     def load_image(data: bytes) -> ImagePatches:

@@ -54,6 +54,16 @@ def _json_list(text: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def limit_mm_per_prompt(text: str) -> dict[str, int]:
+    """--limit-mm-per-prompt: vLLM's JSON object of part counts by kind, checked (gem4.server.inputs.parse_mm_limits)."""
+    from gem4.server.inputs import parse_mm_limits
+
+    try:
+        return parse_mm_limits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="a .gguf file, an HF checkpoint directory or a hub id owner/name[:QUANT]")
     p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo checkpoint")
@@ -136,6 +146,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-media-bytes", type=int_at_least(1), default=DEFAULT_MAX_MEDIA_BYTES, metavar="N",
                    help="bytes one media part may bring (downloaded, read or decoded from base64); a download "
                         "stops as soon as it passes them (default: 20 MiB)")
+    p.add_argument("--limit-mm-per-prompt", type=limit_mm_per_prompt, default=None, metavar="JSON",
+                   help='the most media parts of each kind one request may carry, vLLM\'s form: \'{"image": 4, '
+                        '"video": 1, "audio": 2}\' (a kind left out: 999; 0: none taken); a request with more gets '
+                        'a 400 naming the first part past the limit, before any part is fetched or decoded')
     p.add_argument("--responses-store-mb", type=non_negative_float, default=DEFAULT_RESPONSES_STORE_MB, metavar="MIB",
                    help="MiB of memory for the Responses API's stored responses (what previous_response_id and "
                         "GET /v1/responses/{id} read; a request with store: false is not kept), the least "
@@ -251,7 +265,8 @@ def server_config(args: argparse.Namespace, names: list[str]):
                                                  allowed_media_domains=tuple(args.allowed_media_domains),
                                                  allow_media_urls=args.allow_media_urls,
                                                  fetch_timeout_s=args.media_fetch_timeout,
-                                                 max_media_bytes=args.max_media_bytes))
+                                                 max_media_bytes=args.max_media_bytes),
+                        limit_mm_per_prompt=args.limit_mm_per_prompt or {})
 
 
 def load_engine(args: argparse.Namespace, path: str):

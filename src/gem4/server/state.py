@@ -56,6 +56,8 @@ class ServerConfig:
     web_ui: bool = True                         # GET / serves the chat page (routes/web.py); --no-web-ui: 404
     responses_store_bytes: int = DEFAULT_RESPONSES_STORE_MB * 2**20   # stored responses (store.py); 0: none
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # where media URLs may lead (media_fetch.py)
+    # --limit-mm-per-prompt: the most image / video / audio parts one request may carry (inputs.check_media_counts)
+    limit_mm_per_prompt: dict = field(default_factory=dict)
 
 
 class ServerState:

@@ -26,6 +26,8 @@ from safetensors import safe_open
 from gem4.config import AudioConfig, ConfigError, FrameAudioConfig, build_audio_config, build_frame_audio_config
 from gem4.media import audio as front_end
 from gem4.model.audio import AudioModel, FrameAudioModel
+from gem4.model.backends import Backend, choose
+from gem4.weights.binding import bind_weights
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.hf import STORED_DTYPES, int_field, safetensors_files
 
@@ -206,9 +208,11 @@ def audio_shapes(config: AudioConfig | FrameAudioConfig) -> dict[str, tuple[int,
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> AudioModel | FrameAudioModel | None:
+def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str, backend: Backend
+               ) -> AudioModel | FrameAudioModel | None:
     """The audio model of an opened checkpoint (checkpoint_audio), bound in `dtype` (vectors and scalars in
-    float32), or None."""
+    float32) through the text model's backend (binding.bind_weights: an mmproj's Q8_0 matrices stay Q8_0 on the
+    CPU backend), or None."""
     found = checkpoint_audio(ckpt)
     if found is None:
         return None
@@ -216,10 +220,7 @@ def bind_audio(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> Aud
     frames = isinstance(config, FrameAudioConfig)
     with torch.device("meta"):
         model = FrameAudioModel(config) if frames else AudioModel(config, softplus_applied)
-    # the readers checked the names and shapes against the config (hf_audio, weights/mmproj.py)
-    state = {name: entries[name].dense().to(device=device, dtype=torch.float32 if p.ndim <= 1 else dtype).clone()
-             for name, p in model.named_parameters()}
-    model.load_state_dict(state, strict=True, assign=True)
+    bind_weights(model, entries, backend, dtype, device)   # the readers checked names and shapes (hf_audio, mmproj)
     return model.eval()
 
 
@@ -230,4 +231,4 @@ def load_audio(path: str | Path, dtype: str = "float32", device: str = "cpu") ->
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return bind_audio(open_hf(Path(path)), DTYPES[dtype], device)
+    return bind_audio(open_hf(Path(path)), DTYPES[dtype], device, choose(DTYPES[dtype], device))

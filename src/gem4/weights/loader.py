@@ -15,23 +15,13 @@ from tqdm import tqdm
 from gem4.model.backends import choose
 from gem4.model.gemma4 import Model
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from gem4.weights.binding import EXPERT_WEIGHTS, PLE_TABLE, aligned, block_storage, pack, weight_dtype
 from gem4.weights.towers import bind_vision
-from gem4.ggml import GGMLType
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # "auto" is the fast mode: bf16 weights and KV cache, Q8_0/Q4_0/Q4_K/Q5_K/Q6_K kept packed for the compiled kernels where
 # the CPU runs them (plain bf16 torch where it does not). float32 is the reference mode, asked for by name.
 AUTO_DTYPE = "bfloat16"
-PLE_TABLE = "embed_tokens_per_layer.weight"
-
-# Kept in float32 in every mode (as llama.cpp's converter keeps them): vectors and the 26B-A4B router.
-def weight_dtype(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if len(shape) == 1 or name.endswith("router.proj.weight") else dtype
-
-
-# 26B-A4B's routed expert weights, one [E, rows, k] tensor each (Experts.pack in fast mode).
-EXPERT_WEIGHTS = ("experts.gate_up_proj", "experts.down_proj")
-
 # Tensors a file may omit, with the value llama.cpp's loader assumes (docs/gemma4.md §3.2).
 OPTIONAL_ONES = ("layer_scalar", "router.per_expert_scale")
 
@@ -52,25 +42,6 @@ def check_manifest(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]]) -> No
         raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
                               + " for this model's metadata")
-
-
-def block_storage(name: str, entry, packed_types: frozenset[GGMLType]) -> str | None:
-    """How a GGML-block tensor is kept instead of being dequantized: "blocks", "packed", "experts" or None (dense).
-
-    The per-layer embedding table is only read by rows, so it always stays in its blocks, in the mmap.
-    Projection weights (and the token table, which is also the tied head) are packed when the backend reads
-    their format (`packed_types`, model/backends.py); so are 26B-A4B's expert weights ("experts").
-    """
-    if entry is None or entry.raw is None:
-        return None
-    if name == PLE_TABLE:
-        return "blocks"
-    if GGMLType[entry.stored] in packed_types:
-        if len(entry.shape) == 2:
-            return "packed"
-        if name.endswith(EXPERT_WEIGHTS):                  # 26B-A4B: [E, rows, k], packed as E * rows rows
-            return "experts"
-    return None
 
 
 def _check_streamable(ckpt: Checkpoint, device: str, slots, memory_limit) -> None:
@@ -151,25 +122,22 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
         if stream and name.endswith(EXPERT_WEIGHTS):       # read on demand into slots (weights/expert_stream.py)
             streamed[name] = entry
             continue
-        if storage is not None:
-            raw, ggml_type = entry.raw() if entry.affine is None or storage != "blocks" else (None, None)
-            parent, attr = name.rsplit(".", 1)
-            module = model.get_submodule(parent)
-            if storage == "blocks" and entry.affine is not None:    # MLX: the file's three tensors, not regrouped
+        if storage == "blocks":
+            module = model.get_submodule(name.rsplit(".", 1)[0])
+            if entry.affine is not None:                   # MLX: the file's three tensors, not regrouped
                 q, scales, biases, bits, group = entry.affine()
                 module.keep_affine(q.to(device), scales.to(device), biases.to(device), bits, group)
-                continue
-            if storage == "blocks":
+            else:
+                raw, ggml_type = entry.raw()
                 module.keep_blocks(raw.to(device), ggml_type)
-                continue
-            backend.pack(module, attr, raw, ggml_type)     # "packed" (a linear's weight) or "experts" (one of two)
-            entry.release()                                # a copy in the backend's layout: the file's pages can go
+        elif storage is not None:
+            pack(model, name, entry, backend)              # "packed" (a linear's weight) or "experts" (one of two)
         elif entry is None:                                # optional scalars default to 1 (OPTIONAL_ONES)
             state[name] = torch.ones(expected[name], dtype=weight_dtype(name, expected[name], torch_dtype), device=device)
         elif name == PLE_TABLE:                            # float table: kept in its stored dtype, read by rows
             state[name] = entry.dense().to(device)
         else:
-            state[name] = _aligned(entry.dense().to(device=device, dtype=weight_dtype(name, expected[name], torch_dtype)))
+            state[name] = aligned(entry.dense().to(device=device, dtype=weight_dtype(name, expected[name], torch_dtype)))
     if stream:
         resident = (sum(t.nbytes for t in state.values())
                     + sum(b.nbytes for b in model.buffers() if not b.is_meta))
@@ -181,20 +149,11 @@ def bind(ckpt: Checkpoint, dtype: str = "auto", device: str = "cpu", progress: b
     for layer_type, inv_freq in config.rope_inv_freq:    # non-persistent buffers were built on meta
         setattr(model, f"inv_freq_{layer_type}", torch.tensor(inv_freq, dtype=torch.float32, device=device))
     backend.finish(model, keep_heap=not stream)            # streamed experts: memory bounded, the heap handed back
-    model.vision = bind_vision(ckpt, torch_dtype, device)  # the reference modules: no backend swaps them (yet)
+    model.vision = bind_vision(ckpt, torch_dtype, device, backend)    # the towers through the same backend
     model.eval()
     from gem4.weights.audio import bind_audio               # E2B/E4B: the audio tower of an HF checkpoint, or None
-    model.audio = bind_audio(ckpt, torch_dtype, device)
+    model.audio = bind_audio(ckpt, torch_dtype, device, backend)
     return model
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy of it at a 64-byte aligned address (torch's allocator aligns to 64). A weight whose dtype
-    the file already holds is a view into the file, at whatever offset the file put it (safetensors: 8-byte
-    steps); torch's float32 matmul rounds differently by its operands' alignment on some CPUs (AMD Zen 5: one
-    checkpoint as one file and as two shards gave logits 7e-6 apart), so outputs would depend on where a
-    tensor lies in its file."""
-    return t if t.device.type != "cpu" or t.data_ptr() % 64 == 0 else t.clone()
 
 
 def load(path: str | Path, dtype: str = "auto", device: str = "cpu", progress: bool = False,

@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 from gem4.config import ConfigError, UnifiedVisionConfig, VisionConfig, build_unified_vision_config, build_vision_config
+from gem4.model.backends import Backend
 from gem4.model.unified_vision import UnifiedVisionModel
 from gem4.model.vision import VisionModel
+from gem4.weights.binding import bind_weights
 from gem4.weights.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from gem4.weights.hf import int_field, number_field
 
@@ -122,9 +124,11 @@ def unified_vision_config_from_hf(whole: dict, text: dict, v: dict, where: Path)
         raise CheckpointError(f"{what}: {e}" + (f" ({names.get(e.field, e.field)})" if e.field else "")) from None
 
 
-def bind_vision(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> VisionModel | UnifiedVisionModel | None:
+def bind_vision(ckpt: Checkpoint, dtype: torch.dtype, device: str, backend: Backend
+                ) -> VisionModel | UnifiedVisionModel | None:
     """The checkpoint's vision tower (the 12B: its embedder) bound in `dtype` (vectors and scalars float32, as the
-    text model's), or None."""
+    text model's) through the text model's backend (binding.bind_weights: an mmproj's Q8_0 matrices stay Q8_0 on
+    the CPU backend), or None."""
     config = ckpt.tower_configs.get("vision")
     if config is None:
         return None
@@ -144,9 +148,7 @@ def bind_vision(ckpt: Checkpoint, dtype: torch.dtype, device: str = "cpu") -> Vi
     if unexpected:
         raise CheckpointError(f"{ckpt.path}: unexpected vision tower tensor 'model.{unexpected[0]}'"
                               + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
-    state = {name: present[name].dense().to(device=device, dtype=torch.float32 if len(shape) < 2 else dtype).clone()
-             for name, shape in expected.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    bind_weights(model, present, backend, dtype, device)
     if isinstance(model, VisionModel):
         model.vision_tower.inv_freq = torch.tensor(config.inv_freq(), dtype=torch.float32, device=device)
     return model.eval()
