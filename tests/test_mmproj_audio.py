@@ -24,7 +24,7 @@ from gem4.model.gemma4 import MediaItem
 from gem4.weights.checkpoint import CheckpointError
 from gem4.weights.mmproj import IMAGE_TOKENS, VIDEO_TOKEN
 from audio_fixtures import build_audio_hf
-from test_audio_tower import assert_close, clip, hf_embeddings
+from test_audio_tower import clip, hf_embeddings
 from test_mmproj import llama_cpp_mmproj, needs_llama_cpp, rewrite, tokenizer_with_media_tokens
 from text_fixtures import tiny_vocab, write_hf_dir
 from vision_fixtures import TOKEN_IDS, sample_image
@@ -72,7 +72,10 @@ def test_the_mmproj_audio_tower_equals_the_hf_checkpoints(pair):
     err = float((got - pair.want).abs().max())
     print(f"audio embeddings through gem4's mmproj, max |diff| {err:.1e} (magnitude {float(pair.want.abs().max()):.1f})")
     assert err == 0.0
-    assert_close(got, hf_embeddings(pair.hf, pair.wave))             # and transformers' (1e-5)
+    theirs = hf_embeddings(pair.hf, pair.wave)                       # and transformers': within 1e-5 of their
+    rel = float((got - theirs).abs().max() / theirs.abs().max())     # magnitude (float32 summation order apart)
+    print(f"audio embeddings vs transformers, max |diff| / magnitude {rel:.1e}")
+    assert rel < 1e-5
     want = pair.logits(pair.ref)
     err = float((pair.logits(pair.model) - want).abs().max() / want.abs().max())
     print(f"logits of a prompt with a clip and an image, GGUF pair vs HF, max relative |diff| {err:.1e}")

@@ -28,7 +28,7 @@ from gem4.weights.audio import bind_audio
 from gem4.weights.checkpoint import open_checkpoint
 from gem4.weights.towers import bind_vision
 from audio_fixtures import build_audio_hf
-from test_mmproj import tokenizer_with_image_tokens
+from test_mmproj import tokenizer_with_media_tokens
 from vision_fixtures import build_vision_hf, sample_image
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the CPU backend needs the compiled kernels")
@@ -49,7 +49,7 @@ def files(tmp_path_factory):
     for flavour, types, sizes in (("e2b", ("f32", "f16", "q8_0"), {}), ("31b", ("q8_0",), {}), ("wide", ("q8_0",), WIDE)):
         directory = root / flavour
         build_vision_hf("e2b" if flavour == "wide" else flavour, **sizes).save_pretrained(directory)
-        tokenizer_with_image_tokens(directory)
+        tokenizer_with_media_tokens(directory)
         for t in types:
             gguf, mmproj = root / f"{flavour}-{t}.gguf", root / f"mmproj-{flavour}-{t}.gguf"
             assert main(["convert", str(directory), str(gguf), "--type", t, "--mmproj", str(mmproj)]) == 0
