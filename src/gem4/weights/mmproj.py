@@ -62,9 +62,10 @@ VIDEO_TOKEN = "<|video|>"    # optional: without it the model takes no video
 _LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
             "self_attn.o_proj": "attn_out", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
             "mlp.down_proj": "ffn_down"}
-_NORMS = {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "input_layernorm": "ln1",
-          "post_attention_layernorm": "attn_post_norm", "pre_feedforward_layernorm": "ln2",
-          "post_feedforward_layernorm": "ffn_post_norm"}
+_NORMS = {f"{hf}.weight": gg for hf, gg in (
+    ("self_attn.q_norm", "attn_q_norm"), ("self_attn.k_norm", "attn_k_norm"), ("input_layernorm", "ln1"),
+    ("post_attention_layernorm", "attn_post_norm"), ("pre_feedforward_layernorm", "ln2"),
+    ("post_feedforward_layernorm", "ffn_post_norm"))}
 _BOUNDS = ("input_min", "input_max", "output_min", "output_max")
 _GLOBAL = {"vision_tower.patch_embedder.input_proj.weight": "v.patch_embd.weight",
            "vision_tower.patch_embedder.position_embedding_table": "v.position_embd.weight",
@@ -75,21 +76,27 @@ _PATCH = "vision_tower.patch_embedder.input_proj.weight"
 
 def mmproj_name(canonical: str) -> str:
     """gem4's (HF without `model.`) vision tensor name -> llama.cpp's mmproj name."""
-    if canonical in _GLOBAL:
-        return _GLOBAL[canonical]
-    head, sep, rest = canonical.partition("vision_tower.encoder.layers.")
+    return _tower_name(canonical, _GLOBAL, "vision_tower.encoder.layers.", "v.blk", _LINEARS, _NORMS)
+
+
+def _tower_name(canonical: str, globals_: dict[str, str], layers: str, block: str, linears: dict[str, str],
+                others: dict[str, str]) -> str:
+    """A tower tensor's mmproj name: a whole-tower tensor's from `globals_`; a layer's `layers`N.part as `block`.N.
+    plus its linear's name (`linears`: the weight, and the clip bounds as they are) or another tensor's (`others`)."""
+    if canonical in globals_:
+        return globals_[canonical]
+    head, sep, rest = canonical.partition(layers)
     if head or not sep:
         raise KeyError(canonical)
     n, part = rest.split(".", 1)
-    for hf, gg in _LINEARS.items():
+    if part in others:
+        return f"{block}.{n}.{others[part]}.weight"
+    for hf, gg in linears.items():
         if part == f"{hf}.linear.weight":
-            return f"v.blk.{n}.{gg}.weight"
+            return f"{block}.{n}.{gg}.weight"
         for bound in _BOUNDS:
             if part == f"{hf}.{bound}":
-                return f"v.blk.{n}.{gg}.{bound}"
-    for hf, gg in _NORMS.items():
-        if part == f"{hf}.weight":
-            return f"v.blk.{n}.{gg}.weight"
+                return f"{block}.{n}.{gg}.{bound}"
     raise KeyError(canonical)
 
 
@@ -145,6 +152,7 @@ def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEnt
     except GGUFError as e:
         raise CheckpointError(f"{where}: {e}") from None
     try:
+        _check_clip(reader, where, text)
         projector = reader.metadata.get("clip.vision.projector_type", reader.metadata.get("clip.projector_type"))
         if projector == UNIFIED_PROJECTOR:                # the 12B's encoder-free embedder
             return (*_read_unified(reader, where, text), reader)
@@ -159,23 +167,36 @@ def read_mmproj(path: str | Path, text: Checkpoint) -> tuple[dict[str, TensorEnt
         raise
 
 
-def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, TensorEntry], VisionConfig]:
+def _check_clip(reader: GGUFReader, where: str, text: Checkpoint) -> None:
+    """What every Gemma 4 mmproj is: a clip file with a vision part (the 12B's embedder or the tower), pixels taken
+    in [0, 1] (no mean, std 1: the model maps them itself), beside a GGUF text model."""
     arch = reader.metadata.get("general.architecture")
     if arch != ARCH:
         raise CheckpointError(f"{where}: general.architecture is {arch!r}, an mmproj file says {ARCH!r}")
     if reader.metadata.get("clip.has_vision_encoder") is not True:
         raise CheckpointError(f"{where}: clip.has_vision_encoder is not true: the file has no vision tower")
-    projector = reader.metadata.get("clip.vision.projector_type", reader.metadata.get("clip.projector_type"))
-    if projector != PROJECTOR:
-        raise CheckpointError(f"{where}: clip.vision.projector_type {projector!r} is not Gemma 4's {PROJECTOR!r}")
     for key, want in (("clip.vision.image_mean", 0.0), ("clip.vision.image_std", 1.0)):
         value = reader.metadata.get(key)
         if value is not None and [float(x) for x in value] != [want] * 3:
-            raise CheckpointError(f"{where}: {key} {list(value)} is not [{want:g}, {want:g}, {want:g}]: the Gemma 4 "
-                                  f"tower maps pixels to [-1, 1] itself")
+            raise CheckpointError(f"{where}: {key} {list(value)} is not [{want:g}, {want:g}, {want:g}]: Gemma 4 "
+                                  f"takes pixels in [0, 1] and maps them itself")
     if text.format != "gguf":
         raise CheckpointError(f"{where}: an mmproj file goes with a GGUF text model; {text.path} is an HF checkpoint "
                               f"(its towers load with it)")
+
+
+def _image_ids(text: Checkpoint, where: str) -> dict[str, int | None]:
+    """The image (and video) placeholder ids, from the text GGUF's vocabulary by their strings."""
+    ids: dict[str, int | None] = {field: _vocab_id(text, token, where) for field, token in IMAGE_TOKENS.items()}
+    vocab = text.metadata["tokenizer.ggml.tokens"]
+    ids["video_token_id"] = vocab.index(VIDEO_TOKEN) if VIDEO_TOKEN in vocab else None   # a frame's soft token
+    return ids
+
+
+def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, TensorEntry], VisionConfig]:
+    projector = reader.metadata.get("clip.vision.projector_type", reader.metadata.get("clip.projector_type"))
+    if projector != PROJECTOR:
+        raise CheckpointError(f"{where}: clip.vision.projector_type {projector!r} is not Gemma 4's {PROJECTOR!r}")
     tensors = {n: reader.tensors[n] for n in reader.tensors}
     if reader.metadata.get("clip.has_audio_encoder") is True:      # the audio tower's tensors are _read_audio's
         tensors = {n: t for n, t in tensors.items() if not n.startswith(AUDIO_TENSORS)}
@@ -183,16 +204,7 @@ def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, T
     for name in ("v.blk.0.attn_q_norm.weight", "v.blk.0.attn_k.weight", "v.position_embd.weight"):
         if name not in shape:
             raise CheckpointError(f"{where}: missing required tensor {name!r}")
-    vocab = text.metadata.get("tokenizer.ggml.tokens")
-    if not isinstance(vocab, list):
-        raise CheckpointError(f"{where}: the text model {text.path} has no vocabulary (tokenizer.ggml.tokens) to "
-                              f"find the image tokens {sorted(IMAGE_TOKENS.values())} in")
-    ids = {}
-    for field, token in IMAGE_TOKENS.items():
-        if token not in vocab:
-            raise CheckpointError(f"{where}: the text model's vocabulary has no {token!r} token")
-        ids[field] = vocab.index(token)
-    ids["video_token_id"] = vocab.index(VIDEO_TOKEN) if VIDEO_TOKEN in vocab else None   # a frame's soft token
+    ids = _image_ids(text, where)
     D = _get(reader, "clip.vision.embedding_length", where)
     heads = _get(reader, "clip.vision.attention.head_count", where)
     head_dim = shape["v.blk.0.attn_q_norm.weight"][0]
@@ -265,6 +277,17 @@ def mmproj_type(out_type: str) -> str:
     return out_type if out_type in _TYPES else "q8_0"
 
 
+def _writer(out: Path, name: str, qtype: GGMLType) -> GGUFWriter:
+    """A new mmproj file with the `general.*` keys llama.cpp's converter writes first."""
+    w = GGUFWriter(out)
+    w.add("general.architecture", ARCH)
+    w.add("general.type", "mmproj")
+    w.add("general.name", name)
+    w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 7, GGMLType.BF16: 32}[qtype],
+          _VT.UINT32)
+    return w
+
+
 def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
     """Write the vision tower of `ckpt` (an HF checkpoint), and its audio tower where it has one (E2B/E4B), as
     llama.cpp's mmproj GGUF. Returns tensor counts by type.
@@ -278,12 +301,7 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
     if isinstance(vision, UnifiedVisionConfig):
         return write_unified_mmproj(ckpt, out, out_type, name)
     qtype = _TYPES[mmproj_type(out_type)]
-    w = GGUFWriter(out)
-    w.add("general.architecture", ARCH)
-    w.add("general.type", "mmproj")
-    w.add("general.name", name or ckpt.path.name)
-    w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 7, GGMLType.BF16: 32}[qtype],
-          _VT.UINT32)
+    w = _writer(out, name or ckpt.path.name, qtype)
     w.add("general.quantization_version", 2, _VT.UINT32)
     w.add("clip.has_vision_encoder", True)
     w.add("clip.vision.projector_type", PROJECTOR)
@@ -360,21 +378,7 @@ _SCALE = ".self_attn.per_dim_scale"
 
 def audio_mmproj_name(canonical: str) -> str:
     """gem4's (HF without `model.`) audio tensor name -> llama.cpp's mmproj name."""
-    if canonical in _A_GLOBAL:
-        return _A_GLOBAL[canonical]
-    head, sep, rest = canonical.partition("audio_tower.layers.")
-    if head or not sep:
-        raise KeyError(canonical)
-    n, part = rest.split(".", 1)
-    if part in _A_LAYER:
-        return f"a.blk.{n}.{_A_LAYER[part]}.weight"
-    for hf, gg in _A_LINEARS.items():
-        if part == f"{hf}.linear.weight":
-            return f"a.blk.{n}.{gg}.weight"
-        for bound in _BOUNDS:
-            if part == f"{hf}.{bound}":
-                return f"a.blk.{n}.{gg}.{bound}"
-    raise KeyError(canonical)
+    return _tower_name(canonical, _A_GLOBAL, "audio_tower.layers.", "a.blk", _A_LINEARS, _A_LAYER)
 
 
 def _audio_stored_shape(canonical: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -507,19 +511,6 @@ def _read_unified(reader: GGUFReader, where: str, text: Checkpoint
                   ) -> tuple[dict[str, TensorEntry], dict[str, object]]:
     """The 12B's mmproj: its embedder (UnifiedVisionConfig) and, where the file has it (llama.cpp's converter always
     writes it), its raw-frame audio projection (FrameAudioConfig)."""
-    if reader.metadata.get("general.architecture") != ARCH:
-        raise CheckpointError(f"{where}: general.architecture is {reader.metadata.get('general.architecture')!r}, "
-                              f"an mmproj file says {ARCH!r}")
-    if reader.metadata.get("clip.has_vision_encoder") is not True:
-        raise CheckpointError(f"{where}: clip.has_vision_encoder is not true: the file has no vision embedder")
-    if text.format != "gguf":
-        raise CheckpointError(f"{where}: an mmproj file goes with a GGUF text model; {text.path} is an HF checkpoint "
-                              f"(its towers load with it)")
-    for key, want in (("clip.vision.image_mean", 0.0), ("clip.vision.image_std", 1.0)):
-        value = reader.metadata.get(key)
-        if value is not None and [float(x) for x in value] != [want] * 3:
-            raise CheckpointError(f"{where}: {key} {list(value)} is not [{want:g}, {want:g}, {want:g}]: the 12B reads "
-                                  f"[0, 1] pixels")
     shape = {n: t.shape for n, t in reader.tensors.items()}
     if "v.position_embd.weight" not in shape:
         raise CheckpointError(f"{where}: missing required tensor 'v.position_embd.weight'")
@@ -527,9 +518,7 @@ def _read_unified(reader: GGUFReader, where: str, text: Checkpoint
     if len(table) != 3 or table[0] != 2:
         raise CheckpointError(f"{where}: v.position_embd.weight has shape {table}, expected (2, P, D)")
     width = text.config.hidden_size
-    ids = {field: _vocab_id(text, token, where) for field, token in IMAGE_TOKENS.items()}
-    vocab = text.metadata["tokenizer.ggml.tokens"]
-    ids["video_token_id"] = vocab.index(VIDEO_TOKEN) if VIDEO_TOKEN in vocab else None   # a frame's soft token
+    ids = _image_ids(text, where)
     projection = _get(reader, "clip.vision.projection_dim", where)
     if projection != width:
         raise CheckpointError(f"{where}: clip.vision.projection_dim {projection} is not the text model's width "
@@ -620,12 +609,7 @@ def write_unified_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str |
     vision: UnifiedVisionConfig = ckpt.tower_configs["vision"]
     audio, projection = _hf_frame_audio(ckpt)
     qtype = _TYPES[mmproj_type(out_type)]
-    w = GGUFWriter(out)
-    w.add("general.architecture", ARCH)
-    w.add("general.type", "mmproj")
-    w.add("general.name", name or ckpt.path.name)
-    w.add("general.file_type", {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q8_0: 7, GGMLType.BF16: 32}[qtype],
-          _VT.UINT32)
+    w = _writer(out, name or ckpt.path.name, qtype)
     w.add("clip.has_vision_encoder", True)
     w.add("clip.vision.projection_dim", vision.text_hidden_size, _VT.UINT32)
     w.add("clip.vision.image_size", 224, _VT.UINT32)          # placeholders llama.cpp's converter writes too
