@@ -7,8 +7,6 @@ the one way `generate()` builds those masks: with its default dynamic cache it c
 is bidirectional on every layer. The 12B's pitfalls are made on purpose and must move the result."""
 from __future__ import annotations
 
-import sys
-import types
 
 import numpy as np
 import pytest
@@ -22,6 +20,7 @@ from gem4.model import unified_vision
 from gem4.model.audio import encode_audio
 from gem4.model.gemma4 import MediaItem
 from gem4.weights.checkpoint import CheckpointError
+from torchvision_stub import import_stubbed, stubbed_normalize
 from unified_fixtures import build_unified_hf, clip
 from vision_fixtures import greedy_with_media, sample_image
 
@@ -31,62 +30,14 @@ SIZES = [(96, 144), (120, 100)]   # (height, width) of the prompt's two images; 
 BUDGET = 70
 
 
-def torchvision_stub() -> dict[str, types.ModuleType]:
-    """transformers' 12B image processor imports torchvision at module level, and torchvision has no wheel that
-    loads here. Its one call that matters, `tvF.resize(uint8 image, bicubic, antialias=True)`, hands the uint8
-    tensor to torch's native uint8 kernel on the CPU (torchvision 0.28/0.29, read from its source): the stub does
-    exactly that (and `normalize`, the video processor's, as torchvision writes it), so the rest of the processor -- the size rule, the rescale, the 16 px patches merged 3 x 3, the
-    positions, the padding -- runs as transformers wrote it."""
-    functional = types.ModuleType("torchvision.transforms.v2.functional")
-
-    def resize(image, size, interpolation=None, antialias=True):
-        assert image.dtype == torch.uint8 and antialias
-        batch = image if image.ndim == 4 else image[None]           # a video's frames, or one image
-        out = torch.nn.functional.interpolate(batch, size=list(size), mode="bicubic", align_corners=False,
-                                              antialias=True)
-        return out if image.ndim == 4 else out[0]
-
-    def normalize(image, mean, std, inplace=False):
-        """torchvision's `normalize` on a float tensor: (x - mean) / std per channel (the video processor's 1/255)."""
-        mean = torch.as_tensor(mean, dtype=image.dtype).view(-1, 1, 1)
-        std = torch.as_tensor(std, dtype=image.dtype).view(-1, 1, 1)
-        return (image.sub_(mean) if inplace else image.sub(mean)).div_(std)
-
-    functional.resize = resize
-    functional.normalize = normalize
-    functional.InterpolationMode = types.SimpleNamespace(BICUBIC="bicubic")
-    v2 = types.ModuleType("torchvision.transforms.v2")
-    v2.functional = functional
-    transforms = types.ModuleType("torchvision.transforms")
-    transforms.v2 = v2
-    root = types.ModuleType("torchvision")
-    root.transforms = transforms
-    return {"torchvision": root, "torchvision.transforms": transforms, "torchvision.transforms.v2": v2,
-            "torchvision.transforms.v2.functional": functional}
-
-
 @pytest.fixture(scope="module")
 def hf_pixels():
     """images, budget -> transformers' `Gemma4UnifiedImageProcessor` output (pixel_values padded to the budget,
-    image_position_ids, num_soft_tokens_per_image), its torchvision resize stubbed as above."""
-    import importlib
-
+    image_position_ids, num_soft_tokens_per_image), its torchvision resize stubbed (tests/torchvision_stub.py)."""
     from transformers.image_utils import PILImageResampling
 
-    importlib.import_module("transformers.image_processing_backends")     # before the stub: it asks for torchvision
-
-    stubs = torchvision_stub()
-    saved = {name: sys.modules.get(name) for name in stubs}
-    sys.modules.update(stubs)
-    sys.modules.pop("transformers.models.gemma4_unified.image_processing_gemma4_unified", None)
-    try:
-        from transformers.models.gemma4_unified.image_processing_gemma4_unified import Gemma4UnifiedImageProcessor
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    Gemma4UnifiedImageProcessor = import_stubbed(
+        "transformers.models.gemma4_unified.image_processing_gemma4_unified", "Gemma4UnifiedImageProcessor")
     processor = object.__new__(Gemma4UnifiedImageProcessor)
 
     def run(images, budget: int) -> dict:
@@ -403,36 +354,15 @@ def test_chat_with_an_image_on_the_12b_matches_the_engine(tmp_path):
 def hf_video_pixels():
     """frames [T, 3, H, W] uint8, budget -> transformers' `Gemma4UnifiedVideoProcessor._preprocess` output, its
     torchvision resize stubbed as the image processor's is."""
-    import importlib
-
     from transformers.image_utils import PILImageResampling
 
-    backends = importlib.import_module("transformers.image_processing_backends")
-    importlib.import_module("transformers.video_processing_utils")
-    stubs = torchvision_stub()
-    saved = {name: sys.modules.get(name) for name in stubs}
-    sys.modules.update(stubs)
-    sys.modules.pop("transformers.models.gemma4_unified.video_processing_gemma4_unified", None)
-    try:
-        from transformers.models.gemma4_unified.video_processing_gemma4_unified import Gemma4UnifiedVideoProcessor
-    finally:
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
+    Gemma4UnifiedVideoProcessor = import_stubbed(
+        "transformers.models.gemma4_unified.video_processing_gemma4_unified", "Gemma4UnifiedVideoProcessor")
     processor = object.__new__(Gemma4UnifiedVideoProcessor)
 
     def run(frames: torch.Tensor, budget: int = 70) -> dict:
-        # its normalize is the backend module's, which reaches torchvision through a module global
-        had, backends.tvF = getattr(backends, "tvF", None), stubs["torchvision.transforms.v2.functional"]
-        try:
+        with stubbed_normalize():
             return preprocess_video(frames, budget)
-        finally:
-            if had is None:
-                del backends.tvF
-            else:
-                backends.tvF = had
 
     def preprocess_video(frames: torch.Tensor, budget: int) -> dict:
         return Gemma4UnifiedVideoProcessor._preprocess(

@@ -284,48 +284,20 @@ def test_frames_equal_transformers_video_processor():
     """media/video.py's frames are transformers' `Gemma4VideoProcessor._preprocess` output, its class defaults
     (budget 70, 16 px patches, pooling 3, 1/255 then mean 0 / std 1), bit for bit: patches and positions of each of
     the 32 frames. Its one torchvision call, the uint8 bicubic + antialias resize, is stubbed by the torch kernel
-    torchvision calls on the CPU (test_unified_vision.torchvision_stub: torchvision has no wheel here)."""
-    import importlib
-    import sys
-
+    torchvision calls on the CPU (tests/torchvision_stub.py: torchvision has no wheel here)."""
     from gem4.media.video import frame_indices
-    from test_unified_vision import decoded_frames, torchvision_stub
+    from test_unified_vision import decoded_frames
+    from torchvision_stub import import_stubbed, stubbed_normalize
 
-    import transformers.utils
-
-    backends = importlib.import_module("transformers.image_processing_backends")
-    importlib.import_module("transformers.video_processing_utils")
-    stubs = torchvision_stub()
-    saved = {name: sys.modules.get(name) for name in stubs}
-    sys.modules.update(stubs)
-    sys.modules.pop("transformers.models.gemma4.video_processing_gemma4", None)
-    available = transformers.utils.is_torchvision_v2_available      # the module imports torchvision only if so
-    transformers.utils.is_torchvision_v2_available = lambda: True
-    try:
-        from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProcessor
-    finally:
-        transformers.utils.is_torchvision_v2_available = available
-        sys.modules.pop("transformers.models.gemma4.video_processing_gemma4", None)
-        for name, module in saved.items():
-            if module is None:
-                sys.modules.pop(name, None)
-            else:
-                sys.modules[name] = module
-    P = Gemma4VideoProcessor
+    P = import_stubbed("transformers.models.gemma4.video_processing_gemma4", "Gemma4VideoProcessor")
     data = make_clip(frames=40, width=80, height=44, fps=10)
     frames = decoded_frames(data, frame_indices(40))
-    had, backends.tvF = getattr(backends, "tvF", None), stubs["torchvision.transforms.v2.functional"]
-    try:
+    with stubbed_normalize():
         out = P._preprocess(object.__new__(P), [frames], do_resize=P.do_resize, resample=P.resample,
                             do_rescale=P.do_rescale, rescale_factor=1 / 255, do_normalize=P.do_normalize,
                             image_mean=tuple(P.image_mean), image_std=tuple(P.image_std), return_tensors="pt",
                             patch_size=P.patch_size, max_soft_tokens=P.max_soft_tokens,
                             pooling_kernel_size=P.pooling_kernel_size)
-    finally:
-        if had is None:
-            del backends.tvF
-        else:
-            backends.tvF = had
     video = decode(data, patch_size=P.patch_size, pooling=P.pooling_kernel_size)
     assert len(video.frames) == out["pixel_values_videos"].shape[0] == 32
     assert video.frames[0].patches.num_tokens == out["num_soft_tokens_per_video"][0]
