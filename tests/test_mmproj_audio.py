@@ -168,7 +168,7 @@ def test_a_text_gguf_without_audio_tokens_is_refused(pair, tmp_path):
                                                ("rms_norm_eps", 1e-5, "rms_norm_eps 1e-05")])
 def test_convert_refuses_an_audio_config_the_mmproj_cannot_hold(pair, tmp_path, capsys, key, value, field):
     """llama.cpp's gemma4a graph fixes these (the file has no key for them): a checkpoint that says otherwise would
-    load as another model."""
+    load as another model. Refused before anything is written: no text GGUF is left behind."""
     d = tmp_path / "other"
     shutil.copytree(pair.dir, d)
     config = json.loads((d / "config.json").read_text())
@@ -176,6 +176,7 @@ def test_convert_refuses_an_audio_config_the_mmproj_cannot_hold(pair, tmp_path, 
     (d / "config.json").write_text(json.dumps(config))
     assert main(["convert", str(d), str(tmp_path / "t.gguf"), "--type", "f32"]) == 2
     assert f"audio_config {field}: llama.cpp's mmproj holds only" in capsys.readouterr().err
+    assert not (tmp_path / "t.gguf").exists() and not (tmp_path / "mmproj-t.gguf").exists()
 
 
 def test_run_takes_an_audio_mmproj_as_llama_server_does(pair, tmp_path, capsys):

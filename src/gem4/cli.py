@@ -56,12 +56,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from gem4.weights.gguf_model import write_gguf
 
     ckpt = open_checkpoint(args.hf_dir)
+    towers = "vision" in ckpt.tower_configs     # llama.cpp's layout: the towers (vision, and audio where there is
+    if towers:                                  # one) in a second file (weights/mmproj.py)
+        from gem4.weights.mmproj import check_writable, mmproj_type, write_mmproj
+
+        check_writable(ckpt)                    # refused before the text GGUF is written, not after
     counts = write_gguf(ckpt, Path(args.out), args.type)
     print(f"wrote {args.out}: " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))
-    if "vision" in ckpt.tower_configs:          # llama.cpp's layout: the towers (vision, and audio where there is
-        # one) in a second file (weights/mmproj.py)
-        from gem4.weights.mmproj import mmproj_type, write_mmproj
-
+    if towers:
         out = Path(args.mmproj) if args.mmproj else Path(args.out).with_name(f"mmproj-{Path(args.out).name}")
         counts = write_mmproj(ckpt, out, args.type)
         print(f"wrote {out} ({mmproj_type(args.type)}): " + ", ".join(f"{n} {t}" for t, n in sorted(counts.items())))

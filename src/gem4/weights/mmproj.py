@@ -288,6 +288,28 @@ def _writer(out: Path, name: str, qtype: GGMLType) -> GGUFWriter:
     return w
 
 
+def check_writable(ckpt: Checkpoint) -> VisionConfig | UnifiedVisionConfig:
+    """The vision config of the HF checkpoint `ckpt` if its towers can be written as an mmproj, else the
+    CheckpointError that says why -- before anything is written (gem4 convert writes the text GGUF first)."""
+    vision = ckpt.tower_configs.get("vision")
+    if vision is None:
+        raise CheckpointError(f"{ckpt.path}: the checkpoint has no vision tower to write as an mmproj")
+    audio = hf_audio(Path(ckpt.path)) if ckpt.format == "safetensors" else None
+    if isinstance(vision, UnifiedVisionConfig):
+        if audio is None or not isinstance(audio[0], FrameAudioConfig):
+            raise CheckpointError(f"{ckpt.path}: llama.cpp's 12B mmproj holds the raw-frame audio projection too; "
+                                  f"the checkpoint has no 12B audio_config to write")
+    elif audio is not None:
+        if isinstance(audio[0], FrameAudioConfig):
+            raise CheckpointError(f"{ckpt.path}: the 12B's raw-frame audio projection goes only beside its embedder")
+        for field, value in AUDIO_FIXED.items():
+            if field not in NO_EFFECT and getattr(audio[0], field) != value:
+                raise CheckpointError(f"{ckpt.path}: audio_config {field} {getattr(audio[0], field)!r}: llama.cpp's "
+                                      f"mmproj holds only {value!r} (its runtime fixes it), so the tower cannot be "
+                                      f"written there")
+    return vision
+
+
 def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = None) -> dict[str, int]:
     """Write the vision tower of `ckpt` (an HF checkpoint), and its audio tower where it has one (E2B/E4B), as
     llama.cpp's mmproj GGUF. Returns tensor counts by type.
@@ -295,9 +317,7 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
     Matrices take `out_type` (f32, f16, bf16, q8_0; rows that are not whole Q8_0 blocks: F16); vectors, clip bounds
     and the position table stay F32, the patch kernel F16 in an f16 file and F32 otherwise, as llama.cpp's converter
     stores them (the same types, names, shapes and bytes: tests/test_mmproj.py)."""
-    vision = ckpt.tower_configs.get("vision")
-    if vision is None:
-        raise CheckpointError(f"{ckpt.path}: the checkpoint has no vision tower to write as an mmproj")
+    vision = check_writable(ckpt)
     if isinstance(vision, UnifiedVisionConfig):
         return write_unified_mmproj(ckpt, out, out_type, name)
     qtype = _TYPES[mmproj_type(out_type)]
@@ -331,7 +351,7 @@ def write_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str | None = 
         counts[ggml.name] = counts.get(ggml.name, 0) + 1
     audio = hf_audio(Path(ckpt.path)) if ckpt.format == "safetensors" else None
     if audio is not None:
-        _write_audio(w, *audio, qtype, counts, ckpt.path)
+        _write_audio(w, *audio, qtype, counts)
     w.write()
     return counts
 
@@ -570,17 +590,11 @@ def _read_unified(reader: GGUFReader, where: str, text: Checkpoint
     return entries, configs
 
 
-def _write_audio(w: GGUFWriter, audio: AudioConfig | FrameAudioConfig, tensors: dict[str, TensorEntry],
-                 qtype: GGMLType, counts: dict[str, int], where) -> None:
+def _write_audio(w: GGUFWriter, audio: AudioConfig, tensors: dict[str, TensorEntry], qtype: GGMLType,
+                 counts: dict[str, int]) -> None:
     """An HF checkpoint's conformer into the mmproj being written, as llama.cpp's converter writes it: matrices in
     `qtype` (Q8_0: F16 where a row is not whole blocks), vectors, clip bounds, the subsampling convolutions and
-    projection and the depthwise kernel F32; per_dim_scale through softplus."""
-    if isinstance(audio, FrameAudioConfig):
-        raise CheckpointError(f"{where}: the 12B's raw-frame audio projection is not written into an mmproj")
-    for field, value in AUDIO_FIXED.items():
-        if field not in NO_EFFECT and getattr(audio, field) != value:
-            raise CheckpointError(f"{where}: audio_config {field} {getattr(audio, field)!r}: llama.cpp's mmproj "
-                                  f"holds only {value!r} (its runtime fixes it), so the tower cannot be written there")
+    projection and the depthwise kernel F32; per_dim_scale through softplus (check_writable checked the config)."""
     w.add("clip.has_audio_encoder", True)
     w.add("clip.audio.projector_type", AUDIO_PROJECTOR)
     for key, value in (("projection_dim", audio.text_hidden_size), ("embedding_length", audio.hidden_size),
@@ -647,11 +661,6 @@ def write_unified_mmproj(ckpt: Checkpoint, out: Path, out_type: str, name: str |
 
 
 def _hf_frame_audio(ckpt: Checkpoint) -> tuple[FrameAudioConfig, torch.Tensor]:
-    """The 12B HF checkpoint's raw-frame audio: its config and its projection (llama.cpp's converter needs both
-    towers in a 12B mmproj)."""
-    found = hf_audio(Path(ckpt.path))
-    if found is None or not isinstance(found[0], FrameAudioConfig):
-        raise CheckpointError(f"{ckpt.path}: llama.cpp's 12B mmproj holds the raw-frame audio projection too; the "
-                              f"checkpoint has no 12B audio_config to write")
-    audio, entries = found
+    """The 12B HF checkpoint's raw-frame audio (check_writable: it has one): its config and its projection."""
+    audio, entries = hf_audio(Path(ckpt.path))
     return audio, entries[_U_AUDIO[0]].dense()
