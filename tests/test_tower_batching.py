@@ -158,3 +158,34 @@ def test_the_engine_runs_new_requests_clips_of_one_length_in_one_tower_pass(audi
     for wave, soft in zip(waves, [soft for _, batch in calls for soft in batch]):
         assert torch.equal(soft, encode_audio(model.audio, wave).embeddings)
     assert_same_tokens(got, want)
+
+
+def test_an_image_the_prefix_cache_holds_is_not_encoded_again(checkpoint, monkeypatch):
+    """A second question about the same picture: the prefix cache gives the image's rows (and the question's first
+    words), so the tower does not run for it -- the cost of that turn is its question -- and the answer is the one a
+    cold engine gives. A different picture behind the same placeholders is encoded (a miss)."""
+    model = gem4.load(checkpoint, dtype="float32")
+    vc = model.vision.config
+    picture, other = images((96, 144), (7, 8))
+    first = image_prompt([2, 10, vc.image_token_id, 20, 21, 22], vc, [picture])
+    second = image_prompt([2, 10, vc.image_token_id, 20, 23, 24, 25], vc, [picture])
+    third = image_prompt([2, 10, vc.image_token_id, 20, 23, 24, 25], vc, [other])
+    config = dict(prefill_chunk=64, block_size=4, max_num_batched_tokens=512)
+    cold = alone(model, [second, third], config)
+    calls, encode = [], model.vision.encode
+
+    def counted(patches, positions, grid):
+        calls.append(tuple(patches.shape))
+        return encode(patches, positions, grid)
+
+    monkeypatch.setattr(model.vision, "encode", counted)
+    engine = Engine(model, **config)
+    list(engine.submit(first[0], SamplingParams(**GREEDY), media=first[1]))
+    assert len(calls) == 1
+    events = list(engine.submit(second[0], SamplingParams(**GREEDY), media=second[1]))
+    assert len(calls) == 1                                             # the hit covers the image: no tower pass
+    assert events[-1].cached_tokens >= second[1][0].end
+    assert_same_tokens([[(e.token_id, e.logprob) for e in events]], cold[:1])
+    events = list(engine.submit(third[0], SamplingParams(**GREEDY), media=third[1]))
+    assert len(calls) == 2                                             # another picture: encoded
+    assert_same_tokens([[(e.token_id, e.logprob) for e in events]], cold[1:])

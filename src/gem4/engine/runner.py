@@ -30,11 +30,12 @@ sequence emitted. A grammar that fails (it does not compile, a parser limit, a r
 fails its chunk (`Failed`), like non-finite logits. A thought budget (`SamplingParams.thought_budget`) is applied
 by the same masks, where it binds (engine/grammar.py).
 
-Media (docs/multimodal.md §5.4): a sequence's images and audio clips become soft tokens through the model's
-towers once, when its first prefill piece runs, and are kept (per sequence, like its generator) until it is released, so a
-preempted sequence recomputes its prompt with the same soft tokens. The media of every sequence a step starts go
-through the towers together: images and video frames of one patch grid in one tower pass, audio clips of one
-length in one (`encode_all`). A forward pass carries the soft tokens of
+Media (docs/multimodal.md §5.4): an image or audio clip of a sequence becomes soft tokens through the model's
+towers once, when a prefill piece first computes one of its rows, and is kept (per sequence, like its generator)
+until the sequence is released, so a preempted sequence recomputes its prompt with the same soft tokens. An item
+whose rows all come from the prefix cache is never encoded (a second question about the same picture costs its
+question only). The items a step needs go through the towers together: images and video frames of one patch grid
+in one tower pass, audio clips of one length in one (`encode_all`). A forward pass carries the soft tokens of
 its pieces' rows (`StepEmbeds`) and each sequence's bidirectional spans (`SeqStep.bidirectional`).
 
 Copies the scheduler asks for (plain int pairs in the Batch) are done here, on the pool, before the
@@ -147,7 +148,7 @@ class ModelRunner:
         self.device = model.device
         self.sampler = Sampler()
         self._generators: dict[int, SeedStream | None] = {}   # seq_id ->
-        self._media: dict[int, list[MediaItem]] = {}            # seq_id -> its soft tokens, once encoded
+        self._media: dict[int, dict[int, MediaItem]] = {}       # seq_id -> {item index: its soft tokens}, once encoded
         self.grammar_stats = grammar_stats if grammar_stats is not None else GrammarStats()
         self.matchers = Matchers(grammar_vocab, self.grammar_stats, model.config.vocab_size, torch.get_num_threads())
 
@@ -271,7 +272,7 @@ class ModelRunner:
         """The chunks through the model (in passes by kind, see the module docstring) -> per chunk the logits of
         its `num_logits` last rows [n, V] (with the assistant: (logits, final-normed hidden states [n, H])), or
         None."""
-        self._encode_media([w.chunk.seq for w in work if w.prefill])
+        self._encode_media([w for w in work if w.prefill])
         pieces = [(i, p) for i, w in enumerate(work) for p in _pieces(w, self.model.decode_rows)]
         out: list = [None] * len(work)
         for group in _passes([(i, p.prefill, len(p.ids)) for i, p in pieces], self.model.decode_rows):
@@ -288,7 +289,8 @@ class ModelRunner:
             steps.append(SeqStep(w.start, len(w.ids), self.blocks.table(seq.seq_id),
                                  self.blocks.sliding_table(seq.seq_id), logits=w.num_logits, bidirectional=seq.spans))
             if seq.media and w.prefill:
-                soft.append(StepEmbeds.of(self._media_items(seq), w.start, len(w.ids), row=len(ids)))
+                soft.append(StepEmbeds.of(list(self._media.get(seq.seq_id, {}).values()), w.start, len(w.ids),
+                                          row=len(ids)))
             ids += w.ids
         ids_t, sizes = torch.tensor(ids, dtype=torch.long, device=self.device), [w.num_logits for w in work]
         layout = self.pool.layout(steps, prefill=work[0].prefill)
@@ -301,21 +303,21 @@ class ModelRunner:
             parts = self.model.forward(ids_t, layout, self.pool, **extra).split(sizes)      # [M, V]
         return [part if w.num_logits else None for w, part in zip(work, parts)]
 
-    def _encode_media(self, seqs) -> None:
-        """The soft tokens of every sequence among `seqs` whose media are not encoded yet, all through the towers
-        together (`encode_all`: the images and frames of one patch grid in one tower pass, whichever request they
-        belong to), kept until the sequence is released."""
-        todo = list({s.seq_id: s for s in seqs if s.media and s.seq_id not in self._media}.values())
+    def _encode_media(self, work) -> None:
+        """The soft tokens of every media item the prefill pieces `work` compute a row of and that is not encoded
+        yet, all through the towers together (`encode_all`: the images and frames of one patch grid in one tower
+        pass, whichever request they belong to), kept until their sequence is released."""
+        todo = {}                                       # (seq_id, item index) -> (seq, item)
+        for w in work:
+            seq, end = w.chunk.seq, w.start + len(w.ids)
+            done = self._media.get(seq.seq_id, {})
+            for i, m in enumerate(seq.media):
+                if i not in done and m.start < end and w.start < m.end:
+                    todo[seq.seq_id, i] = (seq, m)
         if not todo:
             return
-        soft = iter(encode_all(self.model, [m for s in todo for m in s.media]))
-        for s in todo:
-            self._media[s.seq_id] = [MediaItem(m.start, next(soft), m.bidirectional) for m in s.media]
-
-    def _media_items(self, seq) -> list[MediaItem]:
-        """The sequence's media as soft tokens (`_encode_media` computes them the first time they are asked for)."""
-        self._encode_media([seq])
-        return self._media[seq.seq_id]
+        for ((seq_id, i), (_, m)), soft in zip(todo.items(), encode_all(self.model, [m for _, m in todo.values()])):
+            self._media.setdefault(seq_id, {})[i] = MediaItem(m.start, soft, m.bidirectional)
 
     def _forward_alone(self, work: _Rows):
         try:
