@@ -150,22 +150,25 @@ struct TailGroup {
     alignas(64) uint8_t meta[64];          // as a group's scales (meta_bytes, at most 64)
 
     // the side record's tail (at side_row + full * meta_bytes) -> the buffers
+    // (masked loads: one per 64-byte vector, the lanes past the tail zero; a decode step expands every tail it reads)
     void expand(const Format& f, const uint8_t* side_row) {
         const uint8_t* tm = side_row + f.full * f.meta_bytes;
         const uint8_t* tq = tm + f.tail_meta;
-        const int64_t T = f.tail, lanes = 4 * T;
-        std::memset(q, 0, GROUP * f.quant_bytes);
-        std::memset(meta, 0, sizeof meta);
-        for (int64_t v = 0; v < f.quant_bytes / 4; ++v) std::memcpy(q + 64 * v, tq + lanes * v, lanes);
+        const int64_t T = f.tail;
+        const __mmask16 lanes = static_cast<__mmask16>((1u << T) - 1);
+        for (int64_t v = 0; v < f.quant_bytes / 4; ++v)
+            _mm512_store_si512(q + 64 * v, _mm512_maskz_loadu_epi32(lanes, tq + 4 * T * v));
         if (gem4_kq::is_k(f.type)) {
+            _mm512_store_si512(meta, _mm512_setzero_si512());
             std::memcpy(meta, tm, 8);
             std::memcpy(meta + 16, tm + 8, 8);
             std::memcpy(meta + 32, tm + 16, 2);                        // d of the first super-block (the second's 0)
             if (f.type != gem4_kq::Q6_K) std::memcpy(meta + 36, tm + 18, 2);
             return;
         }
-        std::memcpy(meta, tm, 2 * T);
-        if (legacy_min(f.type)) std::memcpy(meta + 32, tm + 2 * T, 2 * T);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(meta), _mm256_maskz_loadu_epi16(lanes, tm));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(meta + 32),
+                           legacy_min(f.type) ? _mm256_maskz_loadu_epi16(lanes, tm + 2 * T) : _mm256_setzero_si256());
     }
     // the buffers (lanes >= T unused) -> the side record's tail
     void compact(const Format& f, uint8_t* side_row) const {
