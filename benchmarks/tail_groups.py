@@ -1,7 +1,8 @@
 """x16 tail groups (issue 37): resident bytes of a 26B-A4B-width Q4_K_M slice and the decode GEMV at its shapes.
 
     python benchmarks/tail_groups.py sizes [--experts 32] [--layers 2] [--out benchmarks/out]
-    python benchmarks/tail_groups.py gemv [--calls 60] [--threads 1]
+    python benchmarks/tail_groups.py gemv [--calls 6] [--threads 1]
+    python benchmarks/tail_groups.py decode [--steps 32] [--save logits.pt]
 
 Run each against two checkouts, alternating processes (PYTHONPATH=<old>/src, then <new>/src, ...): the script
 measures the code it imports.
@@ -12,6 +13,8 @@ measures the code it imports.
   file, by type.
 - gemv: one decode row through kernels.gemv at the slice's shapes, each weight repeated in copies that add up to
   256 MB so that every call reads its weight from memory, not from cache; median ms per call.
+- decode: the slice in the fast mode, a 64-token prefill and `--steps` greedy decode steps (each layer one
+  kernels.decode_layer call): ms per step; `--save` keeps the logits, to compare two checkouts' bit for bit.
 Prints one JSON object.
 """
 from __future__ import annotations
@@ -113,17 +116,35 @@ def gemv(args) -> dict:
     return out
 
 
+def decode(args) -> dict:
+    torch.set_num_threads(args.threads)
+    model = gem4.load(build(args.out, args.experts, args.layers))
+    prompt = torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache()
+    out = [model.extend(prompt, cache)]
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        out.append(model.extend(out[-1].argmax(-1).reshape(1), cache))
+        times.append(time.perf_counter() - t0)
+    if args.save:
+        torch.save(torch.cat(out), args.save)
+    return {"decode ms/step": round(statistics.median(times) * 1e3, 2)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["sizes", "gemv"])
+    ap.add_argument("what", choices=["sizes", "gemv", "decode"])
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/out")
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(sizes(args) if args.what == "sizes" else gemv(args)))
+    print(json.dumps({"sizes": sizes, "gemv": gemv, "decode": decode}[args.what](args)))
 
 
 if __name__ == "__main__":
