@@ -2,6 +2,7 @@
 
     python benchmarks/tail_groups.py sizes [--experts 32] [--layers 2] [--out benchmarks/out]
     python benchmarks/tail_groups.py gemv [--calls 6] [--threads 1]
+    python benchmarks/tail_groups.py linear [--threads 1]
     python benchmarks/tail_groups.py decode [--steps 32] [--save logits.pt]
 
 Run each against two checkouts, alternating processes (PYTHONPATH=<old>/src, then <new>/src, ...): the script
@@ -13,6 +14,8 @@ measures the code it imports.
   file, by type.
 - gemv: one decode row through kernels.gemv at the slice's shapes, each weight repeated in copies that add up to
   256 MB so that every call reads its weight from memory, not from cache; median ms per call.
+- linear: a 128-token prefill chunk through kernels.linear at the same shapes (the weight in cache: what the
+  tail groups change here is the dequantization into bf16 tiles); median ms of 15 calls.
 - decode: the slice in the fast mode, a 64-token prefill and `--steps` greedy decode steps (each layer one
   kernels.decode_layer call): ms per step; `--save` keeps the logits, to compare two checkouts' bit for bit.
 Prints one JSON object.
@@ -116,6 +119,27 @@ def gemv(args) -> dict:
     return out
 
 
+def linear(args) -> dict:
+    from gem4.ggml import GGMLType, quantize
+    from gem4.model import kernels
+
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, n, k, tname in SHAPES:
+        t = GGMLType[tname]
+        w = kernels.repack(quantize(torch.randn(n, k, generator=g) * 0.1, t).reshape(-1), n, k, t)
+        x = torch.randn(128, k, generator=g)
+        kernels.linear(x, w, n, k, t)
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            kernels.linear(x, w, n, k, t)
+            times.append(time.perf_counter() - t0)
+        out[name] = {"ms": round(statistics.median(times) * 1e3, 3)}
+    return out
+
+
 def decode(args) -> dict:
     torch.set_num_threads(args.threads)
     model = gem4.load(build(args.out, args.experts, args.layers))
@@ -134,7 +158,7 @@ def decode(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("what", choices=["sizes", "gemv", "decode"])
+    ap.add_argument("what", choices=["sizes", "gemv", "linear", "decode"])
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/out")
@@ -144,7 +168,7 @@ def main() -> None:
     ap.add_argument("--save", type=Path)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps({"sizes": sizes, "gemv": gemv, "decode": decode}[args.what](args)))
+    print(json.dumps({"sizes": sizes, "gemv": gemv, "linear": linear, "decode": decode}[args.what](args)))
 
 
 if __name__ == "__main__":

@@ -899,16 +899,17 @@ void dequant_rows(const X16& wp, const Format& f, int64_t k_in, int64_t ggml_typ
     // 28..31] (affine8_elem); these indices pick elements 0..15 and 16..31 from the pair
     const __m512i a8_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
     const __m512i a8_hi = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
-    for (int64_t i = n0; i < n1; ++i)
+    for (int64_t i = n0; i < n1; ++i) {
+        const int64_t n = ids ? ids[i] : i;
+        const uint8_t *row = wp.main + n * f.main_bytes, *side = wp.side + n * f.side_bytes;
+        if (f.tail) tail.expand(f, side);                   // ahead of its use: its stores retired when it is read
+        const uint8_t *grp = nullptr, *group_meta = nullptr;
         for (int64_t b = 0; b < nb; ++b) {
-            const int64_t n = ids ? ids[i] : i;
-            const uint8_t *row = wp.main + n * f.main_bytes, *side = wp.side + n * f.side_bytes;
-            const bool whole = b / GROUP < f.full;           // else the tail group, from its buffers
             const int64_t lane = b % GROUP;
-            if (!whole && lane == 0) tail.expand(f, side);
-            const uint8_t* grp = whole ? row + (b / GROUP) * GROUP * f.quant_bytes : tail.q;
-            const uint8_t* group_meta = whole ? side + (b / GROUP) * f.meta_bytes : tail.meta;
             if (lane == 0) {                                 // the group's 4 nibble vectors -> 16 bytes a block
+                const bool whole = b / GROUP < f.full;       // else the tail group, from its buffers
+                grp = whole ? row + (b / GROUP) * GROUP * f.quant_bytes : tail.q;
+                group_meta = whole ? side + (b / GROUP) * f.meta_bytes : tail.meta;
                 transpose_group(grp, blocks);
                 if (a8) transpose_group(grp + 256, blocks + GROUP * 16);
             }
@@ -981,6 +982,7 @@ void dequant_rows(const X16& wp, const Format& f, int64_t k_in, int64_t ggml_typ
             }
             store_block(op + ((i - n0) * ld + b * bs) * out_size, w0, w1, bf16);
         }
+    }
 }
 
 // x16 / panels [N, ...] -> [N, K] float32 or bf16 (N: the packed tensor's rows, a panel's padding included), or
