@@ -194,8 +194,8 @@ class KernelMLP(MLP):
 
 class KernelExperts(Experts):
     """26B-A4B's routed experts; `pack` keeps Q8_0 / Q4_0 (and the K-quants) packed as [E * rows, ...] in the
-    kernels' layout: expert e is the row range [e * rows, (e + 1) * rows) of it, read only when a token is
-    routed to e."""
+    kernels' layout: expert e is the row range [e * rows, (e + 1) * rows) of it, a packed weight of its own (repacked
+    as one of E units), read only when a token is routed to e."""
 
     def pack(self, name: str, raw: torch.Tensor, ggml_type: GGMLType) -> None:
         """GGML bytes of `name` ("gate_up_proj" / "down_proj", [E, rows, k]) -> the kernels' layout."""
@@ -203,7 +203,7 @@ class KernelExperts(Experts):
         if ggml_type in kernels.PANEL_TYPES and rows % 16:                  # expert e's rows must start a panel
             raise ValueError(f"{name}: {rows} rows per expert are not a multiple of 16, which packed "
                              f"{GGMLType(ggml_type).name} experts need; load in float32 mode")
-        packed = kernels.repack(raw, self.num_experts * rows, k, ggml_type)
+        packed = kernels.repack(raw, self.num_experts * rows, k, ggml_type, units=self.num_experts)
         delattr(self, name)
         self.register_buffer(name, packed, persistent=False)
         self.packed_types[name] = GGMLType(ggml_type)

@@ -19,7 +19,7 @@ import torch
 from gem4 import paths
 
 DIRECT_ALIGN = 4096         # O_DIRECT: file offsets, lengths and buffer addresses in multiples of this
-REPACK_VERSION = 2          # the repacked files' layout; a change makes new ones (2: Q8_0 / Q4_0 in 16-row panels)
+REPACK_VERSION = 3          # the repacked files' layout; a change makes new ones (2: Q8_0 / Q4_0 in 16-row panels; 3: x16 tail groups)
 GB = 10 ** 9                # sizes in decimal GB, as file sizes are quoted (also memory_limit's unit)
 
 

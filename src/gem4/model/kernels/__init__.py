@@ -2,9 +2,9 @@
 
 - `repack(raw, n_out, k_in, ggml_type)`: GGML blocks -> the kernels' layout, once at load, lossless: Q8_0 / Q4_0
   in panels of 16 rows (`panels.h`; the same size, the row count padded to a multiple of 16), Q4_1 / Q5_0 /
-  Q5_1 / Q4_K / Q5_K / Q6_K in "x16" rows (the same size give or take the padding of a row's last 16 blocks
-  and, for Q4_K / Q5_K, their unpacked 6-bit scales; Q5_0 / Q5_1 high bits as Q5_K's; `ggml_gemv.cpp` and
-  `kquants.h` describe it).
+  Q5_1 / Q4_K / Q5_K / Q6_K / MLX_A4 / MLX_A8 in "x16" rows (the file's size: a row's last, partial group of 16
+  blocks is a tail group, unpadded; Q4_K / Q5_K add 4 bytes per 256 weights, their 6-bit scales unpacked; Q5_0 /
+  Q5_1 high bits as Q5_K's; `ggml_gemv.cpp` and `kquants.h` describe it).
   `gemv(x, packed, ...)`: y = x @ W.T read straight from it (decode; on Q8_0 / Q4_0 panels passes of 2-8 rows
   of x run on AMX tiles where the CPU grants them, bit-identical to the VNNI kernel: `set_amx`); `gemv_multi`
   (Q, K, V from one input) and `gemv_glu` (gelu(gate) * up) fuse the calls that share x; `linear` is prefill's
@@ -85,10 +85,12 @@ def keep_heap(keep: bool = True) -> bool:
     return done
 
 
-def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType) -> torch.Tensor:
+def repack(raw: torch.Tensor, n_out: int, k_in: int, ggml_type: GGMLType, units: int = 1) -> torch.Tensor:
     """GGML bytes of an [n_out, k_in] weight of a PACKED_TYPES type -> the kernels' layout, uint8 [rows, row_bytes]
-    (Q8_0 / Q4_0: panels of 16 rows, the rows padded to a multiple of 16; the other types: x16 rows)."""
-    return _ops().repack(raw.contiguous(), n_out, k_in, int(ggml_type))
+    (Q8_0 / Q4_0: panels of 16 rows, the rows padded to a multiple of 16; the other types: x16, whose rows are not
+    separable: `units` stacked weights of n_out / units rows each (experts), each a packed weight of its own that
+    a slice of those rows gives)."""
+    return _ops().repack(raw.contiguous(), n_out, k_in, int(ggml_type), units)
 
 
 def affine_blocks(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int) -> torch.Tensor:

@@ -21,8 +21,8 @@
 // type, one call each otherwise (as in Python).
 // 26B-A4B layers append to weights (MOE_WEIGHTS): the norms pre-feedforward-2, post-feedforward-1,
 // post-feedforward-2, the router's scale, projection [E, H] (float32) and per-expert scale, the experts' gate_up
-// and down; and to dims (MOE_DIMS): E, top_k, then each expert weight's type (packed as [E * rows, ...]; 0: dense
-// [E, rows, k]).
+// and down; and to dims (MOE_DIMS): E, top_k, then each expert weight's type (packed as [E * rows, ...], E units of
+// rows that are each a packed weight (repack's units); 0: dense [E, rows, k]).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #include <cmath>

@@ -11,10 +11,16 @@
 // nibble order for the low 4 bits of q, plus high-bit vectors and unpacked sub-block scales per group
 // (lossless: dequant gives quants.py's reference values bit for bit); gemv_rows_k is their GEMV.
 //
-// The "x16" layout (repack, once at load; every type but Q8_0 / Q4_0): each row's blocks in groups of 16,
-// the last group padded with zero blocks. A row is [the groups' fp16 scales, 16 per group, padded to 64 bytes | the groups'
-// quant bytes], so that every 64-byte load is cache-line aligned (unaligned loads cost a fifth of the
-// Q4_0 speed) and a row is read front to back. A group's quant bytes are Q/4 vectors of 64 bytes
+// The "x16" layout (repack, once at load; every type but Q8_0 / Q4_0): each row's blocks in groups of 16, the
+// last 1..15 a tail group when the row's blocks are not a multiple of 16, stored unpadded, so that a packed
+// weight is the file's size (26B-A4B's 2816 inputs: 88 blocks, 5 groups and a tail of 8; 704: 1 and 6). A packed
+// weight is two parts (X16): its rows' whole groups' quant bytes, main_bytes a row, contiguous, so that every
+// 64-byte load is cache-line aligned (unaligned loads cost a fifth of the Q4_0 speed) and the rows are read front
+// to back; then a side record per row: every group's scales (fp16, 16 per group, and m), then the tail group's
+// quants (TailGroup). The kernels read a tail group through a 64-byte aligned copy of it padded with zero
+// blocks (d = 0), with the code and arithmetic of a whole group: the results are those of the padded rows, bit
+// for bit. The rows of a packed weight are not separable: a stack of weights (experts) is packed in units,
+// each its rows' main parts then their side records (repack's `units`). A group's quant bytes are Q/4 vectors of 64 bytes
 // (Q = 16 for the nibbles, more with high bits): vector v holds bytes 4v..4v+3 of each of the 16 blocks, block b
 // at bytes 4b..4b+3. So a 32-bit lane of any vector belongs to one block, and so does that lane of the
 // integer accumulator: a group needs one float conversion and one scale multiply, not 16. The buffer
@@ -87,17 +93,19 @@ inline float scale_at(const uint8_t* p, bool bf16) {
     return f;
 }
 
-int64_t groups_of(int64_t k_in) { return (k_in / QK + GROUP - 1) / GROUP; }
-
 struct Format {
     int64_t type;          // GGML type id
     int64_t block_bytes;   // GGML block (32 weights; K-quants: super-block of 256)
     int64_t block_elems;   // weights per GGML block
     int64_t quant_bytes;   // x16 quant bytes per 32-weight block (nibbles / int8, then K-quant high bits)
     int64_t meta_bytes;    // scales per x16 group (Q4_1 / Q5_x: 16 fp16 d (and m); K-quants: kquants.h)
-    int64_t groups;        // x16 groups per row
-    int64_t quants_at;     // offset of the first group's quants in an x16 row (the scales come first)
-    int64_t row_bytes;     // x16 row (panel types: a 16th of a panel)
+    int64_t groups;        // x16 groups per row, the tail group included
+    int64_t full;          // of those, whole groups of 16 blocks
+    int64_t tail;          // blocks in the row's tail group (0..15; K-quants 0 or 8)
+    int64_t tail_meta;     // the tail group's scales, unpadded (tail_meta_bytes)
+    int64_t main_bytes;    // a row's whole groups' quants in the main part of the tensor
+    int64_t side_bytes;    // a row's side record: every group's scales, then the tail group's quants
+    int64_t row_bytes;     // main_bytes + side_bytes (panel types: a 16th of a panel)
     bool panel;            // Q8_0 / Q4_0: the panel layout (panels.h); the fields above but row_bytes unused
 };
 
@@ -113,21 +121,82 @@ Format format_of(int64_t ggml_type, int64_t k_in) {
     TORCH_CHECK(k_in > 0 && k_in % block == 0, "k_in must be a positive multiple of ", block, " for this type");
     if (gem4_panels::is_panel_type(ggml_type)) {
         const gem4_panels::Panels P = gem4_panels::panels_of(ggml_type, 1, k_in);
-        return {ggml_type, gem4_ggml::type_size(ggml_type), QK, P.qb, 0, 0, 0, P.panel_bytes / gem4_panels::PANEL, true};
+        const int64_t row = P.panel_bytes / gem4_panels::PANEL;
+        return {ggml_type, gem4_ggml::type_size(ggml_type), QK, P.qb, 0, 0, 0, 0, 0, row, 0, row, true};
     }
     const int64_t q = ggml_type == MLX_A8 ? 32 : 16 + 4 * (k ? gem4_kq::high_vectors(ggml_type) : legacy_high(ggml_type));
-    const int64_t G = groups_of(k_in);
+    const int64_t F = k_in / QK / GROUP, T = k_in / QK % GROUP;
     const int64_t meta = k ? gem4_kq::meta_bytes(ggml_type) : GROUP * 2 * (legacy_min(ggml_type) ? 2 : 1);
-    const int64_t quants_at = (G * meta + 63) / 64 * 64;
-    return {ggml_type, gem4_ggml::type_size(ggml_type), block, q, meta, G, quants_at, quants_at + G * GROUP * q, false};
+    const int64_t tail_meta = T == 0 ? 0 : k ? gem4_kq::tail_meta_bytes(ggml_type) : 2 * T * (legacy_min(ggml_type) ? 2 : 1);
+    const int64_t main = F * GROUP * q, side = F * meta + tail_meta + T * q;
+    return {ggml_type, gem4_ggml::type_size(ggml_type), block, q, meta, F + (T > 0), F, T, tail_meta, main, side, main + side, false};
 }
 
-// GGML [N, K / block weights] -> the packed layout: panels (Q8_0 / Q4_0, panels.h), else x16 rows [N, row_bytes]
-at::Tensor repack(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) {
+// A packed x16 tensor of `rows` rows (one unit of repack): the rows' whole groups, main_bytes a row from `main` (64-byte
+// aligned when the tensor is), then their side records, side_bytes a row from `side`. Panel types: main only.
+struct X16 {
+    const uint8_t* main;
+    const uint8_t* side;
+};
+X16 x16_of(const uint8_t* w, int64_t rows, const Format& f) { return {w, f.panel ? nullptr : w + rows * f.main_bytes}; }
+
+// A row's tail group as a whole group, in 64-byte aligned buffers: its T blocks' quants and scales where a group keeps
+// a block's, the other lanes zero (the blocks that padded a row before tail groups: d = 0, q = 0), so the kernels
+// read it with the code and arithmetic of a whole group. Unpadded in the side record (after the row's scales):
+//   Q4_1 / Q5_x / MLX: d[T] (fp16 / bf16), then m[T] where the type has one | vector v's lanes 0..T-1 (4T bytes) ...
+//   Q4_K / Q5_K: sc[8], min[8], d, dmin (fp16); Q6_K: sc[8] (first 16 weights), sc[8] (last 16), d | vectors as above
+struct TailGroup {
+    alignas(64) uint8_t q[GROUP * 32];     // Q / 4 vectors of 64 bytes (MLX_A8's 8 at most)
+    alignas(64) uint8_t meta[64];          // as a group's scales (meta_bytes, at most 64)
+
+    // the side record's tail (at side_row + full * meta_bytes) -> the buffers
+    // (masked loads: one per 64-byte vector, the lanes past the tail zero; a decode step expands every tail it reads)
+    void expand(const Format& f, const uint8_t* side_row) {
+        const uint8_t* tm = side_row + f.full * f.meta_bytes;
+        const uint8_t* tq = tm + f.tail_meta;
+        const int64_t T = f.tail;
+        const __mmask16 lanes = static_cast<__mmask16>((1u << T) - 1);
+        for (int64_t v = 0; v < f.quant_bytes / 4; ++v)
+            _mm512_store_si512(q + 64 * v, _mm512_maskz_loadu_epi32(lanes, tq + 4 * T * v));
+        if (gem4_kq::is_k(f.type)) {
+            _mm512_store_si512(meta, _mm512_setzero_si512());
+            std::memcpy(meta, tm, 8);
+            std::memcpy(meta + 16, tm + 8, 8);
+            std::memcpy(meta + 32, tm + 16, 2);                        // d of the first super-block (the second's 0)
+            if (f.type != gem4_kq::Q6_K) std::memcpy(meta + 36, tm + 18, 2);
+            return;
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(meta), _mm256_maskz_loadu_epi16(lanes, tm));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(meta + 32),
+                           legacy_min(f.type) ? _mm256_maskz_loadu_epi16(lanes, tm + 2 * T) : _mm256_setzero_si256());
+    }
+    // the buffers (lanes >= T unused) -> the side record's tail
+    void compact(const Format& f, uint8_t* side_row) const {
+        uint8_t* tm = side_row + f.full * f.meta_bytes;
+        uint8_t* tq = tm + f.tail_meta;
+        const int64_t T = f.tail, lanes = 4 * T;
+        for (int64_t v = 0; v < f.quant_bytes / 4; ++v) std::memcpy(tq + lanes * v, q + 64 * v, lanes);
+        if (gem4_kq::is_k(f.type)) {
+            std::memcpy(tm, meta, 8);
+            std::memcpy(tm + 8, meta + 16, 8);
+            std::memcpy(tm + 16, meta + 32, 2);
+            if (f.type != gem4_kq::Q6_K) std::memcpy(tm + 18, meta + 36, 2);
+            return;
+        }
+        std::memcpy(tm, meta, 2 * T);
+        if (legacy_min(f.type)) std::memcpy(tm + 2 * T, meta + 32, 2 * T);
+    }
+};
+
+// GGML [N, K / block weights] -> the packed layout: panels (Q8_0 / Q4_0, panels.h), else x16 [N, row_bytes] in `units`
+// units of N / units rows, each self-contained (X16: its rows' main parts, then their side records), so that rows
+// [u N / units, (u + 1) N / units) of the result are a packed weight of their own (an expert of a stack)
+at::Tensor repack(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type, int64_t units) {
     const Format f = format_of(ggml_type, k_in);
     const int64_t nb = k_in / f.block_elems;               // GGML blocks per row
     TORCH_CHECK(w.dtype() == at::kByte && w.is_contiguous() && w.numel() == n_out * nb * f.block_bytes,
                 "w must be the contiguous GGML bytes of an [n_out, k_in] weight");
+    TORCH_CHECK(units > 0 && n_out % units == 0, "units must divide n_out (", n_out, " rows in ", units, " units)");
     auto out = at::empty({packed_rows(f, n_out), f.row_bytes}, w.options());
     uint8_t* dst = out.data_ptr<uint8_t>();
     // Huge pages for the weight stream (asked before the first touch): on 4 KiB pages every decoded token
@@ -143,23 +212,31 @@ at::Tensor repack(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) 
         });
         return out;
     }
-    const int64_t group_bytes = GROUP * f.quant_bytes;
+    const int64_t group_bytes = GROUP * f.quant_bytes, per_unit = n_out / units;
     at::parallel_for(0, n_out, 64, [&](int64_t n0, int64_t n1) {
-        std::memset(dst + n0 * f.row_bytes, 0, (n1 - n0) * f.row_bytes);      // padding blocks: d = 0
         gem4_kq::Super sb;
+        TailGroup tail;
         const gem4_kq::HighBits hb = gem4_kq::high_bits(legacy_high(f.type) ? gem4_kq::Q5_K : f.type);
         for (int64_t n = n0; n < n1; ++n) {
-            uint8_t* row = dst + n * f.row_bytes;
+            const int64_t u = n / per_unit, r = n % per_unit;
+            uint8_t* main = dst + u * per_unit * f.row_bytes + r * f.main_bytes;
+            uint8_t* side = dst + u * per_unit * f.row_bytes + per_unit * f.main_bytes + r * f.side_bytes;
+            std::memset(main, 0, f.main_bytes);
+            std::memset(side, 0, f.side_bytes);
+            std::memset(tail.q, 0, sizeof tail.q);
+            std::memset(tail.meta, 0, sizeof tail.meta);
+            // group g's quants and scales: in place, or the tail group's buffers (unpadded into the side record below)
+            auto quants = [&](int64_t g) { return g < f.full ? main + g * group_bytes : tail.q; };
+            auto scales = [&](int64_t g) { return g < f.full ? side + g * f.meta_bytes : tail.meta; };
             for (int64_t b = 0; b < nb; ++b) {
                 const uint8_t* blk = src + (n * nb + b) * f.block_bytes;
                 if (f.block_elems == gem4_kq::QK_K) {                            // super-block b: half b % 2 of group b / 2
                     gem4_kq::decode(f.type, blk, sb);
-                    gem4_kq::place_super(f.type, sb, static_cast<int>(b % 2), hb, row + f.quants_at + (b / 2) * group_bytes,
-                                         row + (b / 2) * f.meta_bytes);
+                    gem4_kq::place_super(f.type, sb, static_cast<int>(b % 2), hb, quants(b / 2), scales(b / 2));
                     continue;
                 }
-                uint8_t* grp = row + f.quants_at + (b / GROUP) * group_bytes;
-                uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
+                uint8_t* grp = quants(b / GROUP);
+                uint8_t* meta = scales(b / GROUP);
                 const int64_t lane = b % GROUP;
                 std::memcpy(meta + 2 * lane, blk, 2);                                               // d
                 if (legacy_min(f.type)) std::memcpy(meta + 32 + 2 * lane, blk + 2, 2);              // m
@@ -178,6 +255,7 @@ at::Tensor repack(at::Tensor w, int64_t n_out, int64_t k_in, int64_t ggml_type) 
                     std::memcpy(grp + 256 + 4 * lane, &word, 4);
                 }
             }
+            if (f.tail) tail.compact(f, side);
         }
     });
     return out;
@@ -200,7 +278,7 @@ inline int64_t stream_pos(int64_t lane, int64_t elem) {
 // constant offsets; with a pointer per row, the compiler ran out of registers and reloaded addresses from
 // the stack before every multiply): the 64-byte stream vector of (group g, step k, row i) is vector
 // (g * STEPS + k) * mc + i, and the per-block values of (g, i) are at (g * mc + i) * GROUP. The arrays come
-// zeroed (the padding blocks of the last group stay 0).
+// zeroed (a tail group's missing blocks stay 0).
 // Each block is quantized in one register, its 32 values reordered so that 32-bit word k holds the pair
 // that step k multiplies, and the 16 words scattered to lane `lane` of the group's 16 steps.
 constexpr int64_t STEPS = GROUP_ELEMS / 32;   // 64-byte stream vectors per group and row
@@ -274,7 +352,7 @@ struct Span {
 // merge their high bits as Q5_K does (gemv_rows_k).
 // Each row of x takes the same operations in the same order whatever MC is (batch invariance).
 template <int MC, int64_t TYPE>
-void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1, const Span& sp) {
+void gemv_rows(const XChunk& x, const Format& f, const X16& w, float* y, int64_t N, int64_t n0, int64_t n1, const Span& sp) {
     const int16_t* stream = x.stream;
     const float *dx = x.dx, *xsum = x.xsum;
     const int32_t* corr = x.corr;
@@ -284,13 +362,16 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
     const __m512i low8 = _mm512_set1_epi16(0x00FF);
     const int64_t G = f.groups;
     const __m512i low4 = _mm512_set1_epi16(0x000F), hmask = _mm512_set1_epi32(0x00100010);
+    TailGroup tail;
     for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * f.row_bytes;
+        const uint8_t *row = w.main + n * f.main_bytes, *side = w.side + n * f.side_bytes;
+        if (f.tail && sp.g1 == G) tail.expand(f, side);
         __m512 acc[MC];
         sp.begin<MC>(n - n0, acc);
         for (int64_t g = sp.g0; g < sp.g1; ++g) {
-            const uint8_t* grp = row + f.quants_at + g * GB;
-            const uint8_t* meta = row + g * f.meta_bytes;
+            const bool whole = g < f.full;                          // else the tail group, from its buffers
+            const uint8_t* grp = whole ? row + g * GB : tail.q;
+            const uint8_t* meta = whole ? side + g * f.meta_bytes : tail.meta;
             const int16_t* xs = stream + g * GROUP_ELEMS * MC;      // vector (k, i) at xs + (k * MC + i) * 32
             const int64_t at = g * MC * GROUP;                      // row i's per-block values at at + i * GROUP
             __m512i dot[MC];
@@ -342,7 +423,7 @@ void gemv_rows(const XChunk& x, const Format& f, const uint8_t* w, float* y, int
 //   Q6_K         y += (dotA_b (d scA_b) + dotB_b (d scB_b)) dx_b, dotA / dotB from -32 * sum (corr / corr2)
 // Every row of x takes the same operations in the same order whatever MC is (batch invariance).
 template <int MC, int64_t TYPE>
-void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, int64_t N, int64_t n0, int64_t n1, const Span& sp) {
+void gemv_rows_k(const XChunk& x, const Format& f, const X16& w, float* y, int64_t N, int64_t n0, int64_t n1, const Span& sp) {
     const int16_t* stream = x.stream;
     const float *dx = x.dx, *xsum = x.xsum;
     const int32_t *corr = x.corr, *corr2 = x.corr2;
@@ -352,13 +433,16 @@ void gemv_rows_k(const XChunk& x, const Format& f, const uint8_t* w, float* y, i
     const __m512i low4 = _mm512_set1_epi16(0x000F);
     const __m512i hmask = _mm512_set1_epi32(Q6 ? 0x00300030 : 0x00100010);     // bits 4(-5) of both halves
     const __m512i two_d = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);   // lanes 8..15: super 1
+    TailGroup tail;
     for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* row = w + n * f.row_bytes;
+        const uint8_t *row = w.main + n * f.main_bytes, *side = w.side + n * f.side_bytes;
+        if (f.tail && sp.g1 == G) tail.expand(f, side);
         __m512 acc[MC];
         sp.begin<MC>(n - n0, acc);
         for (int64_t g = sp.g0; g < sp.g1; ++g) {
-            const uint8_t* grp = row + f.quants_at + g * GB;
-            const uint8_t* meta = row + g * f.meta_bytes;
+            const bool whole = g < f.full;                          // else the tail group, from its buffers
+            const uint8_t* grp = whole ? row + g * GB : tail.q;
+            const uint8_t* meta = whole ? side + g * f.meta_bytes : tail.meta;
             const int16_t* xs = stream + g * GROUP_ELEMS * MC;      // interleaved rows, as in gemv_rows
             const int64_t at = g * MC * GROUP;
             __m512i dot[MC], dot2[MC];                 // Q6_K: dot for weights 0..15 of each block, dot2 16..31
@@ -478,7 +562,7 @@ struct Prepared {
     Aligned<float> xsum;
     Aligned<int8_t> planes;               // panels on AMX: the A tile rows (gem4_panels::prepare_panel_rows)
 
-    // per-block values of one row of x: x16 groups * 16 (the padding blocks' zero), panels k_in / 32
+    // per-block values of one row of x: x16 groups * 16 (a tail group's missing blocks 0), panels k_in / 32
     static int64_t blocks(const Format& f, int64_t k_in) { return f.panel ? k_in / QK : f.groups * GROUP; }
 
     Prepared(const at::Tensor& x, int64_t k_in, int64_t ggml_type)
@@ -536,8 +620,8 @@ struct Prepared {
     // at a time and each tile in spans of groups (Span).
     static constexpr int64_t TILE_N = 16;
     static constexpr int64_t X_L1 = 24 << 10;     // activation bytes per span (L1 is 32-48 KB)
-    void rows(const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
-        if (f.panel) return panel_rows(w, y, ldy, n0, n1);
+    void rows(const X16& w, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+        if (f.panel) return panel_rows(w.main, y, ldy, n0, n1);
         const int64_t sg = f.groups * GROUP;
         alignas(64) float part[TILE_N * MAX_M * 16];
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
@@ -556,7 +640,7 @@ struct Prepared {
         }
     }
 
-    void chunk(int mc, const XChunk& xc, const uint8_t* w, float* y, int64_t ldy, int64_t n0, int64_t n1, const Span& sp) const {
+    void chunk(int mc, const XChunk& xc, const X16& w, float* y, int64_t ldy, int64_t n0, int64_t n1, const Span& sp) const {
         with_count(mc, [&](auto rows) {
             constexpr int MC = decltype(rows)::value;
             switch (type) {
@@ -587,7 +671,7 @@ at::Tensor gemv(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in, int64_t
     const Prepared p(x, k_in, ggml_type);
     check_packed(w, n_out, p.f);
     auto y = at::empty({p.M, n_out}, x.options());
-    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const X16 wp = x16_of(w.data_ptr<uint8_t>(), w.size(0), p.f);
     float* yp = y.data_ptr<float>();
     for_row_tasks(n_out, [&](int64_t n0, int64_t n1) { p.rows(wp, yp, n_out, n0, n1); });
     return y;
@@ -609,7 +693,7 @@ std::vector<at::Tensor> gemv_multi(at::Tensor x, std::vector<at::Tensor> ws, std
         for (size_t i = 0; i < ws.size(); ++i) {
             const int64_t lo = std::max(a, start[i]) - start[i], hi = std::min(b, start[i + 1]) - start[i];
             if (lo < hi)
-                p.rows(ws[i].data_ptr<uint8_t>(), ys[i].data_ptr<float>(), n_outs[i], lo * GRAIN, std::min(n_outs[i], hi * GRAIN));
+                p.rows(x16_of(ws[i].data_ptr<uint8_t>(), ws[i].size(0), p.f), ys[i].data_ptr<float>(), n_outs[i], lo * GRAIN, std::min(n_outs[i], hi * GRAIN));
         }
     });
     return ys;
@@ -623,7 +707,7 @@ at::Tensor gemv_glu(at::Tensor x, at::Tensor gate, at::Tensor up, int64_t n_out,
     check_packed(up, n_out, p.f);
     auto y = at::empty({p.M, n_out}, x.options());
     std::vector<float> g(p.M * n_out);
-    const uint8_t *gp = gate.data_ptr<uint8_t>(), *up_ = up.data_ptr<uint8_t>();
+    const X16 gp = x16_of(gate.data_ptr<uint8_t>(), gate.size(0), p.f), up_ = x16_of(up.data_ptr<uint8_t>(), up.size(0), p.f);
     float* yp = y.data_ptr<float>();
     for_row_tasks(n_out, [&](int64_t n0, int64_t n1) {
         p.rows(gp, g.data(), n_out, n0, n1);
@@ -794,10 +878,10 @@ void lanes_panels(const uint8_t* wp, int64_t k_in, int64_t n_out, int64_t ggml_t
 // Rows [n0, n1) of a packed weight (rows ids[n0..n1) if ids) -> out (row i at i ld, ld = k_in if 0; its block
 // b at b bs) as float32 or bf16 (w = d * (q - 16), (d q) + m, ...: as quants.py, exact in float32). Panels:
 // dequant_panels.
-void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
+void dequant_rows(const X16& wp, const Format& f, int64_t k_in, int64_t ggml_type, bool bf16, int64_t n0, int64_t n1,
                   uint8_t* op, const int64_t* ids = nullptr, int64_t ld = 0, int64_t bs = QK) {
     if (ld == 0) ld = k_in;
-    if (f.panel) return dequant_panels(wp, k_in, ggml_type, bf16, n0, n1, op, ids, ld, bs);
+    if (f.panel) return dequant_panels(wp.main, k_in, ggml_type, bf16, n0, n1, op, ids, ld, bs);
     const int64_t nb = k_in / QK, out_size = bf16 ? 2 : 4;
     const bool kq = gem4_kq::is_k(ggml_type);
     // K-quants: where the high bits of weights 0..15 / 16..31 of a block sit in its 32-bit lane (kquants.h)
@@ -809,18 +893,23 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
     const __m512i at_lo = _mm512_load_si512(at), at_hi = _mm512_load_si512(at + 16);
     const __m512i mask4 = _mm512_set1_epi32(0x0F), hbits = _mm512_set1_epi32(ggml_type == gem4_kq::Q6_K ? 3 : 1);
     alignas(64) uint8_t blocks[GROUP * 32];                 // a group's quant bytes back in block order (MLX_A8: by halves)
+    TailGroup tail;
     const bool a8 = ggml_type == MLX_A8, bf = affine(ggml_type);
     // MLX_A8: a block's two transposed halves hold elements [0..3, 16..19, 4..7, 20..23] and [8..11, 24..27, 12..15,
     // 28..31] (affine8_elem); these indices pick elements 0..15 and 16..31 from the pair
     const __m512i a8_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
     const __m512i a8_hi = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
-    for (int64_t i = n0; i < n1; ++i)
+    for (int64_t i = n0; i < n1; ++i) {
+        const int64_t n = ids ? ids[i] : i;
+        const uint8_t *row = wp.main + n * f.main_bytes, *side = wp.side + n * f.side_bytes;
+        if (f.tail) tail.expand(f, side);                   // ahead of its use: its stores retired when it is read
+        const uint8_t *grp = nullptr, *group_meta = nullptr;
         for (int64_t b = 0; b < nb; ++b) {
-            const int64_t n = ids ? ids[i] : i;
-            const uint8_t* row = wp + n * f.row_bytes;
-            const uint8_t* grp = row + f.quants_at + (b / GROUP) * GROUP * f.quant_bytes;
             const int64_t lane = b % GROUP;
             if (lane == 0) {                                 // the group's 4 nibble vectors -> 16 bytes a block
+                const bool whole = b / GROUP < f.full;       // else the tail group, from its buffers
+                grp = whole ? row + (b / GROUP) * GROUP * f.quant_bytes : tail.q;
+                group_meta = whole ? side + (b / GROUP) * f.meta_bytes : tail.meta;
                 transpose_group(grp, blocks);
                 if (a8) transpose_group(grp + 256, blocks + GROUP * 16);
             }
@@ -829,7 +918,7 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
             if (kq) {                                        // w = (d sc) q - (dmin min), or (d sc) (q - 32): as quants.py
                 const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
                 __m512i lo = _mm512_and_si512(raw, mask4), hi = _mm512_srli_epi32(raw, 4);
-                const uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
+                const uint8_t* meta = group_meta;
                 const int64_t half = lane / 8;
                 uint16_t dbits, mbits = 0;
                 std::memcpy(&dbits, meta + 32 + 2 * half, 2);
@@ -864,7 +953,7 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
                     w1 = _mm512_sub_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(hi), a, R), m, R);
                 }
             } else {                                         // w = d (q - 16), (d q) + m: as quants.py
-                const uint8_t* meta = row + (b / GROUP) * f.meta_bytes;
+                const uint8_t* meta = group_meta;
                 const __m512 d = _mm512_set1_ps(scale_at(meta + 2 * lane, bf));
                 const __m512i raw = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q)));
                 __m512i lo = _mm512_and_si512(raw, mask4), hi = _mm512_srli_epi32(raw, 4);
@@ -893,6 +982,7 @@ void dequant_rows(const uint8_t* wp, const Format& f, int64_t k_in, int64_t ggml
             }
             store_block(op + ((i - n0) * ld + b * bs) * out_size, w0, w1, bf16);
         }
+    }
 }
 
 // x16 / panels [N, ...] -> [N, K] float32 or bf16 (N: the packed tensor's rows, a panel's padding included), or
@@ -908,7 +998,7 @@ at::Tensor dequant(at::Tensor w, int64_t k_in, int64_t ggml_type, bool bf16, std
     }
     const int64_t R = ids ? ids->numel() : w.size(0);
     auto out = at::empty({R, k_in}, w.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
-    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const X16 wp = x16_of(w.data_ptr<uint8_t>(), w.size(0), f);
     uint8_t* op = static_cast<uint8_t*>(out.data_ptr());
     const int64_t row_out = k_in * (bf16 ? 2 : 4);
     at::parallel_for(0, R, 16, [&](int64_t n0, int64_t n1) { dequant_rows(wp, f, k_in, ggml_type, bf16, n0, n1, op + n0 * row_out, idp); });
@@ -927,12 +1017,12 @@ at::Tensor linear_packed(at::Tensor x, at::Tensor w, int64_t n_out, int64_t k_in
     const Format f = format_of(ggml_type, k_in);
     check_packed(w, n_out, f);
     TORCH_CHECK(x.dim() == 2 && x.size(1) == k_in, "x must be [T, k_in]");
-    const uint8_t* wp = w.data_ptr<uint8_t>();
+    const X16 wp = x16_of(w.data_ptr<uint8_t>(), w.size(0), f);
     auto rows = [&](int64_t n0, int64_t n1, uint16_t* buf) {    // as A tiles (tile_gemm.h)
         dequant_rows(wp, f, k_in, ggml_type, true, n0, n1, reinterpret_cast<uint8_t*>(buf), nullptr, QK, gem4_tiles::NR * QK);
     };
     auto lanes = [&](int64_t n0, uint16_t* buf) {              // panels: straight into lanes
-        if (f.panel) lanes_panels(wp, k_in, n_out, ggml_type, n0, buf);
+        if (f.panel) lanes_panels(wp.main, k_in, n_out, ggml_type, n0, buf);
         return f.panel;
     };
     return gem4_tiles::linear_rows(x, n_out, rows, lanes);
@@ -955,7 +1045,7 @@ std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
 using namespace gem4_ops;
 
 TORCH_LIBRARY(gem4_kernels, m) {
-    m.def("repack(Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &repack);
+    m.def("repack(Tensor w, int n_out, int k_in, int ggml_type, int units=1) -> Tensor", &repack);
     m.def("gemv(Tensor x, Tensor w, int n_out, int k_in, int ggml_type) -> Tensor", &gemv);
     m.def("gemv_multi(Tensor x, Tensor[] ws, int[] n_outs, int k_in, int ggml_type) -> Tensor[]", &gemv_multi);
     m.def("gemv_glu(Tensor x, Tensor gate, Tensor up, int n_out, int k_in, int ggml_type) -> Tensor", &gemv_glu);

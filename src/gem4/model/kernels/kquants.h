@@ -15,7 +15,9 @@
 //   - the scales, unpacked from their 6-bit fields (lossless), in front of the row as for Q4_0:
 //     Q4_K / Q5_K 40 bytes: sc[16] (block b = sub-block b % 8 of super-block b / 8), min[16], d[2], dmin[2];
 //     Q6_K 36 bytes: sc of the first 16 weights of each block [16], of the last 16 [16], d[2].
-//   Sizes: Q6_K as GGML; Q4_K +2.8 %, Q5_K +2.3 % (unpacked scales).
+//   A row's last super-block when their count is odd is half a group, the row's tail group (ggml_gemv.cpp's
+//   TailGroup): its scales unpadded, Q4_K / Q5_K sc[8], min[8], d, dmin (20 bytes); Q6_K sc[8], sc[8], d (18).
+//   Sizes: Q6_K as GGML; Q4_K / Q5_K 4 bytes more per super-block, +2.8 % / +2.3 % (unpacked scales).
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -30,6 +32,7 @@ using gem4_ggml::Q4_K, gem4_ggml::Q5_K, gem4_ggml::Q6_K, gem4_ggml::QK_K;
 inline bool is_k(int64_t type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 inline int64_t high_vectors(int64_t type) { return type == Q5_K ? 1 : type == Q6_K ? 2 : 0; }
 inline int64_t meta_bytes(int64_t type) { return type == Q6_K ? 36 : 40; }
+inline int64_t tail_meta_bytes(int64_t type) { return type == Q6_K ? 18 : 20; }   // a tail group's: one super-block
 
 // One super-block decoded: q[256] (the full quant, 0..15 / 0..31 / 0..63) and its scales.
 struct Super {
