@@ -296,6 +296,7 @@ def cmd_audio(a: argparse.Namespace) -> None:
     from safetensors.torch import load_file
 
     from gem4.media import audio as front_end
+    from gem4.model.audio import encode_audio
 
     torch.set_num_threads(a.threads)
     clip = chirp(a.seconds)
@@ -315,9 +316,9 @@ def cmd_audio(a: argparse.Namespace) -> None:
     model = module.eval()
     mmproj = OUT / f"mmproj-e2b-audio-{a.type}.gguf"
 
-    def encode():
+    def encode():                                             # what the engine's runner calls for a clip
         with torch.no_grad():
-            return model(torch.from_numpy(front_end.log_mel(clip)))
+            return encode_audio(model, clip).embeddings
 
     tokens = encode().shape[0]                                    # warm-up
     runs = {"gem4": [], "llama.cpp": []}
