@@ -22,11 +22,12 @@ DIR holds llama.cpp's `llama-mtmd-cli` (built from the llama-cpp-python 0.3.36 s
   since gem4's mmproj files hold no audio tower.
 - encode: one picture (2048 x 1536, smooth random) at each budget, interleaved gem4, llama.cpp, gem4, ...: gem4 binds
   the tower from the mmproj (`--dtype`, bfloat16 as `gem4 serve` runs it) and times `VisionModel.encode` on the
-  preprocessed patches, after one warm-up encode; llama.cpp runs `llama-mtmd-cli` on the E2B-shaped text file with
-  the picture twice (`--image-max-tokens B`) and reports its second "image slice encoded in N ms" (the first pays
-  the graph's allocation). Both time the tower and projection only, not decoding or resizing. Medians, min-max.
+  preprocessed patches, after one warm-up encode; llama.cpp runs `llama-mtmd-cli` on the E2B-shaped text file and
+  the picture (`--image-max-tokens B`) and reports "mtmd batch encoding done in N ms" (its context warms up at load;
+  a second image in the same run encodes no faster). Both time the tower and projection only, not decoding or
+  resizing the picture. Medians, min-max.
 - audio: a 10 s chirp as a 16 kHz WAV; gem4's AudioModel from the piece's tensors (log-mel front end + conformer +
-  projection, as benchmarks/audio.py) against llama-mtmd-cli's "audio slice encoded" on llama.cpp's audio mmproj.
+  projection: the engine's encode_audio) against llama-mtmd-cli's encode time on llama.cpp's audio mmproj.
 - ttft: `gem4 serve` on the E2B-shaped text file with the E2B-shaped mmproj, one chat request at a time
   (non-streamed, max_tokens 1: its wall time is the time to the first token), per repeat: a text-only turn with as
   many prompt tokens as the image turn, a turn with one picture at budget 280 (a PNG data URI; decoding, resizing,
@@ -74,8 +75,7 @@ VISION_COMMON = dict(model_type="gemma4_vision", hidden_activation="gelu_pytorch
                      patch_size=16, position_embedding_size=10240, default_output_length=280)
 BUDGETS = (70, 280, 1120)
 PICTURE = (1536, 2048)          # (height, width): larger than every budget, so both engines scale it down
-ENCODED = re.compile(r"(image|audio) slice encoded in (\d+) ms")
-PROMPT_EVAL = re.compile(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens")
+ENCODED = re.compile(r"mtmd batch encoding done in (\d+) ms")        # llama-mtmd-cli's line for one media item
 
 
 # ---- the towers ----
@@ -201,20 +201,19 @@ def llama_bin(a: argparse.Namespace, tool: str) -> str:
     return str(path)
 
 
-def mtmd_run(a: argparse.Namespace, mmproj: Path, media: Path, extra: list[str]) -> dict:
-    """llama-mtmd-cli with `media` given twice: the encode times it prints (ms) and its prompt eval token count."""
+def mtmd_run(a: argparse.Namespace, mmproj: Path, media: Path, extra: list[str]) -> float:
+    """llama-mtmd-cli on `media` (its one encode, seconds). --jinja: the file's Gemma 4 template needs it."""
     cmd = [llama_bin(a, "llama-mtmd-cli"), "-m", str(a.text), "--mmproj", str(mmproj), "--image", str(media),
-           "--image", str(media), "-p", "Describe it.", "-n", "1", "--temp", "0", "-t", str(a.threads),
-           "-tb", str(a.threads), "-c", "4096", *extra]
+           "-p", "Describe it.", "-n", "1", "--temp", "0", "-t", str(a.threads), "-tb", str(a.threads), "-c", "4096",
+           "--jinja", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     log = done.stdout + done.stderr
     if done.returncode:
         raise RuntimeError(f"llama-mtmd-cli exited {done.returncode}:\n{log[-3000:]}")
-    encoded = [int(m.group(2)) / 1000 for m in ENCODED.finditer(log)]
-    if len(encoded) != 2:
-        raise RuntimeError(f"expected two encode times from llama-mtmd-cli, got {encoded}:\n{log[-3000:]}")
-    prompt = PROMPT_EVAL.search(log)
-    return {"first_s": encoded[0], "encode_s": encoded[1], "prompt_tokens": int(prompt.group(2)) if prompt else None}
+    encoded = [int(m.group(1)) / 1000 for m in ENCODED.finditer(log)]
+    if len(encoded) != 1:
+        raise RuntimeError(f"expected one encode time from llama-mtmd-cli, got {encoded}:\n{log[-3000:]}")
+    return encoded[0]
 
 
 # ---- encode ----
@@ -258,19 +257,16 @@ def cmd_encode(a: argparse.Namespace) -> None:
             for b, item in items.items():
                 t0 = time.perf_counter()
                 tower.encode(item.patches, item.positions, item.grid)
-                runs[b, "gem4"].append({"encode_s": time.perf_counter() - t0, "tokens": item.num_tokens})
+                runs[b, "gem4"].append(time.perf_counter() - t0)
                 if not a.no_llama:
                     runs[b, "llama.cpp"].append(mtmd_run(a, mmproj, path, ["--image-max-tokens", str(b)]))
                 tokens[b] = item.num_tokens
-                print(f"{shape} repeat {r} budget {b}: gem4 {runs[b, 'gem4'][-1]['encode_s']:.3f} s"
-                      + (f", llama.cpp {runs[b, 'llama.cpp'][-1]}" if not a.no_llama else ""), flush=True)
+                print(f"{shape} repeat {r} budget {b}: gem4 {runs[b, 'gem4'][-1]:.3f} s"
+                      + (f", llama.cpp {runs[b, 'llama.cpp'][-1]:.3f} s" if not a.no_llama else ""), flush=True)
         del tower
         for b in a.budgets:
-            g = [x["encode_s"] for x in runs[b, "gem4"]]
-            ll = [x["encode_s"] for x in runs[b, "llama.cpp"]]
-            rows.append({"shape": shape, "budget": b, "tokens": tokens[b], "gem4": g, "llama.cpp": ll,
-                         "llama_first": [x["first_s"] for x in runs[b, "llama.cpp"]],
-                         "llama_prompt_tokens": [x["prompt_tokens"] for x in runs[b, "llama.cpp"]]})
+            rows.append({"shape": shape, "budget": b, "tokens": tokens[b], "gem4": runs[b, "gem4"],
+                         "llama.cpp": runs[b, "llama.cpp"]})
         (OUT / "multimodal-encode.json").write_text(json.dumps({"args": saved_args(a),
                                                                  "rows": rows}, indent=1))
     print(f"\nimage encode (tower + projection), {PICTURE[1]}x{PICTURE[0]} picture, gem4 {a.dtype} / mmproj "
@@ -327,7 +323,7 @@ def cmd_audio(a: argparse.Namespace) -> None:
         encode()
         runs["gem4"].append(time.perf_counter() - t0)
         if not a.no_llama:
-            runs["llama.cpp"].append(mtmd_run(a, mmproj, path, [])["encode_s"])
+            runs["llama.cpp"].append(mtmd_run(a, mmproj, path, []))
         print(f"repeat {r}: gem4 {runs['gem4'][-1]:.3f} s"
               + (f", llama.cpp {runs['llama.cpp'][-1]:.3f} s" if not a.no_llama else ""), flush=True)
     (OUT / "multimodal-audio.json").write_text(json.dumps({"args": saved_args(a), "tokens": tokens,
