@@ -244,6 +244,8 @@ def cmd_encode(a: argparse.Namespace) -> None:
     rows = []
     for shape in a.shapes:
         mmproj = OUT / f"mmproj-{shape}-{a.type}.gguf"
+        if not mmproj.exists():
+            sys.exit(f"{mmproj} is missing: run `python benchmarks/multimodal.py make --type {a.type}` first")
         ckpt = open_checkpoint(a.text, mmproj)
         tower = bind_vision(ckpt, getattr(torch, a.dtype))
         ckpt.close()
@@ -311,6 +313,8 @@ def cmd_audio(a: argparse.Namespace) -> None:
                            strict=True, assign=True)
     model = module.eval()
     mmproj = OUT / f"mmproj-e2b-audio-{a.type}.gguf"
+    if not a.no_llama and not mmproj.exists():
+        sys.exit(f"{mmproj} is missing: run `make` with --llama-cpp-src (or $GEM4_LLAMA_CPP) set, which writes it")
 
     def encode():                                             # what the engine's runner calls for a clip
         with torch.no_grad():
