@@ -53,7 +53,7 @@ def audio_config():
         context_right=a["attention_context_right"], logit_cap=a["attention_logit_cap"],
         invalid_logit=a["attention_invalid_logits_value"], clipped_linears=a["use_clipped_linears"],
         rms_norm_eps=a["rms_norm_eps"], gradient_clipping=a["gradient_clipping"], output_dims=a["output_proj_dims"],
-        text_hidden_size=TEXT_HIDDEN)
+        text_hidden_size=TEXT_HIDDEN, audio_token_id=258881, boa_token_id=256000, eoa_token_id=258883)
 
 
 def gem4_model(state: dict[str, torch.Tensor], dtype: torch.dtype) -> AudioModel:

@@ -3,7 +3,8 @@ and speed, against the bf16 cache, on the same model. Not part of CI.
 
     python benchmarks/kv_cache.py drift benchmarks/out/e2b-q4_0.gguf --lengths 512 2048 8192
     python benchmarks/kv_cache.py drift --tiny --lengths 512 2048 8192
-    python benchmarks/kv_cache.py speed benchmarks/out/e2b-q4_0.gguf --context 8192 --rounds 3
+    python benchmarks/kv_cache.py speed benchmarks/out/e2b-q4_0.gguf --context 512 8192 --rounds 3 \\
+        --llama-bench /path/to/llama.cpp/build/bin/llama-bench
     python benchmarks/kv_cache.py room benchmarks/out/e2b-q4_0.gguf --kv-cache-memory 4
 
 - drift: a seeded random prompt of each length, prefilled in chunks of --chunk, then --decode tokens fed one at a
@@ -12,16 +13,20 @@ and speed, against the bf16 cache, on the same model. Not part of CI.
   agreement, and the agreement where the bf16 run's top two logits are at least 0.1 apart (on random weights
   many positions are near-ties, which any rounding flips). --tiny: the four tiny test variants instead
   (tests/model_fixtures.py, built with transformers, context raised to fit the lengths).
-- speed: one sequence per cache dtype (--kv; auto = bf16) prefilled to --context, then rounds of --tokens
+- speed: per --context, one sequence per cache dtype (--kv; auto = bf16) prefilled to it, then rounds of --tokens
   greedy-fed decode steps, the dtypes interleaved (bf16, int8, fp8, bf16, ...): decode tok/s per round, median
-  over --rounds.
+  over --rounds. With --llama-bench, each round also runs llama.cpp's llama-bench on the same file once per
+  --llama-kv cache type (`-ctk T -ctv T -fa 1 -d CONTEXT -n TOKENS -r 1`: its own prefill of the context, then
+  the decode steps; flash attention because llama.cpp's quantized V cache needs it).
 - room: from the file's config alone (engine/pool.py's kv_pool_size with a --kv-cache-memory budget), the most
   sequences of each context length that fit the budget, per cache dtype, and the bytes per token.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -97,38 +102,62 @@ def cmd_drift(a: argparse.Namespace) -> None:
             print(row, flush=True)
 
 
+def llama_bench(a: argparse.Namespace, context: int, kv: str) -> float:
+    """llama-bench's decode tok/s: --tokens steps (tg) after a --context-token prompt (-d), one repetition, its
+    K and V caches in `kv` (f16, q8_0), flash attention on (a quantized V cache needs it)."""
+    cmd = [a.llama_bench, "-m", str(a.model), "-p", "0", "-n", str(a.tokens), "-d", str(context), "-r", "1",
+           "-t", str(a.threads), "-ctk", kv, "-ctv", kv, "-fa", "1", "-o", "json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"llama-bench exited {done.returncode}: {done.stderr[-2000:]}")
+    (test,) = json.loads(done.stdout)
+    return float(test["avg_ts"])
+
+
 def cmd_speed(a: argparse.Namespace) -> None:
+    torch.set_num_threads(a.threads)
     model = gem4.load(a.model, dtype="bfloat16")
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, model.config.vocab_size, (a.context,), generator=gen)
-    caches, last = {}, {}
     kvs = a.kv
-    for kv in kvs:
-        t0 = time.perf_counter()
-        caches[kv] = model.new_cache(kv)
-        for start in range(0, a.context, a.chunk):
-            logits = model.extend(ids[start:start + a.chunk], caches[kv], prefill=True)
-        last[kv] = int(logits[-1].argmax())
-        print(f"prefill {a.context} tokens, {kv}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    rates: dict[str, list[float]] = {kv: [] for kv in kvs}
-    for r in range(a.rounds):
+    engines = [f"gem4 {kv}" for kv in kvs] + ([f"llama.cpp {kv}" for kv in a.llama_kv] if a.llama_bench else [])
+    tables = []
+    for context in a.context:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, model.config.vocab_size, (context,), generator=gen)
+        caches, last = {}, {}
         for kv in kvs:
-            tok = last[kv]
             t0 = time.perf_counter()
-            for _ in range(a.tokens):
-                tok = int(model.extend(torch.tensor([tok]), caches[kv])[-1].argmax())
-            rates[kv].append(a.tokens / (time.perf_counter() - t0))
-            last[kv] = tok
-            print(f"round {r} {kv}: {rates[kv][-1]:.2f} tok/s", file=sys.stderr, flush=True)
-    print(f"decode at context {a.context} (+{a.rounds * a.tokens}), {a.tokens} tokens a round, {a.rounds} rounds "
-          f"interleaved, {torch.get_num_threads()} threads\n")
-    print(f"| KV cache | decode tok/s, median | min - max | vs {kvs[0]} |")
-    print("|---|---|---|---|")
-    base = statistics.median(rates[kvs[0]])
-    for kv in kvs:
-        med = statistics.median(rates[kv])
-        print(f"| {kv} | {med:.2f} | {min(rates[kv]):.2f} - {max(rates[kv]):.2f} | "
-              f"{med / base:.3f} |")
+            caches[kv] = model.new_cache(kv)
+            for start in range(0, context, a.chunk):
+                logits = model.extend(ids[start:start + a.chunk], caches[kv], prefill=True)
+            last[kv] = int(logits[-1].argmax())
+            print(f"prefill {context} tokens, {kv}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        rates: dict[str, list[float]] = {e: [] for e in engines}
+        for r in range(a.rounds):
+            for kv in kvs:
+                tok = last[kv]
+                t0 = time.perf_counter()
+                for _ in range(a.tokens):
+                    tok = int(model.extend(torch.tensor([tok]), caches[kv])[-1].argmax())
+                rates[f"gem4 {kv}"].append(a.tokens / (time.perf_counter() - t0))
+                last[kv] = tok
+                print(f"context {context} round {r} gem4 {kv}: {rates[f'gem4 {kv}'][-1]:.2f} tok/s", file=sys.stderr,
+                      flush=True)
+            for kv in a.llama_kv if a.llama_bench else ():
+                rates[f"llama.cpp {kv}"].append(llama_bench(a, context, kv))
+                print(f"context {context} round {r} llama.cpp {kv}: {rates[f'llama.cpp {kv}'][-1]:.2f} tok/s",
+                      file=sys.stderr, flush=True)
+        del caches
+        tables.append((context, rates))
+    print(f"decode after a prompt of CONTEXT tokens, {a.tokens} tokens a round (gem4: rounds continue one "
+          f"sequence; llama.cpp: llama-bench -d CONTEXT -n {a.tokens} -fa 1, one run a round), {a.rounds} rounds "
+          f"interleaved, {a.threads} threads\n")
+    print("| context | engine, KV cache | decode tok/s, median | min - max | vs the engine's first |")
+    print("|---|---|---|---|---|")
+    for context, rates in tables:
+        for e in engines:
+            base = statistics.median(rates[next(x for x in engines if x.split()[0] == e.split()[0])])
+            med = statistics.median(rates[e])
+            print(f"| {context} | {e} | {med:.2f} | {min(rates[e]):.2f} - {max(rates[e]):.2f} | {med / base:.3f} |")
 
 
 def cmd_room(a: argparse.Namespace) -> None:
@@ -175,11 +204,14 @@ def main() -> None:
     d.set_defaults(func=cmd_drift)
     s = sub.add_parser("speed")
     s.add_argument("model")
-    s.add_argument("--context", type=int, default=8192)
+    s.add_argument("--context", type=int, nargs="+", default=[8192])
     s.add_argument("--chunk", type=int, default=256)
     s.add_argument("--tokens", type=int, default=16)
     s.add_argument("--rounds", type=int, default=3)
     s.add_argument("--kv", nargs="+", default=list(KV), choices=KV, help="the cache dtypes, the first the baseline")
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench: its caches side by side")
+    s.add_argument("--llama-kv", nargs="+", default=["f16", "q8_0"], help="llama-bench's -ctk/-ctv types")
     s.set_defaults(func=cmd_speed)
     r = sub.add_parser("room")
     r.add_argument("model")
