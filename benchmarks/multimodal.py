@@ -234,6 +234,7 @@ def summary(xs: list[float]) -> str:
 
 def cmd_encode(a: argparse.Namespace) -> None:
     from gem4.media.image import preprocess
+    from gem4.model.backends import choose
     from gem4.weights.checkpoint import open_checkpoint
     from gem4.weights.towers import bind_vision
 
@@ -247,7 +248,8 @@ def cmd_encode(a: argparse.Namespace) -> None:
         if not mmproj.exists():
             sys.exit(f"{mmproj} is missing: run `python benchmarks/multimodal.py make --type {a.type}` first")
         ckpt = open_checkpoint(a.text, mmproj)
-        tower = bind_vision(ckpt, getattr(torch, a.dtype))
+        dtype = getattr(torch, a.dtype)
+        tower = bind_vision(ckpt, dtype, "cpu", choose(dtype, "cpu"))     # the backend gem4.load chooses
         ckpt.close()
         cfg = tower.config
         items = {b: preprocess(image, b, patch_size=cfg.patch_size, pooling=cfg.pooling) for b in a.budgets}
@@ -291,10 +293,11 @@ def chirp(seconds: float, rate: int = 16000) -> np.ndarray:
 
 
 def cmd_audio(a: argparse.Namespace) -> None:
-    from safetensors.torch import load_file
-
     from gem4.media import audio as front_end
     from gem4.model.audio import encode_audio
+    from gem4.model.backends import choose
+    from gem4.weights.audio import bind_audio
+    from gem4.weights.checkpoint import open_checkpoint
 
     torch.set_num_threads(a.threads)
     clip = chirp(a.seconds)
@@ -305,16 +308,13 @@ def cmd_audio(a: argparse.Namespace) -> None:
         w.setframerate(front_end.SAMPLE_RATE)
         w.writeframes((np.clip(clip, -1, 1) * 32767).astype("<i2").tobytes())
     clip = (np.frombuffer(path.read_bytes()[44:], "<i2") / 32768).astype(np.float32)       # what llama.cpp reads
-    module, _ = audio_module()
-    state = {k.removeprefix("model."): v for k, v in load_file(str(OUT / "mm-e2b-hf" / "model.safetensors")).items()
-             if k.startswith(("model.audio_tower.", "model.embed_audio."))}
-    dtype = getattr(torch, a.dtype)
-    module.load_state_dict({k: v.to(torch.float32 if v.ndim <= 1 else dtype) for k, v in state.items()},
-                           strict=True, assign=True)
-    model = module.eval()
     mmproj = OUT / f"mmproj-e2b-audio-{a.type}.gguf"
-    if not a.no_llama and not mmproj.exists():
+    if not mmproj.exists():
         sys.exit(f"{mmproj} is missing: run `make` with --llama-cpp-src (or $GEM4_LLAMA_CPP) set, which writes it")
+    dtype = getattr(torch, a.dtype)
+    ckpt = open_checkpoint(a.text, mmproj)                    # both engines read llama.cpp's file
+    model = bind_audio(ckpt, dtype, "cpu", choose(dtype, "cpu"))    # the backend gem4.load chooses
+    ckpt.close()
 
     def encode():                                             # what the engine's runner calls for a clip
         with torch.no_grad():

@@ -43,11 +43,14 @@ class ClippedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.clipped:
             return self.linear(x, TOWER_PREFILL)
-        x = torch.clamp(x, self.input_min.float(), self.input_max.float())
-        return torch.clamp(self.linear(x, TOWER_PREFILL), self.output_min.float(), self.output_max.float())
+        # the bounds as Python numbers: clamp by 0-d tensors takes torch's broadcasting kernel, ~10x slower here
+        x = x.clamp(self.input_min.item(), self.input_max.item())
+        return self.linear(x, TOWER_PREFILL).clamp(self.output_min.item(), self.output_max.item())
 
 
 class VisionAttention(nn.Module):
+    dtype = torch.float32      # the matmuls' inputs (the model's weight dtype, set by VisionModel): bf16 halves SDPA
+
     def __init__(self, config: VisionConfig):
         super().__init__()
         D, d, clip = config.hidden_size, config.head_dim, config.clipped_linears
@@ -69,8 +72,8 @@ class VisionAttention(nn.Module):
         if g > 1:
             k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
         # every patch sees every patch; SDPA's flash-attention CPU kernel never holds the [n, n] scores of a 10080-patch image
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             scale=1.0)                           # [B, nh, n, d]
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2).to(self.dtype) for t in (q, k, v)),
+                                             scale=1.0).float()                   # [B, nh, n, d]
         return self.o_proj(out.transpose(1, 2).reshape(B, n, c.num_heads * c.head_dim))
 
 
@@ -179,6 +182,8 @@ class VisionModel(nn.Module):
         self.dtype = dtype
         self.vision_tower = VisionTower(config)
         self.embed_vision = VisionEmbedder(config.hidden_size, config.text_hidden_size, config.rms_norm_eps)
+        for layer in self.vision_tower.encoder.layers:
+            layer.self_attn.dtype = dtype                 # attention's matmul inputs in the weights' dtype
 
     @torch.no_grad()
     def encode(self, patches, positions, grid: tuple[int, int]) -> torch.Tensor:
