@@ -5,14 +5,8 @@ logits the HF checkpoint gives. Where llama.cpp's own converter is at hand (GEM4
 its 12B mmproj holds the same tensors, types, bytes and keys as gem4's and loads to the same embedder."""
 from __future__ import annotations
 
-import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,17 +21,14 @@ from gem4.model.audio import encode_audio
 from gem4.model.gemma4 import MediaItem
 from gem4.weights import mmproj
 from gem4.weights.checkpoint import CheckpointError
-from gem4.weights.mmproj import AUDIO_TOKENS_12B, IMAGE_TOKENS, VIDEO_TOKEN
-from test_mmproj import rewrite
+from gem4.weights.mmproj import AUDIO_TOKENS, IMAGE_TOKENS, VIDEO_TOKEN
+from test_mmproj import llama_cpp_mmproj, needs_llama_cpp, rewrite
 from text_fixtures import tiny_vocab, write_hf_dir
 from unified_fixtures import build_unified_hf, clip
 from vision_fixtures import TOKEN_IDS, sample_image
 
 EXACT = 1e-6          # float32 both ways: the same values, the same operations
 BUDGET = 70
-LLAMA_CPP = os.environ.get("GEM4_LLAMA_CPP")
-needs_llama_cpp = pytest.mark.skipif(not LLAMA_CPP, reason="GEM4_LLAMA_CPP (llama.cpp's source, with its converter) "
-                                                           "is not set; .ci/run sets it")
 # every key llama.cpp's converter writes but general.name and general.size_label (its own naming heuristics)
 KEYS = ("general.architecture", "general.type", "general.file_type", "clip.has_vision_encoder",
         "clip.vision.projection_dim", "clip.vision.image_size", "clip.vision.patch_size",
@@ -57,7 +48,7 @@ class Pair:
         self.dir = root / "unified"
         self.hf.save_pretrained(self.dir)
         tokens, types, merges = tiny_vocab()           # the media tokens named as Gemma 4 names them
-        for field, text in [*IMAGE_TOKENS.items(), ("video_token_id", VIDEO_TOKEN), *AUDIO_TOKENS_12B.items()]:
+        for field, text in [*IMAGE_TOKENS.items(), ("video_token_id", VIDEO_TOKEN), *AUDIO_TOKENS.items()]:
             tokens[TOKEN_IDS[field]], types[TOKEN_IDS[field]] = text, 3
         present = set(tokens)                           # (the audio ids displace pieces some merges make)
         merges = [m for m in merges if m.replace(" ", "", 1) in present and set(m.split(" ", 1)) <= present]
@@ -153,21 +144,6 @@ def test_a_12b_mmproj_without_its_audio_gives_the_embedder(pair, tmp_path):
     assert model.audio is None
     image = model.vision.encode(pair.image.patches, pair.image.positions, pair.image.grid)
     assert float((image - pair.want[0]).abs().max()) <= EXACT
-
-
-def llama_cpp_mmproj(pair: Pair, tmp_path: Path, outtype: str) -> Path:
-    """llama.cpp's `convert_hf_to_gguf.py --mmproj` on the 12B checkpoint (it wants image_mean/std from a processor
-    config)."""
-    src = tmp_path / "hf"
-    shutil.copytree(pair.dir, src)
-    (src / "processor_config.json").write_text(json.dumps(
-        {"image_processor": {"image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0]}}))
-    out = tmp_path / f"lc-mmproj-{outtype}.gguf"
-    env = dict(os.environ, PYTHONPATH=str(Path(LLAMA_CPP) / "gguf-py"), PYTHONDONTWRITEBYTECODE="1")
-    done = subprocess.run([sys.executable, str(Path(LLAMA_CPP) / "convert_hf_to_gguf.py"), str(src), "--mmproj",
-                           "--outtype", outtype, "--outfile", str(out)], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
 
 
 @needs_llama_cpp

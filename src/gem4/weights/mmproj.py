@@ -479,7 +479,6 @@ def _vocab_id(text: Checkpoint, token: str, where: str) -> int:
 
 UNIFIED_PROJECTOR = "gemma4uv"
 UNIFIED_AUDIO_PROJECTOR = "gemma4ua"
-AUDIO_TOKENS_12B = {"audio_token_id": "<|audio|>", "boa_token_id": "<|audio>", "eoa_token_id": "<audio|>"}
 _U_NAMES = {"vision_embedder.patch_dense.weight": "v.patch_embd.weight",
             "vision_embedder.patch_dense.bias": "v.patch_embd.bias",
             "vision_embedder.patch_ln1.weight": "v.patch_norm.1.weight",
@@ -569,7 +568,7 @@ def _read_unified(reader: GGUFReader, where: str, text: Checkpoint
             configs["audio"] = audio = build_frame_audio_config(
                 _get(reader, "clip.audio.embedding_length", where),
                 _get(reader, "clip.audio.attention.layer_norm_epsilon", where, float), width,
-                **{field: _vocab_id(text, token, where) for field, token in AUDIO_TOKENS_12B.items()})
+                **{field: _vocab_id(text, token, where) for field, token in AUDIO_TOKENS.items()})
         except ConfigError as e:
             raise CheckpointError(f"{where}: {e}" + (f" ({e.field})" if e.field else "")) from None
         expected[_U_AUDIO[0]] = (width, audio.samples_per_token)
