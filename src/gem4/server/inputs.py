@@ -404,7 +404,8 @@ async def chat_media(engine: EngineLike, req: P.ChatCompletionRequest | P.Tokeni
     itself), decoded and preprocessed in the thread pool;
     400 naming the part (`messages[i].content[j]`) when one cannot be used (a URL not allowed, a fetch that fails,
     times out or passes --max-media-bytes; undecodable, too long, too short, too wide), the model has no tower
-    for it or the request carries more parts of its kind than --limit-mm-per-prompt allows (checked first). A fetch in progress stops when the client disconnects (`request`) or the handler is cancelled."""
+    for it or the request carries more parts of its kind than --limit-mm-per-prompt allows (checked first). A fetch
+    in progress stops when the client disconnects (`request`) or the handler is cancelled."""
     where = [(i, j, part) for i, m in enumerate(req.messages) if isinstance(m.content, list)
              for j, part in enumerate(m.content) if part["type"] in ("image", "audio", "video")]
     if not where:
