@@ -1,7 +1,9 @@
 """Towers batched across requests (docs/multimodal.md §5.4): images and video frames of one patch grid go through the
 vision tower in one pass, audio clips of one length through the audio tower in one (engine/runner.py encode_all;
 model/vision.py VisionModel.encode, model/audio.py AudioModel), whichever request they belong to, and each gets the
-very floats it gets alone -- on the float32 reference path and on the CPU backend, whose prefill GEMM is row-invariant (the towers' linears take it: layers.TOWER_PREFILL) -- so batching changes no token."""
+very floats it gets alone -- on the float32 reference path and on the CPU backend, whose prefill GEMM is row-invariant
+(the towers' linears take it: layers.TOWER_PREFILL) -- so batching changes no token. The prefix cache's media are
+not encoded again."""
 from __future__ import annotations
 
 import threading
