@@ -358,18 +358,23 @@ class VisionConfig:
         return tuple((1.0 / (self.rope_theta ** exponent)).tolist())
 
 
-def build_vision_config(**fields) -> VisionConfig:
-    """Check a vision tower's facts for sense (field: the VisionConfig field at fault) and freeze them."""
-    config = VisionConfig(**fields)
-    for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                 "patch_size", "pooling", "position_embedding_size", "text_hidden_size", "image_token_id",
-                 "boi_token_id", "eoi_token_id", "video_token_id"):
+def _check_vision_ints(config: VisionConfig | UnifiedVisionConfig, sizes: tuple[str, ...]) -> None:
+    """The sizes (>= 1), the text width and the image token ids (>= 0; video_token_id may be None) of either
+    vision config are integers."""
+    for name in (*sizes, "text_hidden_size", "image_token_id", "boi_token_id", "eoi_token_id", "video_token_id"):
         v = getattr(config, name)
         if name == "video_token_id" and v is None:
             continue
         least = 0 if name.endswith("token_id") else 1
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ConfigError(f"vision {name} must be an integer >= {least}, got {v!r}", name)
+
+
+def build_vision_config(**fields) -> VisionConfig:
+    """Check a vision tower's facts for sense (field: the VisionConfig field at fault) and freeze them."""
+    config = VisionConfig(**fields)
+    _check_vision_ints(config, ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                                "head_dim", "patch_size", "pooling", "position_embedding_size"))
     if config.head_dim % 4:
         raise ConfigError(f"vision head_dim {config.head_dim} must be a multiple of 4 (x and y each rotate half of "
                           f"it in pairs)", "head_dim")
@@ -421,14 +426,7 @@ class UnifiedVisionConfig:
 def build_unified_vision_config(**fields) -> UnifiedVisionConfig:
     """Check the 12B embedder's facts for sense (field: the UnifiedVisionConfig field at fault) and freeze them."""
     config = UnifiedVisionConfig(**fields)
-    for name in ("patch_size", "embed_dim", "position_embedding_size", "text_hidden_size", "image_token_id",
-                 "boi_token_id", "eoi_token_id", "video_token_id"):
-        v = getattr(config, name)
-        if name == "video_token_id" and v is None:
-            continue
-        least = 0 if name.endswith("token_id") else 1
-        if not isinstance(v, int) or isinstance(v, bool) or v < least:
-            raise ConfigError(f"vision {name} must be an integer >= {least}, got {v!r}", name)
+    _check_vision_ints(config, ("patch_size", "embed_dim", "position_embedding_size"))
     eps = config.rms_norm_eps
     if not (isinstance(eps, float) and math.isfinite(eps) and 0 < eps <= MAX_RMS_NORM_EPS):
         raise ConfigError(f"vision rms_norm_eps must be a float in (0, {MAX_RMS_NORM_EPS:g}], got {eps!r}", "rms_norm_eps")

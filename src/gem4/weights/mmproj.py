@@ -129,6 +129,14 @@ def _entry(reader: GGUFReader, name: str, canonical: str, shape: tuple[int, ...]
     return base
 
 
+def _refuse_unexpected(where: str, names: set[str]) -> None:
+    """A tensor the file's keys do not imply is refused by name (the first, and how many more)."""
+    unexpected = sorted(names)
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
+                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+
+
 def _get(reader: GGUFReader, key: str, where: str, kind=int):
     if key not in reader.metadata:
         raise CheckpointError(f"{where}: missing required metadata key {key!r}")
@@ -244,10 +252,7 @@ def _read(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[str, T
                                   f"{stored}")
         entries[canonical] = _entry(reader, name, canonical, want)
         known.add(name)
-    unexpected = sorted(set(shape) - known)
-    if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
-                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    _refuse_unexpected(where, set(shape) - known)
     return entries, vision
 
 
@@ -458,10 +463,7 @@ def _read_audio(reader: GGUFReader, where: str, text: Checkpoint) -> tuple[dict[
                                dense=lambda b=base, s=want: b.dense().reshape(s), release=base.release)
         entries[canonical] = base
         known.add(name)
-    unexpected = sorted(set(shape) - known)
-    if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
-                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    _refuse_unexpected(where, set(shape) - known)
     return entries, audio
 
 
@@ -582,10 +584,7 @@ def _read_unified(reader: GGUFReader, where: str, text: Checkpoint
             raise CheckpointError(f"{where}: tensor {name!r} has shape {shape[name]}, the clip.* keys need {stored}")
         entries[canonical] = _u_entry(reader, name, canonical, want, vision.patch_size)
         known.add(name)
-    unexpected = sorted(set(shape) - known)
-    if unexpected:
-        raise CheckpointError(f"{where}: unexpected tensor {unexpected[0]!r}"
-                              + (f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
+    _refuse_unexpected(where, set(shape) - known)
     return entries, configs
 
 
